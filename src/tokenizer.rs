@@ -1,0 +1,1 @@
+//! Text <-> token ids, and streaming text out. (Interface placeholder: being written.)
