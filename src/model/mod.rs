@@ -1,0 +1,123 @@
+//! The forward pass: the `LanguageModel` trait the generation loop drives, and loading a real one.
+//!
+//! A model owns its KV caches. The loop asks for a sequence slot, then calls `forward` once per
+//! pass with a batch of steps; each step appends tokens to one sequence at its own position.
+//! One call of `forward` is one forward pass, whatever the batch holds.
+
+pub mod llama;
+
+use candle_core::Tensor;
+
+/// Handle of one sequence's KV cache inside a model.
+pub type SeqId = usize;
+
+/// One sequence's share of a forward pass: `tokens` are appended at positions `pos..pos+len`.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqStep<'a> {
+    pub seq: SeqId,
+    pub tokens: &'a [u32],
+    pub pos: usize,
+}
+
+/// What the rest of the program needs to know about a loaded model.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    /// Architecture family, e.g. `llama`.
+    pub arch: String,
+    /// Human name from the file (`general.name`), or the file name.
+    pub name: String,
+    /// Longest sequence (prompt plus reply) the model was trained for.
+    pub context_len: usize,
+    /// Rows of the output layer.
+    pub vocab_size: usize,
+}
+
+pub trait LanguageModel {
+    fn info(&self) -> &ModelInfo;
+
+    /// Reserve a KV cache for a sequence that will hold at most `capacity` tokens.
+    fn new_sequence(&mut self, capacity: usize) -> anyhow::Result<SeqId>;
+
+    /// Return a sequence's KV cache to the model.
+    fn free_sequence(&mut self, seq: SeqId);
+
+    /// One forward pass. Returns the logits of each step's last token: (batch, vocab), f32.
+    fn forward(&mut self, batch: &[SeqStep<'_>]) -> anyhow::Result<Tensor>;
+}
+
+/// A model file, loaded: the network, its tokenizer and its chat template.
+pub struct Loaded {
+    pub model: Box<dyn LanguageModel>,
+    pub tokenizer: crate::tokenizer::Tokenizer,
+    pub chat_template: Option<crate::chat::ChatTemplate>,
+    /// Whether the model expects a BOS token before a raw prompt.
+    pub add_bos: bool,
+}
+
+/// Families gen can run, by GGUF `general.architecture`.
+pub const SUPPORTED_ARCHS: &[&str] = &["llama"];
+
+/// Load a GGUF file onto `device`, with its own tokenizer or the given tokenizer.json.
+pub fn load_gguf(
+    path: &std::path::Path,
+    device: &candle_core::Device,
+    tokenizer_json: Option<&std::path::Path>,
+) -> anyhow::Result<Loaded> {
+    use anyhow::Context;
+    use candle_core::quantized::gguf_file;
+
+    let shown = path.display();
+    let mut file =
+        std::fs::File::open(path).with_context(|| format!("cannot open model file {shown}"))?;
+    let content = gguf_file::Content::read(&mut file)
+        .map_err(|e| anyhow::anyhow!("{shown} is not a readable GGUF file: {e}"))?;
+    let md = &content.metadata;
+    let arch = md
+        .get("general.architecture")
+        .and_then(|v| v.to_string().ok())
+        .cloned()
+        .with_context(|| format!("{shown}: metadata has no general.architecture"))?;
+    let name = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| arch.clone());
+    let model: Box<dyn LanguageModel> = match arch.as_str() {
+        "llama" => Box::new(
+            llama::Llama::from_gguf(&content, &mut file, name, device)
+                .with_context(|| format!("loading {shown}"))?,
+        ),
+        other => anyhow::bail!(
+            "{shown}: architecture {other:?} is not supported (supported: {})",
+            SUPPORTED_ARCHS.join(", ")
+        ),
+    };
+    let tokenizer = match tokenizer_json {
+        Some(p) => crate::tokenizer::Tokenizer::from_file(p)?,
+        None => crate::tokenizer::Tokenizer::from_gguf_metadata(md)
+            .with_context(|| format!("{shown}: building the tokenizer from its metadata"))?,
+    };
+    let add_bos = md
+        .get("tokenizer.ggml.add_bos_token")
+        .and_then(|v| v.to_bool().ok())
+        .unwrap_or(false);
+    let token_text = |id: Option<u32>| {
+        id.and_then(|id| tokenizer.token_text(id))
+            .unwrap_or_default()
+    };
+    let chat_template = md
+        .get("tokenizer.chat_template")
+        .and_then(|v| v.to_string().ok())
+        .map(|src| {
+            crate::chat::ChatTemplate::new(
+                src.clone(),
+                token_text(tokenizer.bos_id()),
+                token_text(tokenizer.eos_ids().first().copied()),
+            )
+        });
+    Ok(Loaded {
+        model,
+        tokenizer,
+        chat_template,
+        add_bos,
+    })
+}

@@ -1,0 +1,343 @@
+//! Sampling: turning a row of logits into the next token id.
+//!
+//! `SamplingParams` is plain data (what the user asked for); `Sampler` holds the random state.
+//! Order of the filters follows llama.cpp's default chain: repetition penalty, top-k, then
+//! temperature, top-p, min-p, and a draw. Temperature 0 is greedy (argmax), done on the
+//! model's device so only one id crosses to the host.
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Tensor};
+
+/// What the user asked for. Validated by `SamplingParams::validate`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f64,
+    /// 0 means no top-k cut.
+    pub top_k: usize,
+    /// In (0, 1]; 1 means no nucleus cut.
+    pub top_p: f64,
+    /// In [0, 1); 0 means no min-p cut.
+    pub min_p: f64,
+    /// 1.0 means off.
+    pub repeat_penalty: f32,
+    /// How many of the most recent tokens the penalty looks at.
+    pub repeat_last_n: usize,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn validate(&self) -> Result<()> {
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            bail!(
+                "--temperature must be 0 (greedy) or positive, got {}",
+                self.temperature
+            );
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            bail!("--top-p must be in (0, 1], got {}", self.top_p);
+        }
+        if !(0.0..1.0).contains(&self.min_p) {
+            bail!("--min-p must be in [0, 1), got {}", self.min_p);
+        }
+        if !self.repeat_penalty.is_finite() || self.repeat_penalty <= 0.0 {
+            bail!(
+                "--repeat-penalty must be positive, got {}",
+                self.repeat_penalty
+            );
+        }
+        Ok(())
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+}
+
+pub struct Sampler {
+    params: SamplingParams,
+    rng: SplitMix64,
+    // Reused between calls so a decode step allocates nothing here.
+    candidates: Vec<(u32, f32)>,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Self {
+        Self {
+            rng: SplitMix64(params.seed),
+            params,
+            candidates: Vec::new(),
+        }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Pick the next token from `logits` (vocab,) or (1, vocab); `history` is the sequence so far
+    /// (prompt and reply), which the repetition penalty looks at.
+    pub fn sample(&mut self, logits: &Tensor, history: &[u32]) -> Result<u32> {
+        let logits = logits.flatten_all()?;
+        let penalised = self.params.repeat_penalty != 1.0 && self.params.repeat_last_n > 0;
+        if self.params.is_greedy() && !penalised {
+            return Ok(logits.argmax(0)?.to_dtype(DType::U32)?.to_scalar::<u32>()?);
+        }
+        let mut row = logits.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        self.sample_host(&mut row, history)
+    }
+
+    fn sample_host(&mut self, row: &mut [f32], history: &[u32]) -> Result<u32> {
+        if row.is_empty() {
+            bail!("the model returned no logits");
+        }
+        let p = &self.params;
+        if p.repeat_penalty != 1.0 {
+            let start = history.len().saturating_sub(p.repeat_last_n);
+            let mut seen = history[start..].to_vec();
+            seen.sort_unstable();
+            seen.dedup();
+            for &id in &seen {
+                if let Some(l) = row.get_mut(id as usize) {
+                    // As in llama.cpp and the CTRL paper: shrink a positive logit, grow a negative one.
+                    *l = if *l > 0.0 {
+                        *l / p.repeat_penalty
+                    } else {
+                        *l * p.repeat_penalty
+                    };
+                }
+            }
+        }
+        if p.is_greedy() {
+            return Ok(argmax(row));
+        }
+        let c = &mut self.candidates;
+        c.clear();
+        c.extend(
+            row.iter()
+                .enumerate()
+                .filter(|(_, l)| !l.is_nan())
+                .map(|(i, &l)| (i as u32, l)),
+        );
+        if c.is_empty() {
+            bail!("every logit is NaN: the model's output is broken");
+        }
+        // Sort by logit, highest first; ties by id so results never depend on sort stability.
+        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if p.top_k > 0 && p.top_k < c.len() {
+            c.select_nth_unstable_by(p.top_k - 1, by_logit);
+            c.truncate(p.top_k);
+        }
+        c.sort_unstable_by(by_logit);
+        // Softmax with temperature, in place: logits become probabilities.
+        let max = c[0].1;
+        let inv_t = 1.0 / p.temperature as f32;
+        let mut sum = 0f32;
+        for e in c.iter_mut() {
+            e.1 = ((e.1 - max) * inv_t).exp();
+            sum += e.1;
+        }
+        for e in c.iter_mut() {
+            e.1 /= sum;
+        }
+        if p.top_p < 1.0 {
+            let mut acc = 0f32;
+            let mut keep = c.len();
+            for (i, e) in c.iter().enumerate() {
+                acc += e.1;
+                if acc >= p.top_p as f32 {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            c.truncate(keep);
+        }
+        if p.min_p > 0.0 {
+            let floor = c[0].1 * p.min_p as f32;
+            let keep = c.iter().take_while(|e| e.1 >= floor).count().max(1);
+            c.truncate(keep);
+        }
+        let total: f32 = c.iter().map(|e| e.1).sum();
+        let mut r = self.rng.next_f32() * total;
+        for e in c.iter() {
+            r -= e.1;
+            if r <= 0.0 {
+                return Ok(e.0);
+            }
+        }
+        Ok(c[c.len() - 1].0)
+    }
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in row.iter().enumerate() {
+        if *v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// A small, fast, seedable generator (Steele, Lea and Flood's SplitMix64): the same seed gives
+/// the same stream on every platform, which is all reproducible sampling needs.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    fn next_f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn logits(v: &[f32]) -> Tensor {
+        Tensor::new(v, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn greedy_picks_the_largest() {
+        let mut s = Sampler::new(SamplingParams::default());
+        assert_eq!(s.sample(&logits(&[0.1, 3.0, -1.0, 2.9]), &[]).unwrap(), 1);
+    }
+
+    #[test]
+    fn repeat_penalty_can_change_the_greedy_choice() {
+        let p = SamplingParams {
+            repeat_penalty: 2.0,
+            ..Default::default()
+        };
+        let mut s = Sampler::new(p);
+        // Token 1 (3.0) was just said: it drops to 1.5, below token 3's 2.9.
+        assert_eq!(s.sample(&logits(&[0.1, 3.0, -1.0, 2.9]), &[1]).unwrap(), 3);
+        // Outside the window it is not penalised.
+        let p = SamplingParams {
+            repeat_penalty: 2.0,
+            repeat_last_n: 1,
+            ..Default::default()
+        };
+        let mut s = Sampler::new(p);
+        assert_eq!(
+            s.sample(&logits(&[0.1, 3.0, -1.0, 2.9]), &[1, 0]).unwrap(),
+            1
+        );
+    }
+
+    #[test]
+    fn same_seed_same_draws_and_top_k_one_is_greedy() {
+        let p = SamplingParams {
+            temperature: 1.0,
+            seed: 42,
+            ..Default::default()
+        };
+        let row: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
+        let draw = |p: &SamplingParams| {
+            let mut s = Sampler::new(p.clone());
+            (0..20)
+                .map(|_| s.sample(&logits(&row), &[]).unwrap())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(draw(&p), draw(&p));
+        let other = SamplingParams {
+            seed: 43,
+            ..p.clone()
+        };
+        assert_ne!(draw(&p), draw(&other));
+        let k1 = SamplingParams { top_k: 1, ..p };
+        let best = argmax(&row);
+        assert!(draw(&k1).iter().all(|&t| t == best));
+    }
+
+    #[test]
+    fn top_p_and_min_p_cut_the_tail() {
+        // Probabilities at T=1 are about [0.844, 0.114, 0.042]: top-p 0.5 keeps only the first.
+        let row = [3.0f32, 1.0, 0.0];
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.5,
+            seed: 7,
+            ..Default::default()
+        };
+        let mut s = Sampler::new(p);
+        assert!((0..200).all(|_| s.sample(&logits(&row), &[]).unwrap() == 0));
+        let p = SamplingParams {
+            temperature: 1.0,
+            min_p: 0.2,
+            seed: 7,
+            ..Default::default()
+        };
+        let mut s = Sampler::new(p);
+        assert!((0..200).all(|_| s.sample(&logits(&row), &[]).unwrap() == 0));
+        // Without cuts all three appear.
+        let p = SamplingParams {
+            temperature: 1.0,
+            seed: 7,
+            ..Default::default()
+        };
+        let mut s = Sampler::new(p);
+        let mut seen = [false; 3];
+        for _ in 0..2000 {
+            seen[s.sample(&logits(&row), &[]).unwrap() as usize] = true;
+        }
+        assert_eq!(seen, [true, true, true]);
+    }
+
+    #[test]
+    fn validation_rejects_bad_values() {
+        let bad = [
+            SamplingParams {
+                temperature: -0.1,
+                ..Default::default()
+            },
+            SamplingParams {
+                top_p: 0.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                top_p: 1.5,
+                ..Default::default()
+            },
+            SamplingParams {
+                min_p: 1.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                repeat_penalty: 0.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                temperature: f64::NAN,
+                ..Default::default()
+            },
+        ];
+        for p in bad {
+            assert!(p.validate().is_err(), "{p:?}");
+        }
+        assert!(SamplingParams::default().validate().is_ok());
+    }
+}

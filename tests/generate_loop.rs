@@ -1,0 +1,233 @@
+//! The generation loop with a test model standing in for a real one: pass accounting, stop
+//! reasons, and the positions the loop feeds the model.
+
+use anyhow::Result;
+use candle_core::{Device, Tensor};
+use gen::generate::{generate, Flow, Limits, StopReason, TokenSink};
+use gen::model::{LanguageModel, ModelInfo, SeqId, SeqStep};
+use gen::sampler::{Sampler, SamplingParams};
+
+const VOCAB: usize = 64;
+const EOS: u32 = 0;
+
+/// Predicts `len + 1` while the sequence is shorter than `eos_at`, then EOS (0).
+struct Counting {
+    info: ModelInfo,
+    eos_at: usize,
+    lens: Vec<Option<usize>>,
+    steps: Vec<(usize, usize)>, // (pos, tokens) of every step it was given
+}
+
+impl Counting {
+    fn new(eos_at: usize, context_len: usize) -> Self {
+        let info = ModelInfo {
+            arch: "test".into(),
+            name: "counting".into(),
+            context_len,
+            vocab_size: VOCAB,
+        };
+        Self {
+            info,
+            eos_at,
+            lens: Vec::new(),
+            steps: Vec::new(),
+        }
+    }
+}
+
+impl LanguageModel for Counting {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+    fn new_sequence(&mut self, _capacity: usize) -> Result<SeqId> {
+        self.lens.push(Some(0));
+        Ok(self.lens.len() - 1)
+    }
+    fn free_sequence(&mut self, seq: SeqId) {
+        self.lens[seq] = None;
+    }
+    fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<Tensor> {
+        let mut rows = Vec::new();
+        for step in batch {
+            let len = self.lens[step.seq].as_mut().expect("live sequence");
+            assert_eq!(*len, step.pos, "the loop fed a token at the wrong position");
+            *len += step.tokens.len();
+            self.steps.push((step.pos, step.tokens.len()));
+            let next = if *len < self.eos_at {
+                *len + 1
+            } else {
+                EOS as usize
+            };
+            let mut row = vec![0f32; VOCAB];
+            row[next % VOCAB] = 1.0;
+            rows.extend(row);
+        }
+        Ok(Tensor::from_vec(rows, (batch.len(), VOCAB), &Device::Cpu)?)
+    }
+}
+
+#[derive(Default)]
+struct Collect {
+    seen: Vec<u32>,
+    stop_after: Option<usize>,
+    cancel_after: Option<usize>,
+}
+
+impl TokenSink for Collect {
+    fn on_token(&mut self, id: u32) -> Result<Flow> {
+        self.seen.push(id);
+        Ok(match self.stop_after {
+            Some(n) if self.seen.len() >= n => Flow::Stop(StopReason::Stop),
+            _ => Flow::Continue,
+        })
+    }
+    fn cancelled(&self) -> Option<StopReason> {
+        match self.cancel_after {
+            Some(n) if self.seen.len() >= n => Some(StopReason::Interrupted),
+            _ => None,
+        }
+    }
+}
+
+fn run(
+    model: &mut Counting,
+    prompt: &[u32],
+    max_new: usize,
+    sink: &mut Collect,
+) -> gen::generate::Generation {
+    let mut sampler = Sampler::new(SamplingParams::default());
+    let limits = Limits {
+        max_new,
+        context_len: model.info.context_len,
+    };
+    generate(model, prompt, &mut sampler, &[EOS], &limits, sink).unwrap()
+}
+
+#[test]
+fn worked_example_from_the_issue() {
+    let mut model = Counting::new(8, 64);
+    let mut sink = Collect::default();
+    let g = run(&mut model, &[1, 2, 3], 20, &mut sink);
+    assert_eq!(g.tokens, vec![4, 5, 6, 7, 8]);
+    assert_eq!(
+        sink.seen,
+        vec![4, 5, 6, 7, 8],
+        "EOS is neither printed nor kept"
+    );
+    assert_eq!(g.forward_passes, 6);
+    assert_eq!(g.stop, StopReason::Eos);
+    // One prefill pass of 3 tokens, then one pass per token at consecutive positions.
+    assert_eq!(
+        model.steps,
+        vec![(0, 3), (3, 1), (4, 1), (5, 1), (6, 1), (7, 1)]
+    );
+    assert!(
+        model.lens.iter().all(|l| l.is_none()),
+        "the sequence's cache is returned"
+    );
+}
+
+#[test]
+fn a_reply_stopped_by_max_new_costs_n_passes() {
+    for n in 1..=4 {
+        let mut model = Counting::new(1000, 64);
+        let g = run(&mut model, &[1, 2, 3], n, &mut Collect::default());
+        assert_eq!(g.tokens.len(), n);
+        assert_eq!(g.forward_passes, n);
+        assert_eq!(g.stop, StopReason::MaxNew);
+    }
+}
+
+#[test]
+fn a_reply_ending_at_eos_costs_n_plus_one_passes_and_prompt_length_does_not_matter() {
+    for prompt_len in [1usize, 5, 30] {
+        let prompt: Vec<u32> = (1..=prompt_len as u32).collect();
+        let mut model = Counting::new(prompt_len + 4, 64);
+        let g = run(&mut model, &prompt, 100, &mut Collect::default());
+        assert_eq!(g.tokens.len(), 4);
+        assert_eq!(g.forward_passes, 5);
+        assert_eq!(g.stop, StopReason::Eos);
+    }
+}
+
+#[test]
+fn eos_as_first_token_gives_an_empty_reply_in_one_pass() {
+    let mut model = Counting::new(3, 64);
+    let g = run(&mut model, &[1, 2, 3], 10, &mut Collect::default());
+    assert!(g.tokens.is_empty());
+    assert_eq!(g.forward_passes, 1);
+    assert_eq!(g.stop, StopReason::Eos);
+}
+
+#[test]
+fn a_full_context_window_stops_generation() {
+    // Window of 6: prompt 3 plus reply 3; the reply's last token is never fed back.
+    let mut model = Counting::new(1000, 6);
+    let g = run(&mut model, &[1, 2, 3], 100, &mut Collect::default());
+    assert_eq!(g.stop, StopReason::ContextFull);
+    assert_eq!(g.tokens, vec![4, 5, 6]);
+    assert_eq!(g.forward_passes, 3);
+    assert_eq!(model.steps.last(), Some(&(4, 1)));
+}
+
+#[test]
+fn the_sink_can_stop_and_cancel() {
+    let mut model = Counting::new(1000, 64);
+    let mut sink = Collect {
+        stop_after: Some(2),
+        ..Default::default()
+    };
+    let g = run(&mut model, &[1], 100, &mut sink);
+    assert_eq!(
+        (g.stop, g.tokens.len(), g.forward_passes),
+        (StopReason::Stop, 2, 2)
+    );
+
+    let mut model = Counting::new(1000, 64);
+    let mut sink = Collect {
+        cancel_after: Some(3),
+        ..Default::default()
+    };
+    let g = run(&mut model, &[1], 100, &mut sink);
+    assert_eq!(
+        (g.stop, g.tokens.len(), g.forward_passes),
+        (StopReason::Interrupted, 3, 3)
+    );
+
+    let mut model = Counting::new(1000, 64);
+    let mut sink = Collect {
+        cancel_after: Some(0),
+        ..Default::default()
+    };
+    let g = run(&mut model, &[1], 100, &mut sink);
+    assert_eq!(
+        (g.stop, g.tokens.len(), g.forward_passes),
+        (StopReason::Interrupted, 0, 0)
+    );
+}
+
+#[test]
+fn bad_requests_are_errors_not_panics() {
+    let mut sampler = Sampler::new(SamplingParams::default());
+    let mut model = Counting::new(8, 4);
+    let mut sink = Collect::default();
+    let limits = Limits {
+        max_new: 5,
+        context_len: 4,
+    };
+    assert!(generate(&mut model, &[], &mut sampler, &[EOS], &limits, &mut sink).is_err());
+    assert!(generate(
+        &mut model,
+        &[1, 2, 3, 4],
+        &mut sampler,
+        &[EOS],
+        &limits,
+        &mut sink
+    )
+    .is_err());
+    let zero = Limits {
+        max_new: 0,
+        context_len: 4,
+    };
+    assert!(generate(&mut model, &[1], &mut sampler, &[EOS], &zero, &mut sink).is_err());
+}
