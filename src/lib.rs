@@ -1,8 +1,17 @@
 //! gen: a command-line text generator for local language models.
 //!
 //! Reading order: `source` (where the model files are) -> `model` (loading, the forward pass)
-//! -> `tokenizer` (text <-> ids, streaming text out) -> `sampler` -> `generate` (the loop)
-//! -> `report` -> `cli` (flags resolved into a `Config`) -> `app` (wires it all together).
+//! -> `tokenizer` (text <-> ids) -> `sampler` -> `generate` (the loop) -> `output` (streaming
+//! text out) -> `report` -> `cli` (flags resolved into a `Config`) -> `app` (the wiring).
 
+pub mod app;
+pub mod chat;
+pub mod cli;
+pub mod generate;
+pub mod interrupt;
+pub mod model;
+pub mod output;
+pub mod report;
+pub mod sampler;
 pub mod source;
 pub mod tokenizer;

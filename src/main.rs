@@ -1,1 +1,50 @@
-fn main() {}
+//! The `gen` binary: parse the flags, run, map the outcome to an exit status.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use gen::{app, cli, interrupt};
+
+fn main() -> ExitCode {
+    let args = match cli::Args::try_parse() {
+        Ok(args) => args,
+        Err(e) if !e.use_stderr() => {
+            // --help and --version: their text is what the user asked for.
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            let rendered = e.to_string();
+            let first = rendered.lines().next().unwrap_or_default();
+            let first = first.strip_prefix("error: ").unwrap_or(first);
+            eprintln!("gen: error: {first} (see gen --help)");
+            return ExitCode::from(2);
+        }
+    };
+    let threads = args.threads;
+    let cfg = match args.resolve() {
+        Ok(cfg) => cfg,
+        Err(e) => {
+            eprintln!("gen: error: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Some(n) = threads {
+        // candle's CPU kernels and rayon's pool both size themselves from this variable;
+        // set it before either starts a thread.
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+    interrupt::install();
+    match app::run(&cfg) {
+        Ok(app::Outcome::Done) => ExitCode::SUCCESS,
+        Ok(app::Outcome::Interrupted) => ExitCode::from(interrupt::EXIT_INTERRUPTED as u8),
+        Err(e) => {
+            if interrupt::requested() {
+                eprintln!("gen: interrupted");
+                return ExitCode::from(interrupt::EXIT_INTERRUPTED as u8);
+            }
+            eprintln!("gen: error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}

@@ -2,13 +2,21 @@
 #![allow(dead_code)]
 use std::path::PathBuf;
 
-/// The default model (SmolLM2-135M-Instruct Q4_1), fetched through gen's own code path.
-pub fn smollm2() -> PathBuf {
-    // Temporary: replaced by gen::source once it lands.
-    PathBuf::from("/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf")
+use gen::source::{self, FetchOptions, ModelSpec};
+
+/// A known model, fetched (once per cache) through the same code path users get.
+pub fn known(name: &str) -> PathBuf {
+    let spec = ModelSpec::Known(name.to_string());
+    source::resolve(&spec, &FetchOptions::default())
+        .unwrap_or_else(|e| panic!("fetching {name} for the tests failed: {e:#}"))
 }
 
-/// Gemma 3 270M Q4_K_M, fetched through gen's own code path.
+/// The default model (SmolLM2-135M-Instruct Q4_1).
+pub fn smollm2() -> PathBuf {
+    known("smollm2-135m")
+}
+
+/// Gemma 3 270M Q4_K_M.
 pub fn gemma3() -> PathBuf {
-    PathBuf::from("/tmp/gemma/gemma-3-270m-q4_k_m.gguf")
+    known("gemma3-270m")
 }

@@ -1,0 +1,255 @@
+//! Wiring: resolve the model, read the prompt, load, tokenize, generate while streaming text to
+//! stdout, and print the report on stderr.
+
+use std::io::{IsTerminal, Read, Write};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+
+use crate::cli::{Config, DeviceChoice, PromptSource, StatsFormat};
+use crate::generate::{self, Flow, Limits, StopReason, TokenSink};
+use crate::output::{StopMatcher, TextOut};
+use crate::report::Report;
+use crate::sampler::Sampler;
+use crate::source::{self, FetchOptions};
+use crate::tokenizer::TextStream;
+use crate::{chat, interrupt, model};
+
+/// How a run ended, for the exit status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Done,
+    Interrupted,
+}
+
+pub fn run(cfg: &Config) -> Result<Outcome> {
+    let stderr_tty = std::io::stderr().is_terminal();
+    let prompt_text = read_prompt(&cfg.prompt)?;
+    if prompt_text.trim().is_empty() {
+        bail!("the prompt is empty: give one with --prompt, --prompt-file or on standard input");
+    }
+
+    let fetch = FetchOptions {
+        progress: stderr_tty && !cfg.quiet,
+        offline: cfg.offline,
+    };
+    let path = source::resolve(&cfg.model, &fetch)?;
+    if interrupt::requested() {
+        eprintln!("gen: interrupted");
+        return Ok(Outcome::Interrupted);
+    }
+
+    let (device, device_name) = pick_device(cfg.device, cfg.threads)?;
+    let load_start = Instant::now();
+    let mut loaded = model::load_gguf(&path, &device, cfg.tokenizer.as_deref())?;
+    let load_s = load_start.elapsed().as_secs_f64();
+    if interrupt::requested() {
+        eprintln!("gen: interrupted");
+        return Ok(Outcome::Interrupted);
+    }
+
+    let model_ctx = loaded.model.info().context_len;
+    let context_len = cfg.ctx_size.map_or(model_ctx, |c| c.min(model_ctx));
+    let text = if cfg.chat {
+        let template = loaded.chat_template.as_ref().with_context(|| {
+            format!(
+                "{} has no chat template: drop --chat, or use a chat model",
+                path.display()
+            )
+        })?;
+        template.render(&chat::one_shot(cfg.system.as_deref(), &prompt_text), true)?
+    } else {
+        prompt_text.clone()
+    };
+    // A chat template writes its own BOS where it wants one.
+    let prompt = loaded
+        .tokenizer
+        .encode(&text, loaded.add_bos && !cfg.chat)?;
+    if prompt.is_empty() {
+        bail!("the prompt encodes to no tokens");
+    }
+    // Checked before any compute. With --stop-at-context the loop stops at the window instead.
+    if prompt.len() + cfg.max_new > context_len {
+        if !cfg.stop_at_context || prompt.len() >= context_len {
+            bail!(
+                "prompt ({} tokens) plus --max-new ({}) is {} tokens, over the context window of {} tokens{}",
+                prompt.len(),
+                cfg.max_new,
+                prompt.len() + cfg.max_new,
+                context_len,
+                if prompt.len() < context_len {
+                    "; lower --max-new or pass --stop-at-context"
+                } else {
+                    "; shorten the prompt"
+                }
+            );
+        }
+    }
+
+    let stdout = std::io::stdout();
+    let mut out = TextOut::new(stdout.lock());
+    if cfg.echo {
+        out.write(&prompt_text)?;
+    }
+    let mut sink = StreamSink {
+        text: loaded.tokenizer.stream(),
+        stops: StopMatcher::new(cfg.stops.clone()),
+        out: &mut out,
+    };
+    let mut sampler = Sampler::new(cfg.sampling.clone());
+    let limits = Limits {
+        max_new: cfg.max_new,
+        context_len,
+    };
+    let eos = if cfg.ignore_eos {
+        Vec::new()
+    } else {
+        loaded.tokenizer.eos_ids().to_vec()
+    };
+    let gen = generate::generate(
+        loaded.model.as_mut(),
+        &prompt,
+        &mut sampler,
+        &eos,
+        &limits,
+        &mut sink,
+    )?;
+    sink.finish(gen.stop)?;
+    if !out.is_closed() && stdout_is_terminal() {
+        out.write("\n")?;
+    }
+    drop(out);
+
+    if !cfg.quiet {
+        let seed = (!cfg.sampling.is_greedy()).then_some(cfg.sampling.seed);
+        let report = Report::new(
+            loaded.model.info().name.as_str(),
+            &device_name,
+            load_s,
+            &gen,
+            seed,
+        );
+        let mut err = std::io::stderr().lock();
+        match cfg.stats {
+            StatsFormat::Human => report.write_human(&mut err)?,
+            StatsFormat::Json => report.write_json(&mut err)?,
+        }
+    }
+    Ok(if gen.stop == StopReason::Interrupted {
+        Outcome::Interrupted
+    } else {
+        Outcome::Done
+    })
+}
+
+fn stdout_is_terminal() -> bool {
+    std::io::stdout().is_terminal()
+}
+
+fn read_prompt(src: &PromptSource) -> Result<String> {
+    match src {
+        PromptSource::Text(t) => Ok(t.clone()),
+        PromptSource::File(p) => {
+            let bytes = std::fs::read(p)
+                .with_context(|| format!("cannot read prompt file {}", p.display()))?;
+            String::from_utf8(bytes).map_err(|e| {
+                anyhow::anyhow!(
+                    "prompt file {} is not valid UTF-8 (byte {})",
+                    p.display(),
+                    e.utf8_error().valid_up_to()
+                )
+            })
+        }
+        PromptSource::Stdin => {
+            let mut bytes = Vec::new();
+            std::io::stdin()
+                .read_to_end(&mut bytes)
+                .context("cannot read the prompt from standard input")?;
+            String::from_utf8(bytes).map_err(|e| {
+                anyhow::anyhow!(
+                    "standard input is not valid UTF-8 (byte {})",
+                    e.utf8_error().valid_up_to()
+                )
+            })
+        }
+    }
+}
+
+/// The device to run on, and how the report names it.
+fn pick_device(choice: DeviceChoice, threads: Option<usize>) -> Result<(Device, String)> {
+    let cpu = || {
+        let n = threads.unwrap_or_else(candle_core::utils::get_num_threads);
+        (Device::Cpu, format!("cpu ({n} threads)"))
+    };
+    match choice {
+        DeviceChoice::Cpu => Ok(cpu()),
+        DeviceChoice::Cuda(n) => {
+            if !candle_core::utils::cuda_is_available() {
+                bail!("--device cuda: this gen was built without CUDA; rebuild with `cargo build --release --features cuda`");
+            }
+            let d = Device::new_cuda(n).with_context(|| format!("cannot open CUDA device {n}"))?;
+            Ok((d, format!("cuda:{n}")))
+        }
+        DeviceChoice::Metal(n) => {
+            if !candle_core::utils::metal_is_available() {
+                bail!("--device metal: this gen was built without Metal; rebuild with `cargo build --release --features metal`");
+            }
+            let d =
+                Device::new_metal(n).with_context(|| format!("cannot open Metal device {n}"))?;
+            Ok((d, format!("metal:{n}")))
+        }
+        DeviceChoice::Auto => {
+            if candle_core::utils::cuda_is_available() {
+                match Device::new_cuda(0) {
+                    Ok(d) => return Ok((d, "cuda:0".into())),
+                    Err(e) => {
+                        let (d, name) = cpu();
+                        let first = e.to_string().lines().next().unwrap_or_default().to_string();
+                        return Ok((d, format!("{name}; no usable CUDA GPU: {first}")));
+                    }
+                }
+            }
+            Ok(cpu())
+        }
+    }
+}
+
+/// Streams each token's text out as it is sampled.
+struct StreamSink<'a, 'w, W: Write> {
+    text: TextStream<'a>,
+    stops: StopMatcher,
+    out: &'w mut TextOut<W>,
+}
+
+impl<W: Write> StreamSink<'_, '_, W> {
+    /// Flush what is still held back, unless a stop string or a closed pipe ended the run.
+    fn finish(&mut self, stop: StopReason) -> Result<()> {
+        if matches!(stop, StopReason::Stop | StopReason::OutputClosed) {
+            return Ok(());
+        }
+        let mut rest = self.text.finish();
+        rest.push_str(&self.stops.push("").text);
+        rest.push_str(&self.stops.finish());
+        self.out.write(&rest)?;
+        Ok(())
+    }
+}
+
+impl<W: Write> TokenSink for StreamSink<'_, '_, W> {
+    fn on_token(&mut self, id: u32) -> Result<Flow> {
+        let piece = self.text.push(id)?;
+        let release = self.stops.push(&piece);
+        if !self.out.write(&release.text)? {
+            return Ok(Flow::Stop(StopReason::OutputClosed));
+        }
+        if release.stopped {
+            return Ok(Flow::Stop(StopReason::Stop));
+        }
+        Ok(Flow::Continue)
+    }
+
+    fn cancelled(&self) -> Option<StopReason> {
+        interrupt::requested().then_some(StopReason::Interrupted)
+    }
+}

@@ -1,0 +1,337 @@
+//! The command line: `Args` mirrors the flags as typed; `Args::resolve` turns them, once, into
+//! the validated `Config` the rest of the program uses.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use clap::{Parser, ValueEnum};
+
+use crate::sampler::SamplingParams;
+use crate::source::{self, ModelSpec};
+
+const AFTER_HELP: &str = "\
+Examples:
+  gen --prompt \"Once upon a time\" --max-new 200
+  echo \"Write a haiku about rust\" | gen --chat --temperature 0.7
+  gen --prompt-file question.txt --stop \"\\n\\n\" --stats json 2>stats.json
+  gen --model ./my-model.gguf --prompt \"Hello\"
+  gen --model TheOrg/Some-GGUF --model-file some.Q4_0.gguf --prompt \"Hello\"
+
+stdout carries only the generated text; the report goes to stderr.
+Exit status: 0 done, 1 error, 2 bad usage, 130 interrupted (Ctrl-C).";
+
+/// Generate text from a local language model, one token per forward pass.
+#[derive(Debug, Parser)]
+#[command(name = "gen", version, about, after_help = AFTER_HELP, args_override_self = true)]
+pub struct Args {
+    /// The prompt. Without it, or with `-`, the prompt is all of standard input.
+    #[arg(short, long, allow_hyphen_values = true)]
+    pub prompt: Option<String>,
+
+    /// Read the prompt from a file.
+    #[arg(long, value_name = "PATH", conflicts_with = "prompt")]
+    pub prompt_file: Option<PathBuf>,
+
+    /// Model: a known name (default smollm2-135m), a path to a .gguf file, or a Hugging Face
+    /// repo id (with --model-file).
+    #[arg(short, long)]
+    pub model: Option<String>,
+
+    /// File inside the Hugging Face repo given with --model.
+    #[arg(long, value_name = "NAME.gguf")]
+    pub model_file: Option<String>,
+
+    /// Revision (branch, tag or commit) of the Hugging Face repo.
+    #[arg(long)]
+    pub revision: Option<String>,
+
+    /// Use this tokenizer.json instead of the tokenizer in the model file.
+    #[arg(long, value_name = "PATH")]
+    pub tokenizer: Option<PathBuf>,
+
+    /// Use only models already in the cache; never touch the network (also HF_HUB_OFFLINE=1).
+    #[arg(long)]
+    pub offline: bool,
+
+    /// Most tokens to generate.
+    #[arg(short = 'n', long, default_value_t = 256)]
+    pub max_new: usize,
+
+    /// Stop here (never printed). Repeatable.
+    #[arg(long, value_name = "TEXT")]
+    pub stop: Vec<String>,
+
+    /// When prompt plus --max-new exceeds the context window, generate until the window is full
+    /// instead of refusing to start.
+    #[arg(long)]
+    pub stop_at_context: bool,
+
+    /// Context window in tokens (default: the model's own).
+    #[arg(long, value_name = "TOKENS")]
+    pub ctx_size: Option<usize>,
+
+    /// Keep generating past the end-of-sequence token (for benchmarks).
+    #[arg(long)]
+    pub ignore_eos: bool,
+
+    /// Sampling temperature; 0 is greedy (always the most likely token).
+    #[arg(short, long, default_value_t = 0.8, allow_negative_numbers = true)]
+    pub temperature: f64,
+
+    /// Sample only among the K most likely tokens (0: off).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+
+    /// Sample only among the most likely tokens whose probabilities add up to P, in (0, 1].
+    #[arg(long, default_value_t = 0.95, allow_negative_numbers = true)]
+    pub top_p: f64,
+
+    /// Drop tokens less likely than P times the most likely one, in [0, 1).
+    #[arg(long, default_value_t = 0.05, allow_negative_numbers = true)]
+    pub min_p: f64,
+
+    /// Penalise tokens seen in the last --repeat-last-n tokens (1.0: off).
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub repeat_penalty: f32,
+
+    /// How many recent tokens the repetition penalty looks at.
+    #[arg(long, default_value_t = 64)]
+    pub repeat_last_n: usize,
+
+    /// Random seed; the same seed and inputs give the same text (default: a fresh one, shown in
+    /// the report).
+    #[arg(long)]
+    pub seed: Option<u64>,
+
+    /// Render the prompt through the model's chat template as a user message.
+    #[arg(long)]
+    pub chat: bool,
+
+    /// System message for --chat.
+    #[arg(long, requires = "chat")]
+    pub system: Option<String>,
+
+    /// Print the prompt to stdout before the reply.
+    #[arg(long)]
+    pub echo: bool,
+
+    /// Where to run: auto, cpu, cuda, cuda:N, metal.
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+
+    /// CPU threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+
+    /// Report format on stderr.
+    #[arg(long, value_enum, default_value_t = StatsFormat::Human)]
+    pub stats: StatsFormat,
+
+    /// Print no report and no progress bars.
+    #[arg(short, long)]
+    pub quiet: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StatsFormat {
+    Human,
+    Json,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PromptSource {
+    Text(String),
+    File(PathBuf),
+    Stdin,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceChoice {
+    Auto,
+    Cpu,
+    Cuda(usize),
+    Metal(usize),
+}
+
+impl std::str::FromStr for DeviceChoice {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let ordinal = |rest: &str| -> Result<usize> {
+            rest.parse()
+                .map_err(|_| anyhow::anyhow!("bad device ordinal in --device {s:?}"))
+        };
+        Ok(match s {
+            "auto" => Self::Auto,
+            "cpu" => Self::Cpu,
+            "cuda" => Self::Cuda(0),
+            "metal" => Self::Metal(0),
+            _ => match s.split_once(':') {
+                Some(("cuda", n)) => Self::Cuda(ordinal(n)?),
+                Some(("metal", n)) => Self::Metal(ordinal(n)?),
+                _ => bail!("unknown device {s:?}: use auto, cpu, cuda, cuda:N or metal"),
+            },
+        })
+    }
+}
+
+/// The run, resolved and validated.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub model: ModelSpec,
+    pub tokenizer: Option<PathBuf>,
+    pub offline: bool,
+    pub prompt: PromptSource,
+    pub chat: bool,
+    pub system: Option<String>,
+    pub echo: bool,
+    pub max_new: usize,
+    pub stops: Vec<String>,
+    pub stop_at_context: bool,
+    pub ctx_size: Option<usize>,
+    pub ignore_eos: bool,
+    pub sampling: SamplingParams,
+    pub device: DeviceChoice,
+    pub threads: Option<usize>,
+    pub stats: StatsFormat,
+    pub quiet: bool,
+}
+
+impl Args {
+    /// Validate and resolve. Every error here is a usage error (exit status 2).
+    pub fn resolve(self) -> Result<Config> {
+        if self.max_new == 0 {
+            bail!("--max-new must be at least 1");
+        }
+        if self.threads == Some(0) {
+            bail!("--threads must be at least 1");
+        }
+        if self.ctx_size == Some(0) {
+            bail!("--ctx-size must be at least 1");
+        }
+        let seed = self.seed.unwrap_or_else(fresh_seed);
+        let sampling = SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: self.repeat_last_n,
+            seed,
+        };
+        sampling.validate()?;
+        let prompt = match (self.prompt, self.prompt_file) {
+            (_, Some(path)) => PromptSource::File(path),
+            (Some(p), None) if p == "-" => PromptSource::Stdin,
+            (Some(p), None) => PromptSource::Text(p),
+            (None, None) => PromptSource::Stdin,
+        };
+        let offline = self.offline || env_flag("HF_HUB_OFFLINE");
+        Ok(Config {
+            model: source::parse_model_arg(
+                self.model.as_deref(),
+                self.model_file.as_deref(),
+                self.revision.as_deref(),
+            )?,
+            tokenizer: self.tokenizer,
+            offline,
+            prompt,
+            chat: self.chat,
+            system: self.system,
+            echo: self.echo,
+            max_new: self.max_new,
+            stops: self.stop,
+            stop_at_context: self.stop_at_context,
+            ctx_size: self.ctx_size,
+            ignore_eos: self.ignore_eos,
+            sampling,
+            device: self.device.parse()?,
+            threads: self.threads,
+            stats: self.stats,
+            quiet: self.quiet,
+        })
+    }
+}
+
+/// True when an environment variable is set to something other than empty, 0, false or no.
+pub fn env_flag(name: &str) -> bool {
+    std::env::var(name)
+        .map(|v| {
+            !matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "" | "0" | "false" | "no" | "off"
+            )
+        })
+        .unwrap_or(false)
+}
+
+fn fresh_seed() -> u64 {
+    use std::time::{SystemTime, UNIX_EPOCH};
+    let t = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    (t as u64) ^ ((std::process::id() as u64) << 32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Config> {
+        let mut v = vec!["gen"];
+        v.extend_from_slice(args);
+        Args::try_parse_from(v)?.resolve()
+    }
+
+    #[test]
+    fn devices_parse() {
+        assert_eq!("auto".parse::<DeviceChoice>().unwrap(), DeviceChoice::Auto);
+        assert_eq!(
+            "cuda:3".parse::<DeviceChoice>().unwrap(),
+            DeviceChoice::Cuda(3)
+        );
+        assert_eq!(
+            "metal".parse::<DeviceChoice>().unwrap(),
+            DeviceChoice::Metal(0)
+        );
+        assert!("tpu".parse::<DeviceChoice>().is_err());
+        assert!("cuda:x".parse::<DeviceChoice>().is_err());
+    }
+
+    #[test]
+    fn prompt_sources() {
+        assert_eq!(
+            parse(&["--prompt", "hi"]).unwrap().prompt,
+            PromptSource::Text("hi".into())
+        );
+        assert_eq!(
+            parse(&["--prompt", "-"]).unwrap().prompt,
+            PromptSource::Stdin
+        );
+        assert_eq!(parse(&[]).unwrap().prompt, PromptSource::Stdin);
+        assert_eq!(
+            parse(&["--prompt-file", "p.txt"]).unwrap().prompt,
+            PromptSource::File("p.txt".into())
+        );
+        assert!(parse(&["--prompt", "a", "--prompt-file", "p.txt"]).is_err());
+    }
+
+    #[test]
+    fn bad_values_are_refused() {
+        for bad in [
+            &["--max-new", "0"][..],
+            &["--temperature", "-1"],
+            &["--top-p", "0"],
+            &["--top-p", "1.01"],
+            &["--device", "tpu"],
+            &["--threads", "0"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?} was accepted");
+        }
+    }
+
+    #[test]
+    fn seed_given_is_kept() {
+        assert_eq!(parse(&["--seed", "7"]).unwrap().sampling.seed, 7);
+    }
+}

@@ -1,0 +1,385 @@
+//! The `gen` binary as users run it: exit codes, stdout carrying only the reply, stdin piping,
+//! `--stats json`, broken pipes, and one clear line for bad input. Runs the real default model.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+fn gen() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_gen"));
+    c.env_remove("HF_HUB_OFFLINE").env("RUST_BACKTRACE", "0");
+    c
+}
+
+/// `gen` on the default model, greedy, 2 threads, with extra args and optional stdin.
+fn run(args: &[&str], stdin: Option<&[u8]>) -> Output {
+    let model = common::smollm2();
+    let mut c = gen();
+    c.arg("--model")
+        .arg(&model)
+        .args(["--temperature", "0", "--threads", "2"])
+        .args(args);
+    c.stdin(if stdin.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    });
+    c.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    if let Some(input) = stdin {
+        child.stdin.take().unwrap().write_all(input).unwrap();
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn stats(out: &Output) -> serde_json::Value {
+    let err = text(&out.stderr);
+    let line = err
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_else(|| panic!("no JSON in stderr: {err}"));
+    serde_json::from_str(line).unwrap()
+}
+
+/// The one error line gen prints, asserting there is exactly one and no panic.
+fn one_error_line(out: &Output) -> String {
+    let err = text(&out.stderr);
+    assert!(!err.contains("panicked"), "panic: {err}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "expected one line on stderr, got: {err}");
+    assert!(lines[0].starts_with("gen: error: "), "{err}");
+    lines[0].to_string()
+}
+
+#[test]
+fn stdout_holds_only_the_reply_and_stats_json_parse() {
+    let out = run(
+        &[
+            "--prompt",
+            "The capital of France is",
+            "--max-new",
+            "5",
+            "--stats",
+            "json",
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), " Paris.\n\nThe");
+    let s = stats(&out);
+    assert_eq!(s["prompt_tokens"], 5);
+    assert_eq!(s["generated_tokens"], 5);
+    assert_eq!(s["forward_passes"], 5);
+    assert_eq!(s["stop_reason"], "max-new");
+    assert!(s["device"].as_str().unwrap().starts_with("cpu"));
+    assert!(s["ttft_s"].as_f64().unwrap() > 0.0);
+    assert!(s["decode_tok_s"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn prompt_from_stdin_file_and_dash_agree() {
+    let a = run(
+        &["--max-new", "4", "--quiet"],
+        Some(b"The capital of France is"),
+    );
+    let b = run(
+        &["--prompt", "-", "--max-new", "4", "--quiet"],
+        Some(b"The capital of France is"),
+    );
+    let dir = tempdir("prompt-file");
+    let f = dir.join("p.txt");
+    std::fs::write(&f, "The capital of France is").unwrap();
+    let c = run(
+        &[
+            "--prompt-file",
+            f.to_str().unwrap(),
+            "--max-new",
+            "4",
+            "--quiet",
+        ],
+        None,
+    );
+    for o in [&a, &b, &c] {
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        assert_eq!(text(&o.stdout), " Paris.\n\n");
+        assert!(o.stderr.is_empty(), "--quiet printed: {}", text(&o.stderr));
+    }
+}
+
+#[test]
+fn echo_and_stop_strings() {
+    let out = run(
+        &[
+            "--prompt",
+            "The capital of France is",
+            "--max-new",
+            "20",
+            "--echo",
+            "--stop",
+            "\n",
+            "--stats",
+            "json",
+        ],
+        None,
+    );
+    assert!(out.status.success());
+    assert_eq!(text(&out.stdout), "The capital of France is Paris.");
+    let s = stats(&out);
+    assert_eq!(s["stop_reason"], "stop");
+}
+
+#[test]
+fn chat_uses_the_models_template() {
+    let out = run(
+        &[
+            "--chat",
+            "--prompt",
+            "What is the capital of France?",
+            "--max-new",
+            "40",
+            "--stats",
+            "json",
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let reply = text(&out.stdout);
+    assert!(reply.contains("Paris"), "{reply}");
+    assert!(
+        !reply.contains("<|im_end|>") && !reply.contains("<|im_start|>"),
+        "{reply}"
+    );
+    let s = stats(&out);
+    assert_eq!(
+        s["stop_reason"], "eos",
+        "the reply should end at <|im_end|>"
+    );
+    assert_eq!(
+        s["forward_passes"].as_u64().unwrap(),
+        s["generated_tokens"].as_u64().unwrap() + 1
+    );
+}
+
+#[test]
+fn same_seed_same_text() {
+    let args = [
+        "--prompt",
+        "Once upon a time",
+        "--max-new",
+        "16",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "11",
+        "--quiet",
+    ];
+    let a = run(&args, None);
+    let b = run(&args, None);
+    assert!(a.status.success());
+    assert_eq!(a.stdout, b.stdout);
+    assert!(!a.stdout.is_empty());
+}
+
+#[test]
+fn broken_pipe_ends_quietly() {
+    let model = common::smollm2();
+    let mut child = gen()
+        .arg("--model")
+        .arg(&model)
+        .args([
+            "--prompt",
+            "Once upon a time",
+            "--max-new",
+            "200",
+            "--temperature",
+            "0",
+            "--threads",
+            "2",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 8];
+    child
+        .stdout
+        .as_mut()
+        .unwrap()
+        .read_exact(&mut first)
+        .unwrap();
+    drop(child.stdout.take()); // the reader goes away, as `| head -c 8` does
+    let out = child.wait_with_output().unwrap();
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "exit {:?}: {err}", out.status.code());
+    assert!(!err.contains("error") && !err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn usage_errors_exit_2_with_one_line() {
+    for args in [
+        &["--prompt", "x", "--temperature", "-1"][..],
+        &["--prompt", "x", "--top-p", "0"],
+        &["--prompt", "x", "--top-p", "1.5"],
+        &["--prompt", "x", "--max-new", "0"],
+        &["--prompt", "x", "--device", "tpu"],
+        &["--prompt", "x", "--model", "/nonexistent/model.gguf"],
+        &["--prompt", "x", "--model", "SomeOrg/some-repo"],
+    ] {
+        let out = run(args, None);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+        one_error_line(&out);
+    }
+    let out = gen().args(["--no-such-flag"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn bad_input_is_one_line_and_exit_1() {
+    let dir = tempdir("bad-input");
+    let not_gguf = dir.join("not.gguf");
+    std::fs::write(&not_gguf, b"this is not a model file at all").unwrap();
+    let truncated = dir.join("truncated.gguf");
+    let real = std::fs::read(common::smollm2()).unwrap();
+    std::fs::write(&truncated, &real[..real.len() / 3]).unwrap();
+
+    let cases: Vec<(Vec<String>, Option<&[u8]>, &str)> = vec![
+        (vec![], Some(b"   \n"), "empty"),
+        (vec![], Some(&[0x66, 0x6f, 0xff, 0xfe]), "UTF-8"),
+        (
+            s(&["--model", not_gguf.to_str().unwrap(), "--prompt", "x"]),
+            None,
+            "GGUF",
+        ),
+        (
+            s(&["--model", truncated.to_str().unwrap(), "--prompt", "x"]),
+            None,
+            "truncated.gguf",
+        ),
+        (
+            s(&["--prompt-file", "/nonexistent/prompt.txt"]),
+            None,
+            "prompt.txt",
+        ),
+        (
+            s(&["--prompt", "x", "--max-new", "9000"]),
+            None,
+            "context window",
+        ),
+    ];
+    for (args, stdin, needle) in cases {
+        let mut full: Vec<&str> = vec![];
+        // The model flag in `run` comes first; a later --model overrides it.
+        full.extend(args.iter().map(|a| a.as_str()));
+        let out = run(&full, stdin);
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+        let line = one_error_line(&out);
+        assert!(line.contains(needle), "{args:?}: {line}");
+        assert!(out.stdout.is_empty());
+    }
+}
+
+#[test]
+fn stop_at_context_generates_until_the_window_is_full() {
+    let out = run(
+        &[
+            "--prompt",
+            "Once upon a time",
+            "--ctx-size",
+            "12",
+            "--max-new",
+            "100",
+            "--stop-at-context",
+            "--stats",
+            "json",
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let s = stats(&out);
+    assert_eq!(s["stop_reason"], "context-full");
+    assert_eq!(
+        s["prompt_tokens"].as_u64().unwrap() + s["generated_tokens"].as_u64().unwrap(),
+        12
+    );
+}
+
+fn s(v: &[&str]) -> Vec<String> {
+    v.iter().map(|x| x.to_string()).collect()
+}
+
+fn tempdir(name: &str) -> std::path::PathBuf {
+    let d =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cli-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn ctrl_c_flushes_the_partial_reply_prints_the_report_and_exits_130() {
+    let model = common::smollm2();
+    let mut child = gen()
+        .arg("--model")
+        .arg(&model)
+        .args([
+            "--prompt",
+            "Once upon a time",
+            "--max-new",
+            "2000",
+            "--ctx-size",
+            "4096",
+        ])
+        .args([
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--threads",
+            "2",
+            "--stats",
+            "json",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 16];
+    child
+        .stdout
+        .as_mut()
+        .unwrap()
+        .read_exact(&mut first)
+        .unwrap();
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130), "{}", text(&out.stderr));
+    let s = stats(&out);
+    assert_eq!(s["stop_reason"], "interrupted");
+    let generated = s["generated_tokens"].as_u64().unwrap();
+    assert!(generated > 0 && generated < 2000, "{generated}");
+    // Everything generated before the interrupt reached stdout.
+    let mut all = first.to_vec();
+    all.extend_from_slice(&out.stdout);
+    assert!(all.len() >= 16 && !text(&all).is_empty());
+}
