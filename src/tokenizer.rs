@@ -1,1 +1,1404 @@
-//! Text <-> token ids, and streaming text out. (Interface placeholder: being written.)
+//! Text <-> token ids, and streaming text out.
+//!
+//! The job of this module: turn a prompt into exactly the ids llama.cpp would produce for the
+//! same model file, and turn generated ids back into text as they arrive. The tokenizer is
+//! built either from a GGUF file's `tokenizer.ggml.*` metadata (the usual case) or from a
+//! Hugging Face `tokenizer.json`.
+//!
+//! GGUF files carry one of two tokenizer families that gen supports:
+//!
+//! - `gpt2`: byte-level BPE. The ranked merges are in the file. What llama.cpp adds on top is a
+//!   list of regex splits chosen by the `tokenizer.ggml.pre` name; we reproduce that list as a
+//!   sequence of isolating `Split` pre-tokenizers, followed by a byte-to-char mapping that adds
+//!   no prefix space (a prefix space is what makes a naive conversion put an extra space after
+//!   every special token).
+//! - `llama`: SentencePiece. llama.cpp repeatedly merges the adjacent pair whose concatenation
+//!   is the vocabulary entry with the highest score. A BPE model whose merge ranks are sorted by
+//!   the score of the merged token makes the same choices, so the merge list is derived from the
+//!   vocabulary and scores. Characters not in the vocabulary fall back to `<0xNN>` byte tokens.
+//!
+//! In both, control, user-defined and unknown-type tokens are cut out of the raw text before
+//! anything else runs, as llama.cpp's special-token partition does.
+//!
+//! Decoding does not go through a `tokenizers` decoder: every id has a precomputed byte string
+//! (byte-level characters mapped back to bytes, `▁` to a space, `<0xNN>` to its byte, special
+//! tokens as their text). `decode` and the streaming decoder both concatenate those bytes, so
+//! they agree by construction, and a character split across several tokens is reassembled
+//! before it is shown.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::quantized::gguf_file;
+use tokenizers::decoders::byte_fallback::ByteFallback;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+use tokenizers::decoders::strip::Strip;
+use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::normalizers::{Prepend, Replace, Sequence as NormalizerSequence};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::sequence::Sequence as PreTokenizerSequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{
+    AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior,
+};
+
+const KEY_MODEL: &str = "tokenizer.ggml.model";
+const KEY_PRE: &str = "tokenizer.ggml.pre";
+const KEY_TOKENS: &str = "tokenizer.ggml.tokens";
+const KEY_MERGES: &str = "tokenizer.ggml.merges";
+const KEY_SCORES: &str = "tokenizer.ggml.scores";
+const KEY_TOKEN_TYPE: &str = "tokenizer.ggml.token_type";
+const KEY_BOS: &str = "tokenizer.ggml.bos_token_id";
+const KEY_EOS: &str = "tokenizer.ggml.eos_token_id";
+const KEY_UNK: &str = "tokenizer.ggml.unknown_token_id";
+const KEY_ADD_BOS: &str = "tokenizer.ggml.add_bos_token";
+const KEY_ADD_SPACE_PREFIX: &str = "tokenizer.ggml.add_space_prefix";
+/// Ids llama.cpp adds to its end-of-generation set when the file names them.
+const KEYS_EXTRA_EOG: &[&str] = &[
+    "tokenizer.ggml.eot_token_id",
+    "tokenizer.ggml.eom_token_id",
+    "tokenizer.ggml.fim_pad_token_id",
+    "tokenizer.ggml.fim_rep_token_id",
+    "tokenizer.ggml.fim_sep_token_id",
+];
+
+/// Token texts that end generation whatever the file's ids say. Conversions often leave the
+/// end-of-turn token out of the metadata, so llama.cpp recognises them by text; stopping on
+/// the same set keeps gen's output identical to llama.cpp's.
+const EOG_TEXTS: &[&str] = &[
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<｜end▁of▁sentence｜>",
+    // Fill-in-the-middle padding / repo / file separators: llama.cpp stops on these too.
+    "<|fim_pad|>",
+    "<fim-pad>",
+    "<fim_pad>",
+    "<PAD>",
+    "<|fim_repo|>",
+    "<|repo_name|>",
+    "<fim-repo>",
+    "<REPO>",
+    "<reponame>",
+    "<|file_sep|>",
+];
+
+/// Token texts llama.cpp forces to control type, so they are parsed in text even when a
+/// conversion marked them normal (in addition to `EOG_TEXTS`).
+const FORCED_CONTROL_TEXTS: &[&str] = &[
+    "<|fim_prefix|>",
+    "<fim-prefix>",
+    "<fim_prefix>",
+    "<｜fim▁begin｜>",
+    "<PRE>",
+    "▁<PRE>",
+    "<|code_prefix|>",
+    "<|fim_suffix|>",
+    "<fim-suffix>",
+    "<fim_suffix>",
+    "<｜fim▁hole｜>",
+    "<SUF>",
+    "▁<SUF>",
+    "<|code_suffix|>",
+    "<|fim_middle|>",
+    "<fim-middle>",
+    "<fim_middle>",
+    "<｜fim▁end｜>",
+    "<MID>",
+    "▁<MID>",
+    "<|code_middle|>",
+];
+
+/// The SentencePiece space marker.
+const SPACE_MARKER: &str = "\u{2581}";
+
+// llama.cpp's pre-tokenizer regexes (llama-vocab.cpp, llm_tokenizer_bpe). Each list is applied
+// in order, every regex splitting the pieces left by the previous one; text between matches
+// stays a piece of its own, which is what `SplitDelimiterBehavior::Isolated` does.
+const RE_GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
+const RE_LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const RE_QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const RE_SEED_CODER: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+";
+const RE_PORO: &str = r" ?[^(\s|.,!?…。，、।۔،)]+";
+const RE_DIGIT: &str = r"\p{N}";
+
+/// How a `gpt2` vocabulary splits text before merging, per `tokenizer.ggml.pre`.
+struct BpePre {
+    regexes: &'static [&'static str],
+    /// A pre-token that is itself in the vocabulary is emitted whole (llama3-style vocabs).
+    ignore_merges: bool,
+    /// Whether the model wants BOS when the file does not say (`add_bos_token` absent).
+    add_bos: bool,
+}
+
+fn bpe_pre(name: &str) -> Result<BpePre> {
+    let plain = |regexes| BpePre {
+        regexes,
+        ignore_merges: false,
+        add_bos: false,
+    };
+    Ok(match name {
+        "default" => plain(&[
+            r"[\p{P}\$\+<=>\^~\|]+",
+            RE_GPT2,
+            r"\p{N}+",
+            r"[0-9][0-9][0-9]",
+        ]),
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0"
+        | "lfm2" => BpePre {
+            regexes: &[RE_LLAMA3],
+            ignore_merges: true,
+            add_bos: true,
+        },
+        "dbrx" | "smaug-bpe" | "glm4" | "chatglm-bpe" => plain(&[RE_LLAMA3]),
+        "falcon" => plain(&[r"[\p{P}\$\+<=>\^~\|`]+", RE_GPT2, r"[0-9][0-9][0-9]"]),
+        "starcoder" | "refact" | "command-r" | "smollm" | "codeshell" | "exaone" | "minerva-7b" => {
+            plain(&[RE_DIGIT, RE_GPT2])
+        }
+        "gpt-2" | "phi-2" | "jina-es" | "jina-de" | "gigachat" | "jina-v2-es" | "jina-v2-de"
+        | "a.x-4.0" | "mellum" | "jina-v1-en" | "jina-v2-code" | "roberta-bpe" | "mpt" | "olmo"
+        | "jais" | "exaone4" | "trillion" | "granite-docling" => plain(&[RE_GPT2]),
+        "qwen2" | "deepseek-r1-qwen" | "kormo" | "megrez" | "stablelm2" | "hunyuan" | "grok-2" => {
+            plain(&[RE_QWEN2])
+        }
+        "seed-coder" => plain(&[RE_SEED_CODER]),
+        "poro-chat" | "bloom" | "gpt3-finnish" => plain(&[RE_PORO]),
+        "viking" => plain(&[RE_PORO, RE_DIGIT]),
+        // Refusing beats tokenizing differently from llama.cpp without saying so.
+        other => bail!(
+            "unsupported pre-tokenizer `{other}` (`{KEY_PRE}`): gen does not know how llama.cpp \
+             splits text for it"
+        ),
+    })
+}
+
+/// llama.cpp's token types (`tokenizer.ggml.token_type`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TokenKind {
+    Undefined,
+    Normal,
+    Unknown,
+    Control,
+    UserDefined,
+    Unused,
+    Byte,
+}
+
+impl TokenKind {
+    fn from_gguf(v: i64) -> Self {
+        match v {
+            1 => Self::Normal,
+            2 => Self::Unknown,
+            3 => Self::Control,
+            4 => Self::UserDefined,
+            5 => Self::Unused,
+            6 => Self::Byte,
+            _ => Self::Undefined,
+        }
+    }
+
+    /// Tokens llama.cpp cuts out of the raw text before tokenizing the rest.
+    fn matched_in_text(self) -> bool {
+        matches!(self, Self::Control | Self::Unknown | Self::UserDefined)
+    }
+}
+
+/// The bytes each id stands for, in one buffer: `bytes[offsets[id]..offsets[id + 1]]`.
+#[derive(Clone, Default)]
+struct Pieces {
+    offsets: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+impl Pieces {
+    fn with_capacity(n: usize) -> Self {
+        let mut offsets = Vec::with_capacity(n + 1);
+        offsets.push(0);
+        Self {
+            offsets,
+            bytes: Vec::with_capacity(n * 6),
+        }
+    }
+
+    fn push(&mut self, piece: &[u8]) {
+        self.bytes.extend_from_slice(piece);
+        self.offsets.push(self.bytes.len());
+    }
+
+    fn get(&self, id: u32) -> Option<&[u8]> {
+        let i = id as usize;
+        let (start, end) = (*self.offsets.get(i)?, *self.offsets.get(i.checked_add(1)?)?);
+        self.bytes.get(start..end)
+    }
+}
+
+/// GPT-2's reversible byte <-> printable-char mapping: printable Latin-1 bytes stand for
+/// themselves, the rest are shifted to U+0100 upwards in byte order.
+fn byte_level_chars() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let mut next = 256u32;
+    for b in 0..=255u8 {
+        let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        let code = if printable {
+            u32::from(b)
+        } else {
+            next += 1;
+            next - 1
+        };
+        table[usize::from(b)] = char::from_u32(code).unwrap_or('\0');
+    }
+    table
+}
+
+fn byte_level_inverse() -> HashMap<char, u8> {
+    byte_level_chars()
+        .iter()
+        .enumerate()
+        .map(|(b, &c)| (c, b as u8))
+        .collect()
+}
+
+/// Byte-level token text -> bytes. A character outside the mapping (only in hand-made vocabs)
+/// is kept as its own UTF-8 rather than dropped.
+fn byte_level_decode(text: &str, inverse: &HashMap<char, u8>, out: &mut Vec<u8>) {
+    for c in text.chars() {
+        match inverse.get(&c) {
+            Some(&b) => out.push(b),
+            None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+        }
+    }
+}
+
+/// `<0xNN>` -> the byte.
+fn parse_byte_token(text: &str) -> Option<u8> {
+    let hex = text.strip_prefix("<0x")?.strip_suffix('>')?;
+    if hex.len() != 2 {
+        return None;
+    }
+    u8::from_str_radix(hex, 16).ok()
+}
+
+/// A tokenizer with the special ids a generator needs; see the module docs.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// Raw vocabulary text per id (`Ġworld`, `▁world`, `<|im_end|>`).
+    texts: Vec<String>,
+    pieces: Pieces,
+    bos: Option<u32>,
+    /// Whether the model wants BOS in front of a raw prompt.
+    add_bos: bool,
+    eos: Vec<u32>,
+    /// The encoder puts a space in front of the text (SentencePiece `add_space_prefix`), so
+    /// `decode` drops one leading space from the first piece to give the text back.
+    strip_first_space: bool,
+}
+
+impl fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.texts.len())
+            .field("bos", &self.bos)
+            .field("add_bos", &self.add_bos)
+            .field("eos", &self.eos)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Tokenizer {
+    /// Build from a GGUF file's metadata (`tokenizer.ggml.*` keys).
+    pub fn from_gguf_metadata(md: &HashMap<String, gguf_file::Value>) -> Result<Self> {
+        let model = get_str(md, KEY_MODEL)?;
+        let spm = match model {
+            "gpt2" => false,
+            "llama" => true,
+            other => bail!(
+                "unsupported tokenizer model `{other}` (`{KEY_MODEL}`); gen supports `gpt2` \
+                 (byte-level BPE) and `llama` (SentencePiece)"
+            ),
+        };
+
+        let tokens: Vec<String> = get_str_array(md, KEY_TOKENS)?
+            .into_iter()
+            .enumerate()
+            // llama.cpp renames empty entries the same way; an empty key would confuse matching.
+            .map(|(i, t)| {
+                if t.is_empty() {
+                    format!("[EMPTY_{i}]")
+                } else {
+                    t.to_owned()
+                }
+            })
+            .collect();
+        let n = tokens.len();
+        if n == 0 {
+            bail!("`{KEY_TOKENS}` is empty");
+        }
+        if u32::try_from(n).is_err() {
+            bail!("`{KEY_TOKENS}` has {n} entries, more than token ids can address");
+        }
+
+        let mut kinds = match md.get(KEY_TOKEN_TYPE) {
+            None => vec![TokenKind::Normal; n],
+            Some(v) => {
+                let types = int_array(v, KEY_TOKEN_TYPE)?;
+                if types.len() != n {
+                    bail!(
+                        "`{KEY_TOKEN_TYPE}` has {} entries but `{KEY_TOKENS}` has {n}",
+                        types.len()
+                    );
+                }
+                types.into_iter().map(TokenKind::from_gguf).collect()
+            }
+        };
+        let forced: HashSet<&str> = EOG_TEXTS
+            .iter()
+            .chain(FORCED_CONTROL_TEXTS)
+            .copied()
+            .collect();
+        for (kind, text) in kinds.iter_mut().zip(&tokens) {
+            if forced.contains(text.as_str()) {
+                *kind = TokenKind::Control;
+            }
+        }
+
+        let bos = get_id(md, KEY_BOS, n)?;
+        let eos_id = get_id(md, KEY_EOS, n)?;
+        let unk = get_id(md, KEY_UNK, n)?;
+        let add_space_prefix = get_bool(md, KEY_ADD_SPACE_PREFIX)?.unwrap_or(spm);
+
+        let (mut inner, add_bos_default) = if spm {
+            let scores = f32_array(md, KEY_SCORES)?;
+            if scores.len() != n {
+                bail!(
+                    "`{KEY_SCORES}` has {} entries but `{KEY_TOKENS}` has {n}",
+                    scores.len()
+                );
+            }
+            let unk_text = unk.map(|id| tokens[id as usize].clone());
+            (
+                build_spm(&tokens, &scores, unk_text, add_space_prefix)?,
+                true,
+            )
+        } else {
+            let pre = match md.get(KEY_PRE) {
+                None => "default",
+                Some(v) => value_str(v, KEY_PRE)?,
+            };
+            let pre = bpe_pre(pre)?;
+            let merges = parse_merges(md)?;
+            (build_gpt2(&tokens, merges, &pre)?, pre.add_bos)
+        };
+
+        // Added tokens are matched on the raw text (normalized = false), like llama.cpp's
+        // partition, so user-defined whitespace tokens (Gemma's "  ", "\n\n") match real
+        // spaces and newlines rather than `▁`.
+        let added: Vec<AddedToken> = tokens
+            .iter()
+            .zip(&kinds)
+            .filter(|(_, k)| k.matched_in_text())
+            .map(|(t, k)| {
+                AddedToken::from(t.clone(), *k != TokenKind::UserDefined).normalized(false)
+            })
+            .collect();
+        if !added.is_empty() {
+            inner
+                .add_tokens(added)
+                .map_err(|e| anyhow!("registering special tokens: {e}"))?;
+        }
+
+        let pieces = gguf_pieces(&tokens, &kinds, spm, md.contains_key(KEY_TOKEN_TYPE));
+
+        let mut eog = HashSet::new();
+        for key in KEYS_EXTRA_EOG {
+            if let Some(id) = get_id(md, key, n)? {
+                eog.insert(id);
+            }
+        }
+        let eog_texts: HashSet<&str> = EOG_TEXTS.iter().copied().collect();
+        for (id, text) in tokens.iter().enumerate() {
+            if eog_texts.contains(text.as_str()) {
+                eog.insert(id as u32);
+            }
+        }
+        // gpt-oss ends a message with <|end|> but keeps generating after it; llama.cpp only
+        // stops there when the vocab lacks <|return|> and <|call|>.
+        if ["<|return|>", "<|call|>"]
+            .iter()
+            .all(|t| tokens.iter().any(|x| x == t))
+        {
+            for (id, text) in tokens.iter().enumerate() {
+                if text == "<|end|>" {
+                    eog.remove(&(id as u32));
+                }
+            }
+        }
+
+        Ok(Self {
+            inner,
+            texts: tokens,
+            pieces,
+            bos,
+            add_bos: get_bool(md, KEY_ADD_BOS)?.unwrap_or(add_bos_default),
+            eos: order_eos(eos_id, eog),
+            strip_first_space: spm && add_space_prefix,
+        })
+    }
+
+    /// Build from a Hugging Face tokenizer.json.
+    ///
+    /// Special ids come from a `tokenizer_config.json` next to the file when there is one
+    /// (`bos_token`, `eos_token`, `add_bos_token`), otherwise from well-known token names among
+    /// the file's added tokens. End-of-turn tokens are recognised by name as for GGUF.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let mut inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| anyhow!("reading tokenizer {}: {e}", path.display()))?;
+        // gen feeds whole prompts; a truncation or padding setting in the file must not apply.
+        inner
+            .with_truncation(None)
+            .map_err(|e| anyhow!("disabling truncation: {e}"))?;
+        inner.with_padding(None);
+
+        let config_path = path.with_file_name("tokenizer_config.json");
+        let config: Option<serde_json::Value> = match std::fs::read_to_string(&config_path) {
+            Ok(s) => Some(
+                serde_json::from_str(&s)
+                    .with_context(|| format!("parsing {}", config_path.display()))?,
+            ),
+            Err(_) => None,
+        };
+        let config_token = |field: &str| -> Option<u32> {
+            let v = config.as_ref()?.get(field)?;
+            let text = v.as_str().or_else(|| v.get("content")?.as_str())?;
+            inner.token_to_id(text)
+        };
+        let first_known =
+            |names: &[&str]| -> Option<u32> { names.iter().find_map(|t| inner.token_to_id(t)) };
+
+        let bos = config_token("bos_token")
+            .or_else(|| first_known(&["<|begin_of_text|>", "<bos>", "<s>", "<|startoftext|>"]));
+        let eos_id = config_token("eos_token")
+            .or_else(|| first_known(&["<|end_of_text|>", "<eos>", "</s>", "<|endoftext|>"]));
+        let add_bos = match config
+            .as_ref()
+            .and_then(|c| c.get("add_bos_token"))
+            .and_then(|v| v.as_bool())
+        {
+            Some(b) => b,
+            // Otherwise ask the file's post-processor what it does to an empty prompt.
+            None => match (bos, inner.encode_fast("", true)) {
+                (Some(b), Ok(enc)) => enc.get_ids().first() == Some(&b),
+                _ => false,
+            },
+        };
+
+        let vocab = inner.get_vocab(true);
+        let n = vocab.values().map(|&id| id as usize + 1).max().unwrap_or(0);
+        let mut texts = vec![String::new(); n];
+        for (text, id) in vocab {
+            texts[id as usize] = text;
+        }
+        let eog = EOG_TEXTS
+            .iter()
+            .filter_map(|t| inner.token_to_id(t))
+            .collect();
+        let (pieces, strip_first_space) = hf_pieces(&inner, &texts)?;
+
+        Ok(Self {
+            inner,
+            texts,
+            pieces,
+            bos,
+            add_bos,
+            eos: order_eos(eos_id, eog),
+            strip_first_space,
+        })
+    }
+
+    /// Encode text. Special-token text such as "<|im_start|>" in `text` is parsed as the
+    /// special token. `add_bos`: prepend BOS when the model wants one
+    /// (`tokenizer.ggml.add_bos_token`); pass true for a raw prompt.
+    pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>> {
+        let encoding = self
+            .inner
+            .encode_fast(text, false)
+            .map_err(|e| anyhow!("tokenizing failed: {e}"))?;
+        let mut ids = Vec::with_capacity(encoding.len() + 1);
+        if add_bos && self.add_bos {
+            ids.extend(self.bos);
+        }
+        ids.extend_from_slice(encoding.get_ids());
+        Ok(ids)
+    }
+
+    /// Decode ids to text. Skips nothing: special tokens come out as their text. Bytes that do
+    /// not form valid UTF-8 become U+FFFD.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        let mut bytes = Vec::with_capacity(ids.len() * 4);
+        for (i, &id) in ids.iter().enumerate() {
+            let mut piece = self.piece(id)?;
+            if i == 0 && self.strip_first_space {
+                piece = piece.strip_prefix(b" ").unwrap_or(piece);
+            }
+            bytes.extend_from_slice(piece);
+        }
+        Ok(match String::from_utf8(bytes) {
+            Ok(s) => s,
+            Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+        })
+    }
+
+    /// Number of ids in the vocabulary, special tokens included (for GGUF, the length of
+    /// `tokenizer.ggml.tokens`).
+    pub fn vocab_size(&self) -> usize {
+        self.texts.len()
+    }
+
+    pub fn bos_id(&self) -> Option<u32> {
+        self.bos
+    }
+
+    /// Ids that end generation: `tokenizer.ggml.eos_token_id` first, then end-of-turn and
+    /// similar tokens (`<|im_end|>`, `<end_of_turn>`, ...) the way llama.cpp finds them.
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.eos
+    }
+
+    /// The vocabulary entry for `id` as stored (`Ġworld`, `▁world`, `<0x0A>`), not decoded.
+    pub fn token_text(&self, id: u32) -> Option<String> {
+        self.texts.get(id as usize).cloned()
+    }
+
+    /// The id of a vocabulary entry, written as stored (see `token_text`).
+    pub fn id_of(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The underlying `tokenizers` tokenizer. For GGUF vocabularies it has no post-processor:
+    /// BOS is added by [`Tokenizer::encode`], so `inner().encode(text, true)` adds nothing.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
+    /// A streaming decoder: push ids one at a time, get the new text as soon as it is valid
+    /// UTF-8.
+    pub fn stream(&self) -> TextStream<'_> {
+        TextStream {
+            tokenizer: self,
+            pending: Vec::new(),
+        }
+    }
+
+    fn piece(&self, id: u32) -> Result<&[u8]> {
+        self.pieces.get(id).ok_or_else(|| {
+            anyhow!(
+                "token id {id} is out of range for a vocabulary of {} tokens",
+                self.texts.len()
+            )
+        })
+    }
+}
+
+/// Turns generated ids into text as they arrive. See [`Tokenizer::stream`].
+pub struct TextStream<'a> {
+    tokenizer: &'a Tokenizer,
+    /// The start of a character whose remaining bytes are in tokens not yet pushed.
+    pending: Vec<u8>,
+}
+
+impl TextStream<'_> {
+    /// Returns the text this token adds (possibly empty while a multi-byte character is
+    /// incomplete). Complete characters are never held back. The SentencePiece leading space is
+    /// kept: a stream continues text that is already on screen.
+    pub fn push(&mut self, id: u32) -> Result<String> {
+        let piece = self.tokenizer.piece(id)?;
+        self.pending.extend_from_slice(piece);
+        let mut out = String::new();
+        let mut start = 0;
+        loop {
+            match std::str::from_utf8(&self.pending[start..]) {
+                Ok(s) => {
+                    out.push_str(s);
+                    start = self.pending.len();
+                    break;
+                }
+                Err(e) => {
+                    let valid = start + e.valid_up_to();
+                    out.push_str(&String::from_utf8_lossy(&self.pending[start..valid]));
+                    match e.error_len() {
+                        // Bytes that can never become a character: show them as U+FFFD now
+                        // rather than stalling the stream.
+                        Some(bad) => {
+                            out.push(char::REPLACEMENT_CHARACTER);
+                            start = valid + bad;
+                        }
+                        // The tail may still be completed by the next token.
+                        None => {
+                            start = valid;
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        self.pending.drain(..start);
+        Ok(out)
+    }
+
+    /// Whatever bytes are still pending at the end (lossy), usually empty.
+    pub fn finish(&mut self) -> String {
+        let rest = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        rest
+    }
+}
+
+/// EOS first (callers that need a single stop id take that), then the rest in id order.
+fn order_eos(eos: Option<u32>, mut others: HashSet<u32>) -> Vec<u32> {
+    let mut ids: Vec<u32> = eos.into_iter().collect();
+    if let Some(e) = eos {
+        others.remove(&e);
+    }
+    let mut rest: Vec<u32> = others.into_iter().collect();
+    rest.sort_unstable();
+    ids.extend(rest);
+    ids
+}
+
+fn build_gpt2(
+    tokens: &[String],
+    merges: Vec<(String, String)>,
+    pre: &BpePre,
+) -> Result<tokenizers::Tokenizer> {
+    let vocab: Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .ignore_merges(pre.ignore_merges)
+        .build()
+        .map_err(|e| anyhow!("`{KEY_MERGES}` does not fit `{KEY_TOKENS}`: {e}"))?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+
+    let mut steps = Vec::with_capacity(pre.regexes.len() + 1);
+    for re in pre.regexes {
+        let split = Split::new(
+            SplitPattern::Regex((*re).to_owned()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| anyhow!("compiling pre-tokenizer regex {re:?}: {e}"))?;
+        steps.push(PreTokenizerWrapper::Split(split));
+    }
+    // The regexes already split the text; this only maps bytes to the vocabulary's characters.
+    steps.push(PreTokenizerWrapper::ByteLevel(ByteLevel::new(
+        false, false, false,
+    )));
+    inner.with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(
+        PreTokenizerSequence::new(steps),
+    )));
+    inner.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::new(
+        false, false, false,
+    ))));
+    Ok(inner)
+}
+
+fn build_spm(
+    tokens: &[String],
+    scores: &[f32],
+    unk: Option<String>,
+    add_space_prefix: bool,
+) -> Result<tokenizers::Tokenizer> {
+    let vocab: Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    // Merges in a GGUF "llama" vocab (if any) are ignored: llama.cpp merges by score.
+    let merges = spm_merges(tokens, scores, &vocab);
+    let mut builder = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .byte_fallback(true);
+    if let Some(unk) = unk {
+        builder = builder.unk_token(unk);
+    }
+    let bpe = builder
+        .build()
+        .map_err(|e| anyhow!("building the SentencePiece model from `{KEY_TOKENS}`: {e}"))?;
+    let mut inner = tokenizers::Tokenizer::new(bpe);
+
+    let escape = Replace::new(" ", SPACE_MARKER).map_err(|e| anyhow!("{e}"))?;
+    let normalizer = if add_space_prefix {
+        // Prepend runs per piece between special tokens and skips empty pieces, as llama.cpp
+        // prefixes every raw-text fragment.
+        NormalizerWrapper::Sequence(NormalizerSequence::new(vec![
+            NormalizerWrapper::Prepend(Prepend::new(SPACE_MARKER.to_owned())),
+            NormalizerWrapper::Replace(escape),
+        ]))
+    } else {
+        NormalizerWrapper::Replace(escape)
+    };
+    inner
+        .with_normalizer(Some(normalizer))
+        .map_err(|e| anyhow!("{e}"))?;
+
+    let mut decoders = vec![
+        DecoderWrapper::Replace(Replace::new(SPACE_MARKER, " ").map_err(|e| anyhow!("{e}"))?),
+        DecoderWrapper::ByteFallback(ByteFallback::new()),
+        DecoderWrapper::Fuse(Fuse::new()),
+    ];
+    if add_space_prefix {
+        decoders.push(DecoderWrapper::Strip(Strip::new(' ', 1, 0)));
+    }
+    inner.with_decoder(Some(DecoderWrapper::Sequence(DecoderSequence::new(
+        decoders,
+    ))));
+    Ok(inner)
+}
+
+/// BPE merges that make a BPE model behave like llama.cpp's SentencePiece merging: every way
+/// of writing a vocabulary entry as two vocabulary entries is a merge, ranked by the entry's
+/// score (highest first). Equal scores are ordered by id; llama.cpp breaks such ties by
+/// position instead, which only matters when two different splits of equally scored tokens
+/// compete at once (never in vocabularies whose scores are distinct, like Gemma's and Llama's).
+fn spm_merges(tokens: &[String], scores: &[f32], vocab: &Vocab) -> Vec<(String, String)> {
+    // Gemma's 262k entries have ~2M split points to look up: spread them over the cores so
+    // loading stays well under a second.
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+    let chunk = tokens.len().div_ceil(threads).max(1);
+    let splits_of = |first: usize, part: &[String]| {
+        let mut found: Vec<(usize, usize)> = Vec::new();
+        for (id, text) in (first..).zip(part) {
+            // With duplicate texts only the id a lookup returns can ever be produced.
+            if vocab.get(text.as_str()).map(|&v| v as usize) != Some(id) {
+                continue;
+            }
+            for (split, _) in text.char_indices().skip(1) {
+                let (left, right) = text.split_at(split);
+                if vocab.contains_key(right) && vocab.contains_key(left) {
+                    found.push((id, split));
+                }
+            }
+        }
+        found
+    };
+    let mut found: Vec<(usize, usize)> = Vec::new();
+    std::thread::scope(|scope| {
+        let mut workers = Vec::new();
+        for (i, part) in tokens.chunks(chunk).enumerate() {
+            let first = i * chunk;
+            match std::thread::Builder::new().spawn_scoped(scope, move || splits_of(first, part)) {
+                Ok(worker) => workers.push(worker),
+                // No thread to be had: do this share here instead.
+                Err(_) => found.extend(splits_of(first, part)),
+            }
+        }
+        for worker in workers {
+            found.extend(
+                worker
+                    .join()
+                    .unwrap_or_else(|e| std::panic::resume_unwind(e)),
+            );
+        }
+    });
+    found.sort_unstable_by(|a, b| {
+        scores[b.0]
+            .total_cmp(&scores[a.0])
+            .then(a.0.cmp(&b.0))
+            .then(a.1.cmp(&b.1))
+    });
+    found
+        .into_iter()
+        .map(|(id, split)| {
+            let (left, right) = tokens[id].split_at(split);
+            (left.to_owned(), right.to_owned())
+        })
+        .collect()
+}
+
+fn parse_merges(md: &HashMap<String, gguf_file::Value>) -> Result<Vec<(String, String)>> {
+    get_str_array(md, KEY_MERGES)?
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| {
+            // The separator is the first space after the first character, as in llama.cpp.
+            let first_len = m.chars().next().map_or(0, char::len_utf8);
+            let at = m
+                .get(first_len..)
+                .and_then(|rest| rest.find(' '))
+                .map(|p| p + first_len)
+                .ok_or_else(|| anyhow!("`{KEY_MERGES}`[{i}] = {m:?} is not two tokens"))?;
+            Ok((m[..at].to_owned(), m[at + 1..].to_owned()))
+        })
+        .collect()
+}
+
+/// Per-id bytes for a GGUF vocabulary, following llama.cpp's token_to_piece (with special
+/// tokens rendered).
+fn gguf_pieces(tokens: &[String], kinds: &[TokenKind], spm: bool, typed: bool) -> Pieces {
+    let inverse = byte_level_inverse();
+    let mut pieces = Pieces::with_capacity(tokens.len());
+    let mut buf = Vec::new();
+    for (text, &kind) in tokens.iter().zip(kinds) {
+        buf.clear();
+        // Without a type array llama.cpp has no byte tokens; we still read `<0xNN>` as a byte
+        // in SentencePiece vocabs because byte fallback produces them.
+        let byte = (kind == TokenKind::Byte || (spm && !typed))
+            .then(|| parse_byte_token(text))
+            .flatten();
+        match (byte, kind) {
+            (Some(b), _) => buf.push(b),
+            (None, TokenKind::Normal) if spm => {
+                buf.extend_from_slice(text.replace(SPACE_MARKER, " ").as_bytes())
+            }
+            (None, TokenKind::Normal) => byte_level_decode(text, &inverse, &mut buf),
+            _ => buf.extend_from_slice(text.as_bytes()),
+        }
+        pieces.push(&buf);
+    }
+    pieces
+}
+
+/// Per-id bytes for a tokenizer.json, read off its decoder: byte-level vocabularies map chars
+/// back to bytes, SentencePiece-style ones turn `▁` into a space and `<0xNN>` into a byte.
+/// Anything else decodes each token on its own through the file's decoder.
+fn hf_pieces(inner: &tokenizers::Tokenizer, texts: &[String]) -> Result<(Pieces, bool)> {
+    let decoder = match inner.get_decoder() {
+        Some(d) => serde_json::to_value(d).context("inspecting the tokenizer's decoder")?,
+        None => serde_json::Value::Null,
+    };
+    let mut steps = Vec::new();
+    collect_decoder_steps(&decoder, &mut steps);
+    let has = |ty: &str| {
+        steps
+            .iter()
+            .any(|s| s.get("type").and_then(|t| t.as_str()) == Some(ty))
+    };
+    let marker: Option<String> = steps.iter().find_map(|s| match s.get("type")?.as_str()? {
+        "Metaspace" => Some(s.get("replacement")?.as_str()?.to_owned()),
+        "Replace" if s.get("content")?.as_str()? == " " => {
+            Some(s.get("pattern")?.get("String")?.as_str()?.to_owned())
+        }
+        _ => None,
+    });
+    let strip_first_space = steps
+        .iter()
+        .any(|s| match s.get("type").and_then(|t| t.as_str()) {
+            Some("Strip") => s.get("start").and_then(|v| v.as_u64()).unwrap_or(0) > 0,
+            Some("Metaspace") => {
+                s.get("prepend_scheme").and_then(|v| v.as_str()) != Some("never")
+                    || s.get("add_prefix_space").and_then(|v| v.as_bool()) == Some(true)
+            }
+            _ => false,
+        });
+    let byte_level = has("ByteLevel");
+    let byte_fallback = has("ByteFallback");
+    let added = inner.get_added_tokens_decoder();
+    let inverse = byte_level_inverse();
+
+    let mut pieces = Pieces::with_capacity(texts.len());
+    let mut buf = Vec::new();
+    for (id, text) in texts.iter().enumerate() {
+        buf.clear();
+        let id = id as u32;
+        if text.is_empty() || added.contains_key(&id) {
+            buf.extend_from_slice(text.as_bytes());
+        } else if byte_level {
+            byte_level_decode(text, &inverse, &mut buf);
+        } else if let Some(marker) = &marker {
+            match parse_byte_token(text).filter(|_| byte_fallback) {
+                Some(b) => buf.push(b),
+                None => buf.extend_from_slice(text.replace(marker.as_str(), " ").as_bytes()),
+            }
+        } else {
+            let s = inner
+                .decode(&[id], false)
+                .map_err(|e| anyhow!("decoding token {id}: {e}"))?;
+            buf.extend_from_slice(s.as_bytes());
+        }
+        pieces.push(&buf);
+    }
+    Ok((pieces, marker.is_some() && strip_first_space))
+}
+
+fn collect_decoder_steps<'a>(v: &'a serde_json::Value, out: &mut Vec<&'a serde_json::Value>) {
+    if let Some(inner) = v.get("decoders").and_then(|d| d.as_array()) {
+        for d in inner {
+            collect_decoder_steps(d, out);
+        }
+    } else if v.is_object() {
+        out.push(v);
+    }
+}
+
+// --- GGUF metadata access: every failure names the key. ---
+
+fn get<'a>(md: &'a HashMap<String, gguf_file::Value>, key: &str) -> Result<&'a gguf_file::Value> {
+    md.get(key)
+        .ok_or_else(|| anyhow!("GGUF metadata has no `{key}`"))
+}
+
+fn value_str<'a>(v: &'a gguf_file::Value, key: &str) -> Result<&'a str> {
+    match v {
+        gguf_file::Value::String(s) => Ok(s),
+        other => bail!("`{key}` should be a string, found {:?}", other.value_type()),
+    }
+}
+
+fn get_str<'a>(md: &'a HashMap<String, gguf_file::Value>, key: &str) -> Result<&'a str> {
+    value_str(get(md, key)?, key)
+}
+
+fn array<'a>(v: &'a gguf_file::Value, key: &str) -> Result<&'a [gguf_file::Value]> {
+    match v {
+        gguf_file::Value::Array(a) => Ok(a),
+        other => bail!("`{key}` should be an array, found {:?}", other.value_type()),
+    }
+}
+
+fn get_str_array<'a>(md: &'a HashMap<String, gguf_file::Value>, key: &str) -> Result<Vec<&'a str>> {
+    array(get(md, key)?, key)?
+        .iter()
+        .enumerate()
+        .map(|(i, v)| match v {
+            gguf_file::Value::String(s) => Ok(s.as_str()),
+            other => bail!(
+                "`{key}`[{i}] should be a string, found {:?}",
+                other.value_type()
+            ),
+        })
+        .collect()
+}
+
+fn as_i64(v: &gguf_file::Value) -> Option<i64> {
+    use gguf_file::Value as V;
+    Some(match *v {
+        V::U8(x) => x.into(),
+        V::I8(x) => x.into(),
+        V::U16(x) => x.into(),
+        V::I16(x) => x.into(),
+        V::U32(x) => x.into(),
+        V::I32(x) => x.into(),
+        V::U64(x) => i64::try_from(x).ok()?,
+        V::I64(x) => x,
+        _ => return None,
+    })
+}
+
+fn int_array(v: &gguf_file::Value, key: &str) -> Result<Vec<i64>> {
+    array(v, key)?
+        .iter()
+        .enumerate()
+        .map(|(i, x)| {
+            as_i64(x).ok_or_else(|| {
+                anyhow!(
+                    "`{key}`[{i}] should be an integer, found {:?}",
+                    x.value_type()
+                )
+            })
+        })
+        .collect()
+}
+
+fn f32_array(md: &HashMap<String, gguf_file::Value>, key: &str) -> Result<Vec<f32>> {
+    array(get(md, key)?, key)?
+        .iter()
+        .enumerate()
+        .map(|(i, x)| match *x {
+            gguf_file::Value::F32(f) => Ok(f),
+            gguf_file::Value::F64(f) => Ok(f as f32),
+            ref other => bail!(
+                "`{key}`[{i}] should be a number, found {:?}",
+                other.value_type()
+            ),
+        })
+        .collect()
+}
+
+/// An optional token id; present but malformed or out of range is an error.
+fn get_id(md: &HashMap<String, gguf_file::Value>, key: &str, n: usize) -> Result<Option<u32>> {
+    let Some(v) = md.get(key) else {
+        return Ok(None);
+    };
+    let id = as_i64(v)
+        .ok_or_else(|| anyhow!("`{key}` should be an integer, found {:?}", v.value_type()))?;
+    match u32::try_from(id) {
+        Ok(id) if (id as usize) < n => Ok(Some(id)),
+        _ => bail!("`{key}` = {id} is out of range for a vocabulary of {n} tokens"),
+    }
+}
+
+fn get_bool(md: &HashMap<String, gguf_file::Value>, key: &str) -> Result<Option<bool>> {
+    match md.get(key) {
+        None => Ok(None),
+        Some(gguf_file::Value::Bool(b)) => Ok(Some(*b)),
+        Some(other) => bail!("`{key}` should be a bool, found {:?}", other.value_type()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gguf_file::Value;
+
+    fn s(x: &str) -> Value {
+        Value::String(x.to_owned())
+    }
+
+    fn str_array(xs: &[String]) -> Value {
+        Value::Array(xs.iter().map(|x| s(x)).collect())
+    }
+
+    const GPT2_SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+
+    /// A byte-level vocab: three control tokens, all 256 byte characters, and a few merges.
+    fn gpt2_md(pre: &str) -> HashMap<String, Value> {
+        let mut tokens: Vec<String> = GPT2_SPECIALS.iter().map(|t| t.to_string()).collect();
+        tokens.extend(byte_level_chars().iter().map(|c| c.to_string()));
+        let merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or"];
+        for m in merges {
+            tokens.push(m.replace(' ', ""));
+        }
+        let mut types = vec![Value::I32(3); 3];
+        types.resize(tokens.len(), Value::I32(1));
+        let mut md = HashMap::new();
+        md.insert(KEY_MODEL.into(), s("gpt2"));
+        md.insert(KEY_PRE.into(), s(pre));
+        md.insert(KEY_TOKENS.into(), str_array(&tokens));
+        md.insert(
+            KEY_MERGES.into(),
+            Value::Array(merges.iter().map(|m| s(m)).collect()),
+        );
+        md.insert(KEY_TOKEN_TYPE.into(), Value::Array(types));
+        md.insert(KEY_BOS.into(), Value::U32(1));
+        md.insert(KEY_EOS.into(), Value::U32(0));
+        md.insert(KEY_ADD_BOS.into(), Value::Bool(false));
+        md
+    }
+
+    fn gpt2(pre: &str) -> Tokenizer {
+        Tokenizer::from_gguf_metadata(&gpt2_md(pre)).unwrap()
+    }
+
+    fn texts(t: &Tokenizer, ids: &[u32]) -> Vec<String> {
+        ids.iter().map(|&i| t.token_text(i).unwrap()).collect()
+    }
+
+    fn err(md: &HashMap<String, Value>) -> String {
+        format!("{:#}", Tokenizer::from_gguf_metadata(md).unwrap_err())
+    }
+
+    #[test]
+    fn byte_level_table_is_a_bijection_onto_printable_chars() {
+        let chars = byte_level_chars();
+        let distinct: HashSet<char> = chars.iter().copied().collect();
+        assert_eq!(distinct.len(), 256);
+        assert_eq!(chars[usize::from(b' ')], 'Ġ');
+        assert_eq!(chars[usize::from(b'\n')], 'Ċ');
+        assert_eq!(chars[usize::from(b'A')], 'A');
+        assert!(chars.iter().all(|c| !c.is_whitespace() && !c.is_control()));
+    }
+
+    #[test]
+    fn no_space_is_added_after_special_tokens() {
+        let t = gpt2("smollm");
+        let ids = t.encode("<|im_start|>hello<|im_end|>", false).unwrap();
+        assert_eq!(texts(&t, &ids), ["<|im_start|>", "hello", "<|im_end|>"]);
+        let ids = t.encode("hello world", false).unwrap();
+        assert_eq!(texts(&t, &ids), ["hello", "Ġwor", "l", "d"]);
+    }
+
+    #[test]
+    fn smollm_splits_digits_one_by_one() {
+        let t = gpt2("smollm");
+        let ids = t.encode("a 123", false).unwrap();
+        assert_eq!(texts(&t, &ids), ["a", "Ġ", "1", "2", "3"]);
+    }
+
+    #[test]
+    fn missing_pre_uses_llama_cpp_default_and_unknown_pre_is_refused() {
+        let mut md = gpt2_md("x");
+        md.remove(KEY_PRE);
+        let t = Tokenizer::from_gguf_metadata(&md).unwrap();
+        assert_eq!(
+            t.decode(&t.encode("hello, world", false).unwrap()).unwrap(),
+            "hello, world"
+        );
+        let e = err(&gpt2_md("no-such-pre"));
+        assert!(e.contains("no-such-pre") && e.contains(KEY_PRE), "{e}");
+    }
+
+    #[test]
+    fn bos_only_when_asked_and_wanted() {
+        let mut md = gpt2_md("smollm");
+        let t = Tokenizer::from_gguf_metadata(&md).unwrap();
+        assert_eq!(
+            t.encode("hello", true).unwrap(),
+            t.encode("hello", false).unwrap()
+        );
+        md.insert(KEY_ADD_BOS.into(), Value::Bool(true));
+        let t = Tokenizer::from_gguf_metadata(&md).unwrap();
+        assert_eq!(t.bos_id(), Some(1));
+        assert_eq!(t.encode("hello", true).unwrap()[0], 1);
+        assert_ne!(t.encode("hello", false).unwrap()[0], 1);
+        assert_eq!(t.encode("", true).unwrap(), [1]);
+        assert!(t.encode("", false).unwrap().is_empty());
+    }
+
+    #[test]
+    fn eos_ids_start_with_eos_and_include_end_of_turn() {
+        let t = gpt2("smollm");
+        assert_eq!(t.eos_ids(), [0, 2]);
+        assert_eq!(t.id_of("<|im_end|>"), Some(2));
+    }
+
+    #[test]
+    fn decode_and_stream_reassemble_multibyte_characters() {
+        let t = gpt2("smollm");
+        let text = "<|im_start|>héllo 世界 🦀\n\t x<|im_end|>";
+        let ids = t.encode(text, false).unwrap();
+        assert_eq!(t.decode(&ids).unwrap(), text);
+        assert_eq!(t.inner().decode(&ids, false).unwrap(), text);
+
+        let mut stream = t.stream();
+        let mut out = String::new();
+        for &id in &ids {
+            let chunk = stream.push(id).unwrap();
+            assert!(!chunk.contains('\u{FFFD}'));
+            out.push_str(&chunk);
+        }
+        out.push_str(&stream.finish());
+        assert_eq!(out, text);
+
+        // "世" is three byte tokens: nothing, nothing, then the character.
+        let ids = t.encode("世", false).unwrap();
+        assert_eq!(ids.len(), 3);
+        let mut stream = t.stream();
+        let chunks: Vec<String> = ids.iter().map(|&i| stream.push(i).unwrap()).collect();
+        assert_eq!(chunks, ["", "", "世"]);
+    }
+
+    #[test]
+    fn stream_does_not_stall_on_invalid_bytes() {
+        let t = gpt2("smollm");
+        let byte = |b: u8| {
+            t.id_of(&byte_level_chars()[usize::from(b)].to_string())
+                .unwrap()
+        };
+        let mut stream = t.stream();
+        // A lead byte followed by a space: the lead byte can never complete.
+        assert_eq!(stream.push(byte(0xE4)).unwrap(), "");
+        assert_eq!(stream.push(byte(b' ')).unwrap(), "\u{FFFD} ");
+        // A stray continuation byte comes out at once.
+        assert_eq!(stream.push(byte(0x80)).unwrap(), "\u{FFFD}");
+        // An unfinished character at the end is flushed by finish.
+        assert_eq!(stream.push(byte(0xE4)).unwrap(), "");
+        assert_eq!(stream.finish(), "\u{FFFD}");
+        assert_eq!(stream.finish(), "");
+    }
+
+    #[test]
+    fn out_of_range_ids_are_errors_not_panics() {
+        let t = gpt2("smollm");
+        let n = t.vocab_size() as u32;
+        assert!(t.decode(&[n]).is_err());
+        assert!(t.stream().push(u32::MAX).is_err());
+        assert_eq!(t.token_text(n), None);
+    }
+
+    #[test]
+    fn malformed_metadata_names_the_key() {
+        let mut md = gpt2_md("smollm");
+        md.insert(KEY_MODEL.into(), s("bert"));
+        let e = err(&md);
+        assert!(e.contains("`bert`") && e.contains(KEY_MODEL), "{e}");
+
+        for key in [KEY_MODEL, KEY_TOKENS, KEY_MERGES] {
+            let mut md = gpt2_md("smollm");
+            md.remove(key);
+            let e = err(&md);
+            assert!(e.contains(key), "{e}");
+        }
+
+        let mut md = gpt2_md("smollm");
+        md.insert(KEY_TOKEN_TYPE.into(), Value::Array(vec![Value::I32(1); 5]));
+        let e = err(&md);
+        assert!(e.contains(KEY_TOKEN_TYPE) && e.contains("5 entries"), "{e}");
+
+        let mut md = gpt2_md("smollm");
+        md.insert(KEY_BOS.into(), Value::U32(1_000_000));
+        let e = err(&md);
+        assert!(e.contains(KEY_BOS) && e.contains("out of range"), "{e}");
+
+        let mut md = gpt2_md("smollm");
+        md.insert(KEY_EOS.into(), Value::I32(-1));
+        assert!(err(&md).contains(KEY_EOS));
+
+        let mut md = gpt2_md("smollm");
+        md.insert(KEY_TOKENS.into(), Value::Array(vec![s("a"), Value::U8(1)]));
+        let e = err(&md);
+        assert!(e.contains("tokenizer.ggml.tokens`[1]"), "{e}");
+
+        let mut md = gpt2_md("smollm");
+        md.insert(KEY_MERGES.into(), Value::Array(vec![s("he")]));
+        let e = err(&md);
+        assert!(e.contains(KEY_MERGES), "{e}");
+
+        let mut md = gpt2_md("smollm");
+        md.insert(KEY_MERGES.into(), Value::Array(vec![s("x y")]));
+        let e = err(&md);
+        assert!(e.contains(KEY_MERGES), "{e}");
+
+        let mut md = gpt2_md("smollm");
+        md.insert(KEY_ADD_BOS.into(), Value::U8(1));
+        assert!(err(&md).contains(KEY_ADD_BOS));
+
+        let mut md = gpt2_md("smollm");
+        md.insert(KEY_TOKENS.into(), s("abc"));
+        assert!(err(&md).contains(KEY_TOKENS));
+    }
+
+    /// A SentencePiece vocab whose scores make "bc" win over "ab".
+    fn spm_md(add_space_prefix: bool) -> HashMap<String, Value> {
+        let mut tokens: Vec<(String, f32, i32)> = vec![
+            ("<unk>".into(), 0.0, 2),
+            ("<s>".into(), 0.0, 3),
+            ("</s>".into(), 0.0, 3),
+            ("<start_of_turn>".into(), 0.0, 3),
+            ("<end_of_turn>".into(), 0.0, 3),
+            ("  ".into(), 0.0, 4),
+        ];
+        for b in 0..=255u8 {
+            tokens.push((format!("<0x{b:02X}>"), 0.0, 6));
+        }
+        for (t, score) in [
+            ("▁", -1.0),
+            ("a", -2.0),
+            ("b", -3.0),
+            ("c", -4.0),
+            ("ab", -5.0),
+            ("bc", -1.5),
+            ("▁a", -0.5),
+            ("▁b", -6.0),
+        ] {
+            tokens.push((t.into(), score, 1));
+        }
+        let mut md = HashMap::new();
+        md.insert(KEY_MODEL.into(), s("llama"));
+        md.insert(
+            KEY_TOKENS.into(),
+            Value::Array(tokens.iter().map(|t| s(&t.0)).collect()),
+        );
+        md.insert(
+            KEY_SCORES.into(),
+            Value::Array(tokens.iter().map(|t| Value::F32(t.1)).collect()),
+        );
+        md.insert(
+            KEY_TOKEN_TYPE.into(),
+            Value::Array(tokens.iter().map(|t| Value::I32(t.2)).collect()),
+        );
+        md.insert(KEY_BOS.into(), Value::U32(1));
+        md.insert(KEY_EOS.into(), Value::U32(2));
+        md.insert(KEY_UNK.into(), Value::U32(0));
+        md.insert(KEY_ADD_SPACE_PREFIX.into(), Value::Bool(add_space_prefix));
+        md
+    }
+
+    #[test]
+    fn spm_merges_by_score_not_by_position() {
+        let t = Tokenizer::from_gguf_metadata(&spm_md(false)).unwrap();
+        let ids = t.encode("abc", false).unwrap();
+        assert_eq!(texts(&t, &ids), ["a", "bc"]);
+        let ids = t.encode("ab", false).unwrap();
+        assert_eq!(texts(&t, &ids), ["ab"]);
+    }
+
+    #[test]
+    fn spm_byte_fallback_spaces_and_user_defined_tokens() {
+        let t = Tokenizer::from_gguf_metadata(&spm_md(false)).unwrap();
+        let ids = t.encode("é b", false).unwrap();
+        assert_eq!(texts(&t, &ids), ["<0xC3>", "<0xA9>", "▁b"]);
+        // The user-defined "  " matches two real spaces, before `▁` escaping.
+        let ids = t.encode("a  b", false).unwrap();
+        assert_eq!(texts(&t, &ids), ["a", "  ", "b"]);
+        let ids = t.encode("<start_of_turn>a b<end_of_turn>", false).unwrap();
+        assert_eq!(
+            texts(&t, &ids),
+            ["<start_of_turn>", "a", "▁b", "<end_of_turn>"]
+        );
+        for text in ["é b", "a  b", "<start_of_turn>a b<end_of_turn>", " a"] {
+            let ids = t.encode(text, false).unwrap();
+            assert_eq!(t.decode(&ids).unwrap(), text);
+            assert_eq!(t.inner().decode(&ids, false).unwrap(), text);
+        }
+        let ids = t.encode("é b", false).unwrap();
+        let mut stream = t.stream();
+        let chunks: Vec<String> = ids.iter().map(|&i| stream.push(i).unwrap()).collect();
+        assert_eq!(chunks, ["", "é", " b"]);
+        assert_eq!(t.eos_ids(), [2, 4]);
+        // No add_bos_token key: SentencePiece models want BOS, as in llama.cpp.
+        assert_eq!(t.encode("a", true).unwrap()[0], 1);
+    }
+
+    #[test]
+    fn spm_space_prefix_is_added_per_fragment_and_stripped_by_decode() {
+        let t = Tokenizer::from_gguf_metadata(&spm_md(true)).unwrap();
+        let ids = t.encode("a", false).unwrap();
+        assert_eq!(texts(&t, &ids), ["▁a"]);
+        assert_eq!(t.decode(&ids).unwrap(), "a");
+        // The stream continues text on screen, so it keeps the space.
+        assert_eq!(t.stream().push(ids[0]).unwrap(), " a");
+        let ids = t.encode("<start_of_turn>a", false).unwrap();
+        assert_eq!(texts(&t, &ids), ["<start_of_turn>", "▁a"]);
+        assert_eq!(t.decode(&ids).unwrap(), "<start_of_turn> a");
+        assert_eq!(t.encode("", false).unwrap(), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn spm_requires_scores_of_the_right_length() {
+        let mut md = spm_md(false);
+        md.remove(KEY_SCORES);
+        assert!(err(&md).contains(KEY_SCORES));
+        let mut md = spm_md(false);
+        md.insert(KEY_SCORES.into(), Value::Array(vec![Value::F32(0.0)]));
+        assert!(err(&md).contains(KEY_SCORES));
+    }
+
+    #[test]
+    fn spm_merge_list_is_every_split_ranked_by_score() {
+        let tokens: Vec<String> = ["a", "b", "c", "ab", "bc", "abc"]
+            .iter()
+            .map(|t| t.to_string())
+            .collect();
+        let scores = [0.0, 0.0, 0.0, -3.0, -1.0, -2.0];
+        let vocab: Vocab = (0..).zip(&tokens).map(|(i, t)| (t.clone(), i)).collect();
+        let merges = spm_merges(&tokens, &scores, &vocab);
+        let merges: Vec<(&str, &str)> = merges
+            .iter()
+            .map(|(a, b)| (a.as_str(), b.as_str()))
+            .collect();
+        assert_eq!(merges, [("b", "c"), ("a", "bc"), ("ab", "c"), ("a", "b")]);
+    }
+
+    #[test]
+    fn byte_tokens_parse() {
+        assert_eq!(parse_byte_token("<0x0A>"), Some(b'\n'));
+        assert_eq!(parse_byte_token("<0xff>"), Some(0xFF));
+        assert_eq!(parse_byte_token("<0x0A"), None);
+        assert_eq!(parse_byte_token("<0x100>"), None);
+        assert_eq!(parse_byte_token("<0xé>"), None);
+    }
+}
