@@ -383,3 +383,41 @@ fn ctrl_c_flushes_the_partial_reply_prints_the_report_and_exits_130() {
     all.extend_from_slice(&out.stdout);
     assert!(all.len() >= 16 && !text(&all).is_empty());
 }
+
+/// A small GGUF written by the test: given metadata and one f32 tensor.
+fn tiny_gguf(path: &Path, arch: &str, tensor_type_patch: Option<u32>) {
+    use candle_core::quantized::{gguf_file, QTensor};
+    use candle_core::{Device, Tensor};
+    let t = QTensor::quantize(&Tensor::zeros((4, 32), candle_core::DType::F32, &Device::Cpu).unwrap(), candle_core::quantized::GgmlDType::F32).unwrap();
+    let arch_v = gguf_file::Value::String(arch.to_string());
+    let name_v = gguf_file::Value::String("tiny".to_string());
+    let mut f = std::fs::File::create(path).unwrap();
+    gguf_file::write(&mut f, &[("general.architecture", &arch_v), ("general.name", &name_v)], &[("token_embd.weight", &t)]).unwrap();
+    drop(f);
+    if let Some(ty) = tensor_type_patch {
+        // The tensor's type id sits right after its name, dim count and two dims.
+        let mut bytes = std::fs::read(path).unwrap();
+        let name = b"token_embd.weight";
+        let at = bytes.windows(name.len()).position(|w| w == name).unwrap() + name.len() + 4 + 16;
+        bytes[at..at + 4].copy_from_slice(&ty.to_le_bytes());
+        std::fs::write(path, bytes).unwrap();
+    }
+}
+
+#[test]
+fn unsupported_architecture_and_tensor_type_are_one_line_errors() {
+    let dir = tempdir("unsupported");
+    let mamba = dir.join("mamba.gguf");
+    tiny_gguf(&mamba, "mamba", None);
+    let out = run(&["--model", mamba.to_str().unwrap(), "--prompt", "x"], None);
+    assert_eq!(out.status.code(), Some(1));
+    let line = one_error_line(&out);
+    assert!(line.contains("\"mamba\"") && line.contains("supported: llama"), "{line}");
+
+    let bad_type = dir.join("badtype.gguf");
+    tiny_gguf(&bad_type, "llama", Some(9999));
+    let out = run(&["--model", bad_type.to_str().unwrap(), "--prompt", "x"], None);
+    assert_eq!(out.status.code(), Some(1));
+    let line = one_error_line(&out);
+    assert!(line.contains("badtype.gguf"), "{line}");
+}
