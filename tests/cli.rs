@@ -141,7 +141,7 @@ fn chat_uses_the_models_template() {
         &[
             "--chat",
             "--prompt",
-            "What is the capital of France?",
+            "What is 2+2?",
             "--max-new",
             "40",
             "--stats",
@@ -151,7 +151,7 @@ fn chat_uses_the_models_template() {
     );
     assert!(out.status.success(), "{}", text(&out.stderr));
     let reply = text(&out.stdout);
-    assert!(reply.contains("Paris"), "{reply}");
+    assert!(reply.contains('4'), "{reply}");
     assert!(
         !reply.contains("<|im_end|>") && !reply.contains("<|im_start|>"),
         "{reply}"
@@ -388,11 +388,20 @@ fn ctrl_c_flushes_the_partial_reply_prints_the_report_and_exits_130() {
 fn tiny_gguf(path: &Path, arch: &str, tensor_type_patch: Option<u32>) {
     use candle_core::quantized::{gguf_file, QTensor};
     use candle_core::{Device, Tensor};
-    let t = QTensor::quantize(&Tensor::zeros((4, 32), candle_core::DType::F32, &Device::Cpu).unwrap(), candle_core::quantized::GgmlDType::F32).unwrap();
+    let t = QTensor::quantize(
+        &Tensor::zeros((4, 32), candle_core::DType::F32, &Device::Cpu).unwrap(),
+        candle_core::quantized::GgmlDType::F32,
+    )
+    .unwrap();
     let arch_v = gguf_file::Value::String(arch.to_string());
     let name_v = gguf_file::Value::String("tiny".to_string());
     let mut f = std::fs::File::create(path).unwrap();
-    gguf_file::write(&mut f, &[("general.architecture", &arch_v), ("general.name", &name_v)], &[("token_embd.weight", &t)]).unwrap();
+    gguf_file::write(
+        &mut f,
+        &[("general.architecture", &arch_v), ("general.name", &name_v)],
+        &[("token_embd.weight", &t)],
+    )
+    .unwrap();
     drop(f);
     if let Some(ty) = tensor_type_patch {
         // The tensor's type id sits right after its name, dim count and two dims.
@@ -412,11 +421,17 @@ fn unsupported_architecture_and_tensor_type_are_one_line_errors() {
     let out = run(&["--model", mamba.to_str().unwrap(), "--prompt", "x"], None);
     assert_eq!(out.status.code(), Some(1));
     let line = one_error_line(&out);
-    assert!(line.contains("\"mamba\"") && line.contains("supported: llama"), "{line}");
+    assert!(
+        line.contains("\"mamba\"") && line.contains("supported: llama"),
+        "{line}"
+    );
 
     let bad_type = dir.join("badtype.gguf");
     tiny_gguf(&bad_type, "llama", Some(9999));
-    let out = run(&["--model", bad_type.to_str().unwrap(), "--prompt", "x"], None);
+    let out = run(
+        &["--model", bad_type.to_str().unwrap(), "--prompt", "x"],
+        None,
+    );
     assert_eq!(out.status.code(), Some(1));
     let line = one_error_line(&out);
     assert!(line.contains("badtype.gguf"), "{line}");

@@ -8,12 +8,12 @@
 //! its own for now), and CPU kernels of our own (candle's quantized matmul does the work).
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use candle_core::quantized::{gguf_file, QMatMul, QTensor};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::quantized::{gguf_file, QTensor};
+use candle_core::{DType, Device, Tensor};
 
+use super::qlinear::QLinear;
 use super::{LanguageModel, ModelInfo, SeqId, SeqStep};
 
 /// Hyper-parameters read from the GGUF metadata.
@@ -89,14 +89,14 @@ impl LlamaConfig {
 
 struct Layer {
     attn_norm: Tensor, // (d)
-    wq: QMatMul,       // (h*hd, d)
-    wk: QMatMul,       // (kv*hd, d)
-    wv: QMatMul,       // (kv*hd, d)
-    wo: QMatMul,       // (d, h*hd)
+    wq: QLinear,       // (h*hd, d)
+    wk: QLinear,       // (kv*hd, d)
+    wv: QLinear,       // (kv*hd, d)
+    wo: QLinear,       // (d, h*hd)
     ffn_norm: Tensor,  // (d)
-    w_gate: QMatMul,   // (ff, d)
-    w_up: QMatMul,     // (ff, d)
-    w_down: QMatMul,   // (d, ff)
+    w_gate: QLinear,   // (ff, d)
+    w_up: QLinear,     // (ff, d)
+    w_down: QLinear,   // (d, ff)
 }
 
 /// One sequence's keys and values, preallocated for its whole capacity and written in place.
@@ -111,10 +111,10 @@ pub struct Llama {
     info: ModelInfo,
     cfg: LlamaConfig,
     device: Device,
-    embedding: Arc<QTensor>, // (V, d)
+    embedding: QTensor, // (V, d)
     layers: Vec<Layer>,
     out_norm: Tensor, // (d)
-    output: QMatMul,  // (V, d)
+    output: QLinear,  // (V, d)
     rope_cos: Tensor, // (context, hd/2)
     rope_sin: Tensor, // (context, hd/2)
     seqs: Vec<Option<KvCache>>,
@@ -133,7 +133,7 @@ impl Llama {
                 .tensor(reader, n, device)
                 .with_context(|| format!("reading tensor {n}"))
         };
-        let embedding = Arc::new(tensor("token_embd.weight")?);
+        let embedding = tensor("token_embd.weight")?;
         let (vocab_size, emb_width) = embedding.shape().dims2()?;
         if emb_width != cfg.d_model {
             bail!(
@@ -155,7 +155,7 @@ impl Llama {
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let p = format!("blk.{i}");
-            let mut mm = |n: &str, rows: Option<usize>, cols: usize| -> Result<(QMatMul, usize)> {
+            let mut mm = |n: &str, rows: Option<usize>, cols: usize| -> Result<(QLinear, usize)> {
                 let q = tensor(&format!("{p}.{n}.weight"))?;
                 let dims = q.shape().dims().to_vec();
                 if dims.len() != 2 || rows.is_some_and(|r| r != dims[0]) || dims[1] != cols {
@@ -164,7 +164,7 @@ impl Llama {
                         rows.map_or("_".into(), |r| r.to_string())
                     );
                 }
-                Ok((QMatMul::from_qtensor(q)?, dims[0]))
+                Ok((QLinear::new(q, device)?, dims[0]))
             };
             let (d, h, kv, hd) = (cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.head_dim);
             let (wq, _) = mm("attn_q", Some(h * hd), d)?;
@@ -199,9 +199,9 @@ impl Llama {
                     cfg.d_model
                 );
             }
-            QMatMul::from_qtensor(q)?
+            QLinear::new(q, device)?
         } else {
-            QMatMul::from_arc(embedding.clone())?
+            QLinear::new(tensor("token_embd.weight")?, device)?
         };
         let (rope_cos, rope_sin) =
             rope_tables(cfg.head_dim, cfg.rope_base, cfg.context_len, device)?;

@@ -5,6 +5,7 @@
 //! One call of `forward` is one forward pass, whatever the batch holds.
 
 pub mod llama;
+pub mod qlinear;
 
 use candle_core::Tensor;
 
