@@ -58,29 +58,78 @@ enum WeightType {
     Q8_0,
 }
 
+/// Rows of 32-value blocks, repacked for the kernels: each block's scale (and Q4_1's minimum,
+/// or Q8_1's sum) as f32, converted from f16 once, and the packed quants apart from them, so
+/// the inner loop does no f16 conversion and loads aligned runs of quants.
+struct Blocks {
+    /// d of every block.
+    scale: Vec<f32>,
+    /// Q4_1 weights: m of every block. Q8_1 activations: s = d * sum(q). Q8_0: empty.
+    offset: Vec<f32>,
+    /// Quants, `per_block` bytes a block: 16 (two nibbles a byte) for Q4_1, 32 for Q8.
+    qs: Vec<u8>,
+    per_block: usize,
+    /// Blocks in a row: K / 32.
+    row_blocks: usize,
+}
+
+/// One row of `Blocks`, borrowed.
+#[derive(Clone, Copy)]
+struct Row<'a> {
+    scale: &'a [f32],
+    offset: &'a [f32],
+    qs: &'a [u8],
+}
+
+impl Blocks {
+    fn row(&self, r: usize) -> Row<'_> {
+        let (b0, b1) = (r * self.row_blocks, (r + 1) * self.row_blocks);
+        Row {
+            scale: &self.scale[b0..b1],
+            offset: if self.offset.is_empty() {
+                &[]
+            } else {
+                &self.offset[b0..b1]
+            },
+            qs: &self.qs[b0 * self.per_block..b1 * self.per_block],
+        }
+    }
+
+    /// Repack GGUF blocks (`block_bytes` each: f16 d, [f16 m,] quants).
+    fn from_gguf(raw: &[u8], ty: WeightType, row_blocks: usize) -> Self {
+        let (block_bytes, header, per_block) = match ty {
+            WeightType::Q4_1 => (Q4_1_BYTES, 4, 16),
+            WeightType::Q8_0 => (Q8_0_BYTES, 2, 32),
+        };
+        let n = raw.len() / block_bytes;
+        let mut b = Blocks {
+            scale: Vec::with_capacity(n),
+            offset: Vec::with_capacity(if ty == WeightType::Q4_1 { n } else { 0 }),
+            qs: Vec::with_capacity(n * per_block),
+            per_block,
+            row_blocks,
+        };
+        for blk in raw.chunks_exact(block_bytes) {
+            b.scale.push(f16_at(blk, 0));
+            if ty == WeightType::Q4_1 {
+                b.offset.push(f16_at(blk, 2));
+            }
+            b.qs.extend_from_slice(&blk[header..]);
+        }
+        b
+    }
+}
+
 /// A weight matrix (N, K) in our own CPU layout.
 pub struct CpuQWeight {
     ty: WeightType,
-    rows: usize,   // N
-    cols: usize,   // K
-    data: Vec<u8>, // N rows of K/32 blocks each
+    rows: usize, // N
+    cols: usize, // K
+    blocks: Blocks,
     kernel: Kernel,
 }
 
 impl CpuQWeight {
-    fn row(&self, n: usize) -> &[u8] {
-        let bytes = self.row_bytes();
-        &self.data[n * bytes..(n + 1) * bytes]
-    }
-
-    fn row_bytes(&self) -> usize {
-        let per_block = match self.ty {
-            WeightType::Q4_1 => Q4_1_BYTES,
-            WeightType::Q8_0 => Q8_0_BYTES,
-        };
-        self.cols / QK * per_block
-    }
-
     /// x: T rows of K values, row-major. Returns T rows of N values.
     pub fn matmul(&self, x: &[f32], t: usize) -> Vec<f32> {
         let (n_rows, k) = (self.rows, self.cols);
@@ -90,7 +139,6 @@ impl CpuQWeight {
             WeightType::Q4_1 => quantize_q8_1(x, k),
             WeightType::Q8_0 => quantize_q8_0(x, k),
         };
-        let act_row = act.len() / t.max(1);
         // Output computed as (N, T) so each weight row is read once for all T tokens, in parallel
         // over chunks of weight rows; transposed to (T, N) at the end when T > 1.
         let mut out_nt = vec![0f32; n_rows * t];
@@ -101,10 +149,9 @@ impl CpuQWeight {
             .for_each(|(c, out)| {
                 let first = c * chunk_rows;
                 for (i, out_row) in out.chunks_mut(t).enumerate() {
-                    let w = self.row(first + i);
+                    let w = self.blocks.row(first + i);
                     for (tt, o) in out_row.iter_mut().enumerate() {
-                        let a = &act[tt * act_row..(tt + 1) * act_row];
-                        *o = self.dot(w, a);
+                        *o = self.dot(w, act.row(tt));
                     }
                 }
             });
@@ -121,7 +168,7 @@ impl CpuQWeight {
     }
 
     #[inline]
-    fn dot(&self, w: &[u8], a: &[u8]) -> f32 {
+    fn dot(&self, w: Row<'_>, a: Row<'_>) -> f32 {
         match (self.ty, self.kernel) {
             (WeightType::Q4_1, Kernel::Scalar) => dot_q4_1_q8_1_scalar(w, a),
             (WeightType::Q8_0, Kernel::Scalar) => dot_q8_0_q8_0_scalar(w, a),
@@ -157,32 +204,29 @@ impl QLinear {
                 if cols % QK != 0 {
                     bail!("a weight's width {cols} is not a multiple of the block size {QK}");
                 }
-                let data = q.data()?.into_owned();
-                let w = CpuQWeight {
+                let raw = q.data()?;
+                let block_bytes = if ty == WeightType::Q4_1 {
+                    Q4_1_BYTES
+                } else {
+                    Q8_0_BYTES
+                };
+                let expected = rows * cols / QK * block_bytes;
+                if raw.len() != expected {
+                    bail!(
+                        "a {rows}x{cols} weight holds {} bytes, expected {expected}",
+                        raw.len()
+                    );
+                }
+                let blocks = Blocks::from_gguf(&raw, ty, cols / QK);
+                Ok(QLinear::Cpu(CpuQWeight {
                     ty,
                     rows,
                     cols,
-                    data,
+                    blocks,
                     kernel,
-                };
-                if w.data.len() != rows * w.row_bytes() {
-                    bail!(
-                        "a {rows}x{cols} weight holds {} bytes, expected {}",
-                        w.data.len(),
-                        rows * w.row_bytes()
-                    );
-                }
-                Ok(QLinear::Cpu(w))
+                }))
             }
             _ => Ok(QLinear::Candle(QMatMul::from_qtensor(q)?)),
-        }
-    }
-
-    /// Output width N.
-    pub fn out_features(&self) -> Option<usize> {
-        match self {
-            QLinear::Cpu(w) => Some(w.rows),
-            QLinear::Candle(_) => None,
         }
     }
 
@@ -222,79 +266,92 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
 }
 
-/// Quantize rows of K values into Q8_1 blocks, as llama.cpp does: d = amax / 127 (stored f16),
-/// q = round-half-even(x * 127 / amax), s = f16(d * sum(q)) computed in f32.
-pub fn quantize_q8_1(x: &[f32], k: usize) -> Vec<u8> {
-    const B: usize = 4 + QK;
-    let mut out = vec![0u8; x.len() / QK * B];
-    for (blk, o) in x.chunks_exact(QK).zip(out.chunks_exact_mut(B)) {
+/// f32 -> f16 -> f32: the precision llama.cpp stores activation scales in.
+fn through_f16(v: f32) -> f32 {
+    f16::from_f32(v).to_f32()
+}
+
+/// Round to the nearest integer, ties to even, for |v| <= 2^22: adding and removing 1.5 * 2^23
+/// leaves no fraction bits, so the FPU's own rounding does the work (inlined, unlike libm's
+/// rintf, which showed up in profiles).
+#[inline(always)]
+fn round_half_even(v: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    (v + MAGIC) - MAGIC
+}
+
+fn quantize_rows(x: &[f32], k: usize, with_sums: bool) -> Blocks {
+    let n = x.len() / QK;
+    let mut b = Blocks {
+        scale: Vec::with_capacity(n),
+        offset: Vec::with_capacity(if with_sums { n } else { 0 }),
+        qs: vec![0u8; n * QK],
+        per_block: QK,
+        row_blocks: k / QK,
+    };
+    for (blk, q) in x.chunks_exact(QK).zip(b.qs.chunks_exact_mut(QK)) {
         let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
         let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         let mut sum = 0i32;
-        for (j, v) in blk.iter().enumerate() {
-            let q = (v * id).round_ties_even() as i8;
-            o[4 + j] = q as u8;
-            sum += q as i32;
+        for (v, q) in blk.iter().zip(q.iter_mut()) {
+            let qi = round_half_even(v * id) as i8;
+            *q = qi as u8;
+            sum += qi as i32;
         }
-        o[0..2].copy_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
-        o[2..4].copy_from_slice(&f16::from_f32(d * sum as f32).to_bits().to_le_bytes());
+        b.scale.push(through_f16(d));
+        if with_sums {
+            b.offset.push(through_f16(d * sum as f32));
+        }
     }
-    debug_assert_eq!(out.len(), x.len() / k * (k / QK) * B);
-    out
+    b
+}
+
+/// Quantize rows of K values into Q8_1 blocks, as llama.cpp does: d = amax / 127 (kept at f16
+/// precision), q = round-half-even(x * 127 / amax), s = d * sum(q) computed in f32 and then
+/// rounded to f16 once.
+fn quantize_q8_1(x: &[f32], k: usize) -> Blocks {
+    quantize_rows(x, k, true)
 }
 
 /// Quantize rows of K values into Q8_0 blocks: d = amax / 127 (f16), q = round(x * 127 / amax).
-pub fn quantize_q8_0(x: &[f32], k: usize) -> Vec<u8> {
-    const B: usize = 2 + QK;
-    let mut out = vec![0u8; x.len() / QK * B];
-    for (blk, o) in x.chunks_exact(QK).zip(out.chunks_exact_mut(B)) {
-        let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-        o[0..2].copy_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
-        for (j, v) in blk.iter().enumerate() {
-            o[2 + j] = (v * id).round_ties_even() as i8 as u8;
-        }
-    }
-    debug_assert_eq!(out.len(), x.len() / k * (k / QK) * B);
-    out
+fn quantize_q8_0(x: &[f32], k: usize) -> Blocks {
+    quantize_rows(x, k, false)
 }
 
 /// Q4_1 weights against Q8_1 activations: sum over blocks of d_w*d_a*sum(q_w*q_a) + m_w*s_a.
-pub fn dot_q4_1_q8_1_scalar(w: &[u8], a: &[u8]) -> f32 {
+fn dot_q4_1_q8_1_scalar(w: Row<'_>, a: Row<'_>) -> f32 {
     let mut acc = 0f32;
-    for (wb, ab) in w.chunks_exact(Q4_1_BYTES).zip(a.chunks_exact(4 + QK)) {
-        let (dw, mw) = (f16_at(wb, 0), f16_at(wb, 2));
-        let (da, sa) = (f16_at(ab, 0), f16_at(ab, 2));
-        let qa = &ab[4..];
+    for b in 0..w.scale.len() {
+        let qw = &w.qs[b * 16..b * 16 + 16];
+        let qa = &a.qs[b * QK..b * QK + QK];
         let mut sumi = 0i32;
         for j in 0..QK / 2 {
-            let lo = (wb[4 + j] & 0x0F) as i32;
-            let hi = (wb[4 + j] >> 4) as i32;
+            let lo = (qw[j] & 0x0F) as i32;
+            let hi = (qw[j] >> 4) as i32;
             sumi += lo * (qa[j] as i8) as i32 + hi * (qa[j + QK / 2] as i8) as i32;
         }
-        acc += dw * da * sumi as f32 + mw * sa;
+        acc += w.scale[b] * a.scale[b] * sumi as f32 + w.offset[b] * a.offset[b];
     }
     acc
 }
 
 /// Q8_0 weights against Q8_0 activations.
-pub fn dot_q8_0_q8_0_scalar(w: &[u8], a: &[u8]) -> f32 {
+fn dot_q8_0_q8_0_scalar(w: Row<'_>, a: Row<'_>) -> f32 {
     let mut acc = 0f32;
-    for (wb, ab) in w.chunks_exact(Q8_0_BYTES).zip(a.chunks_exact(Q8_0_BYTES)) {
+    for b in 0..w.scale.len() {
         let mut sumi = 0i32;
         for j in 0..QK {
-            sumi += (wb[2 + j] as i8) as i32 * (ab[2 + j] as i8) as i32;
+            sumi += (w.qs[b * QK + j] as i8) as i32 * (a.qs[b * QK + j] as i8) as i32;
         }
-        acc += f16_at(wb, 0) * f16_at(ab, 0) * sumi as f32;
+        acc += w.scale[b] * a.scale[b] * sumi as f32;
     }
     acc
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{f16_at, Q4_1_BYTES, Q8_0_BYTES, QK};
+    use super::{Row, QK};
     use std::arch::x86_64::*;
 
     #[inline]
@@ -311,29 +368,25 @@ mod x86 {
     /// # Safety
     /// The CPU must support AVX2 and FMA; `w` and `a` must hold the same number of blocks.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_q4_1_q8_1_avx2(w: &[u8], a: &[u8]) -> f32 {
-        let nb = w.len() / Q4_1_BYTES;
-        debug_assert!(a.len() >= nb * (4 + QK));
+    pub unsafe fn dot_q4_1_q8_1_avx2(w: Row<'_>, a: Row<'_>) -> f32 {
+        let nb = w.scale.len();
+        debug_assert!(a.scale.len() >= nb && a.qs.len() >= nb * QK && w.qs.len() >= nb * 16);
         let mask = _mm_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
         let mut acc = _mm256_setzero_ps();
         let mut summs = 0f32;
+        let (wq, aq) = (w.qs.as_ptr(), a.qs.as_ptr());
         for b in 0..nb {
-            let wb = w.as_ptr().add(b * Q4_1_BYTES);
-            let ab = a.as_ptr().add(b * (4 + QK));
-            let wbs = std::slice::from_raw_parts(wb, 4);
-            let abs = std::slice::from_raw_parts(ab, 4);
-            let (dw, mw) = (f16_at(wbs, 0), f16_at(wbs, 2));
-            let (da, sa) = (f16_at(abs, 0), f16_at(abs, 2));
-            summs += mw * sa;
-            let packed = _mm_loadu_si128(wb.add(4) as *const __m128i);
+            summs += w.offset.get_unchecked(b) * a.offset.get_unchecked(b);
+            let d = w.scale.get_unchecked(b) * a.scale.get_unchecked(b);
+            let packed = _mm_loadu_si128(wq.add(b * 16) as *const __m128i);
             let lo = _mm_and_si128(packed, mask);
             let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
             // Nibbles in the order of the activations: 16 low ones, then 16 high ones.
             let qw = _mm256_set_m128i(hi, lo);
-            let qa = _mm256_loadu_si256(ab.add(4) as *const __m256i);
+            let qa = _mm256_loadu_si256(aq.add(b * QK) as *const __m256i);
             let prod = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qa), ones);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * da), _mm256_cvtepi32_ps(prod), acc);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(prod), acc);
         }
         hsum_f32(acc) + summs
     }
@@ -341,18 +394,16 @@ mod x86 {
     /// # Safety
     /// The CPU must support AVX2 and FMA; `w` and `a` must hold the same number of blocks.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_q8_0_q8_0_avx2(w: &[u8], a: &[u8]) -> f32 {
-        let nb = w.len() / Q8_0_BYTES;
-        debug_assert!(a.len() >= nb * Q8_0_BYTES);
+    pub unsafe fn dot_q8_0_q8_0_avx2(w: Row<'_>, a: Row<'_>) -> f32 {
+        let nb = w.scale.len();
+        debug_assert!(a.scale.len() >= nb && a.qs.len() >= nb * QK && w.qs.len() >= nb * QK);
         let ones = _mm256_set1_epi16(1);
         let mut acc = _mm256_setzero_ps();
+        let (wq, aq) = (w.qs.as_ptr(), a.qs.as_ptr());
         for b in 0..nb {
-            let wb = w.as_ptr().add(b * Q8_0_BYTES);
-            let ab = a.as_ptr().add(b * Q8_0_BYTES);
-            let d = f16_at(std::slice::from_raw_parts(wb, 2), 0)
-                * f16_at(std::slice::from_raw_parts(ab, 2), 0);
-            let qw = _mm256_loadu_si256(wb.add(2) as *const __m256i);
-            let qa = _mm256_loadu_si256(ab.add(2) as *const __m256i);
+            let d = w.scale.get_unchecked(b) * a.scale.get_unchecked(b);
+            let qw = _mm256_loadu_si256(wq.add(b * QK) as *const __m256i);
+            let qa = _mm256_loadu_si256(aq.add(b * QK) as *const __m256i);
             // maddubs needs an unsigned operand: move w's sign onto a.
             let aw = _mm256_sign_epi8(qw, qw);
             let sa = _mm256_sign_epi8(qa, qw);
@@ -467,9 +518,19 @@ mod tests {
         let x = vec![1.2345f32; 32];
         let b = quantize_q8_1(&x, 32);
         let d = 1.2345f32 / 127.0;
-        assert_eq!(f16_at(&b, 2), f16::from_f32(d * 4064.0).to_f32());
-        assert_eq!(f16_at(&b, 0), f16::from_f32(d).to_f32());
-        assert!(b[4..].iter().all(|&q| q as i8 == 127));
+        assert_eq!(b.offset[0], f16::from_f32(d * 4064.0).to_f32());
+        assert_eq!(b.scale[0], f16::from_f32(d).to_f32());
+        assert!(b.qs.iter().all(|&q| q as i8 == 127));
+    }
+
+    #[test]
+    fn rounding_matches_round_ties_even() {
+        for i in -2540..=2540 {
+            let v = i as f32 * 0.05;
+            assert_eq!(round_half_even(v), v.round_ties_even(), "{v}");
+        }
+        assert_eq!(round_half_even(2.5), 2.0);
+        assert_eq!(round_half_even(-3.5), -4.0);
     }
 
     #[test]
