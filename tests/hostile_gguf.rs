@@ -46,6 +46,11 @@ fn write(name: &str, bytes: &[u8]) -> PathBuf {
     p
 }
 
+/// Remove a test file once checked: the patched copies are sparse but add up over runs.
+fn done(path: &Path) {
+    let _ = std::fs::remove_file(path);
+}
+
 fn check(path: &Path) -> anyhow::Result<GgufSummary> {
     validate(&mut File::open(path).unwrap(), path)
 }
@@ -411,7 +416,9 @@ fn hand_made_hostile_headers_are_rejected_naming_the_field() {
         ),
     ];
     for (name, bytes, needles) in cases {
-        rejects(&write(name, &bytes), needles);
+        let p = write(name, &bytes);
+        rejects(&p, needles);
+        done(&p);
     }
 }
 
@@ -431,6 +438,7 @@ fn every_prefix_of_a_hand_made_file_is_rejected() {
     for cut in 0..full.len() {
         rejects(&write("prefix.gguf", &full[..cut]), &[]);
     }
+    done(&tmp_dir().join("prefix.gguf"));
 }
 
 // --- Copies of the real model with one field patched. ---
@@ -524,7 +532,9 @@ fn the_real_model_passes_and_agrees_with_candle() {
     assert_eq!(s.metadata, c.metadata.len());
     // A sparse copy of its header passes too, so the patched cases below differ only in
     // their patch.
-    check(&patched("unpatched.gguf", |_| {})).unwrap();
+    let p = patched("unpatched.gguf", |_| {});
+    check(&p).unwrap();
+    done(&p);
 }
 
 #[test]
@@ -673,7 +683,9 @@ fn real_model_with_lying_metadata_is_rejected_naming_the_field() {
         ),
     ];
     for (name, patch, needles) in cases {
-        rejects(&patched(name, patch), needles);
+        let p = patched(name, patch);
+        rejects(&p, needles);
+        done(&p);
     }
 }
 
@@ -687,6 +699,7 @@ fn unknown_architectures_get_only_the_structural_checks() {
         set_key_u32(h, "llama.block_count", 31);
     });
     assert_eq!(check(&p).unwrap().architecture, "llamb");
+    done(&p);
 }
 
 #[test]
@@ -724,6 +737,7 @@ fn truncations_of_the_real_model_are_rejected() {
         assert!(known.iter().any(|k| e.contains(k)), "cut at {cut}: {e}");
     }
     eprintln!("{} cut points in {:?}", cuts.len(), start.elapsed());
+    done(&p);
 }
 
 // --- The binary: one clear line and exit 1, never a panic or an abort. ---
@@ -795,11 +809,14 @@ fn binary_reports_hostile_files_in_one_line() {
     ];
     for f in &files {
         binary_rejects(f);
+        done(f);
     }
 }
 
 #[test]
 fn binary_reports_a_truncated_real_model_in_one_line() {
     let (header, _) = real_header();
-    binary_rejects(&write("bin-truncated.gguf", &header[..header.len() / 2]));
+    let p = write("bin-truncated.gguf", &header[..header.len() / 2]);
+    binary_rejects(&p);
+    done(&p);
 }
