@@ -8,6 +8,7 @@ pub mod app;
 pub mod chat;
 pub mod cli;
 pub mod generate;
+pub mod gguf;
 pub mod interrupt;
 pub mod model;
 pub mod output;
