@@ -115,8 +115,6 @@ pub struct Llama {
     layers: Vec<Layer>,
     out_norm: Tensor, // (d)
     output: QLinear,  // (V, d)
-    rope_cos: Tensor, // (context, hd/2)
-    rope_sin: Tensor, // (context, hd/2)
     seqs: Vec<Option<KvCache>>,
 }
 
@@ -203,8 +201,6 @@ impl Llama {
         } else {
             QLinear::new(tensor("token_embd.weight")?, device)?
         };
-        let (rope_cos, rope_sin) =
-            rope_tables(cfg.head_dim, cfg.rope_base, cfg.context_len, device)?;
         let info = ModelInfo {
             arch: "llama".into(),
             name,
@@ -219,8 +215,6 @@ impl Llama {
             layers,
             out_norm,
             output,
-            rope_cos,
-            rope_sin,
             seqs: Vec::new(),
         })
     }
@@ -257,8 +251,7 @@ impl Llama {
         }
         let ids = Tensor::new(step.tokens, &self.device)?;
         let mut x = self.embedding.embedding(&ids)?; // (T, d)
-        let cos = self.rope_cos.narrow(0, step.pos, t)?;
-        let sin = self.rope_sin.narrow(0, step.pos, t)?;
+        let (cos, sin) = rope_tables(cfg.head_dim, cfg.rope_base, step.pos, t, &self.device)?;
         let mask = if t > 1 {
             Some(causal_mask(t, step.pos, g, &self.device)?)
         } else {
@@ -320,20 +313,23 @@ impl Llama {
     }
 }
 
-/// cos and sin of every position's rotation angles: (context, hd/2) each.
+/// cos and sin of the rotation angles of positions pos..pos+T: (T, hd/2) each. Computed per
+/// step (T * hd/2 values) rather than tabled for the whole context, whose length comes from the
+/// file and may be huge.
 fn rope_tables(
     head_dim: usize,
     base: f32,
-    context: usize,
+    pos: usize,
+    t: usize,
     device: &Device,
 ) -> Result<(Tensor, Tensor)> {
     let half = head_dim / 2;
     let inv_freq: Vec<f32> = (0..half)
         .map(|i| 1.0 / base.powf((2 * i) as f32 / head_dim as f32))
         .collect();
-    let mut cos = Vec::with_capacity(context * half);
-    let mut sin = Vec::with_capacity(context * half);
-    for p in 0..context {
+    let mut cos = Vec::with_capacity(t * half);
+    let mut sin = Vec::with_capacity(t * half);
+    for p in pos..pos + t {
         for f in &inv_freq {
             let a = p as f32 * f;
             cos.push(a.cos());
@@ -341,8 +337,8 @@ fn rope_tables(
         }
     }
     Ok((
-        Tensor::from_vec(cos, (context, half), device)?,
-        Tensor::from_vec(sin, (context, half), device)?,
+        Tensor::from_vec(cos, (t, half), device)?,
+        Tensor::from_vec(sin, (t, half), device)?,
     ))
 }
 

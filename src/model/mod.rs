@@ -70,6 +70,8 @@ pub fn load_gguf(
     let shown = path.display();
     let mut file =
         std::fs::File::open(path).with_context(|| format!("cannot open model file {shown}"))?;
+    // candle's reader trusts every count and size in the file: check them all first.
+    crate::gguf::validate(&mut file, path)?;
     let content = gguf_file::Content::read(&mut file)
         .map_err(|e| anyhow::anyhow!("{shown} is not a readable GGUF file: {e}"))?;
     let md = &content.metadata;
