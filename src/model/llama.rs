@@ -13,7 +13,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::{DType, Device, Tensor};
 
-use super::qlinear::QLinear;
+use super::qlinear::{Projections, QLinear};
 use super::{LanguageModel, ModelInfo, SeqId, SeqStep};
 
 /// Hyper-parameters read from the GGUF metadata.
@@ -88,15 +88,12 @@ impl LlamaConfig {
 }
 
 struct Layer {
-    attn_norm: Tensor, // (d)
-    wq: QLinear,       // (h*hd, d)
-    wk: QLinear,       // (kv*hd, d)
-    wv: QLinear,       // (kv*hd, d)
-    wo: QLinear,       // (d, h*hd)
-    ffn_norm: Tensor,  // (d)
-    w_gate: QLinear,   // (ff, d)
-    w_up: QLinear,     // (ff, d)
-    w_down: QLinear,   // (d, ff)
+    attn_norm: Tensor,    // (d)
+    qkv: Projections,     // q (h*hd, d), k (kv*hd, d), v (kv*hd, d)
+    wo: QLinear,          // (d, h*hd)
+    ffn_norm: Tensor,     // (d)
+    gate_up: Projections, // gate (ff, d), up (ff, d)
+    w_down: QLinear,      // (d, ff)
 }
 
 /// One sequence's keys and values, preallocated for its whole capacity and written in place.
@@ -176,13 +173,10 @@ impl Llama {
             let ffn_norm = norm(tensor(&format!("{p}.ffn_norm.weight"))?)?;
             layers.push(Layer {
                 attn_norm,
-                wq,
-                wk,
-                wv,
+                qkv: Projections::new(vec![wq, wk, wv]),
                 wo,
                 ffn_norm,
-                w_gate,
-                w_up,
+                gate_up: Projections::new(vec![w_gate, w_up]),
                 w_down,
             });
         }
@@ -260,49 +254,54 @@ impl Llama {
         let scale = 1.0 / (hd as f64).sqrt();
         for (l, layer) in self.layers.iter().enumerate() {
             let xn = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?;
-            let q = layer
-                .wq
+            let [q, k, v]: [Tensor; 3] = layer
+                .qkv
                 .forward(&xn)?
-                .reshape((1, t, h, hd))?
-                .transpose(1, 2)?
-                .contiguous()?;
-            let k = layer
-                .wk
-                .forward(&xn)?
-                .reshape((1, t, kv, hd))?
-                .transpose(1, 2)?
-                .contiguous()?;
-            let v = layer
-                .wv
-                .forward(&xn)?
-                .reshape((t, kv, hd))?
-                .transpose(0, 1)?
-                .contiguous()?;
+                .try_into()
+                .expect("three projections");
+            let q = q.reshape((1, t, h, hd))?.transpose(1, 2)?.contiguous()?;
+            let k = k.reshape((1, t, kv, hd))?.transpose(1, 2)?.contiguous()?;
+            let v = v.reshape((t, kv, hd))?.transpose(0, 1)?.contiguous()?;
             // GGUF llama weights are permuted for interleaved (GPT-J style) rotary pairs.
             let q = candle_nn::rotary_emb::rope_i(&q, &cos, &sin)?; // (1, h, T, hd)
             let k = candle_nn::rotary_emb::rope_i(&k, &cos, &sin)?; // (1, kv, T, hd)
             cache.k[l].slice_set(&k.squeeze(0)?, 1, step.pos)?;
             cache.v[l].slice_set(&v, 1, step.pos)?;
-            let keys = cache.k[l].narrow(1, 0, end)?; // (kv, L, hd)
-            let values = cache.v[l].narrow(1, 0, end)?; // (kv, L, hd)
-                                                        // Heads sharing a kv head sit next to each other: fold them into the row axis so
-                                                        // the cache is used as is, never repeated.
-            let q = q.reshape((kv, g * t, hd))?;
-            let att = (q.matmul(&keys.t()?)? * scale)?; // (kv, g*T, L)
-            let att = match &mask {
-                Some(m) => att.broadcast_add(m)?,
-                None => att,
+            let y = if t == 1 && self.device.is_cpu() {
+                decode_attention_cpu(
+                    &q,
+                    &cache.k[l],
+                    &cache.v[l],
+                    cfg,
+                    cache.capacity,
+                    end,
+                    scale as f32,
+                )?
+            } else {
+                let keys = cache.k[l].narrow(1, 0, end)?; // (kv, L, hd)
+                let values = cache.v[l].narrow(1, 0, end)?; // (kv, L, hd)
+                                                            // Heads sharing a kv head sit next to each other: fold them into the row axis so
+                                                            // the cache is used as is, never repeated.
+                let q = q.reshape((kv, g * t, hd))?;
+                let att = (q.matmul(&keys.t()?)? * scale)?; // (kv, g*T, L)
+                let att = match &mask {
+                    Some(m) => att.broadcast_add(m)?,
+                    None => att,
+                };
+                let att = candle_nn::ops::softmax_last_dim(&att)?;
+                let y = att.matmul(&values)?; // (kv, g*T, hd)
+                y.reshape((h, t, hd))?
+                    .transpose(0, 1)?
+                    .reshape((t, h * hd))?
             };
-            let att = candle_nn::ops::softmax_last_dim(&att)?;
-            let y = att.matmul(&values)?; // (kv, g*T, hd)
-            let y = y
-                .reshape((h, t, hd))?
-                .transpose(0, 1)?
-                .reshape((t, h * hd))?;
             x = (x + layer.wo.forward(&y)?)?;
             let xn = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps)?;
-            let gate = candle_nn::ops::silu(&layer.w_gate.forward(&xn)?)?;
-            let up = layer.w_up.forward(&xn)?;
+            let [gate, up]: [Tensor; 2] = layer
+                .gate_up
+                .forward(&xn)?
+                .try_into()
+                .expect("two projections");
+            let gate = candle_nn::ops::silu(&gate)?;
             x = (x + layer.w_down.forward(&(gate * up)?)?)?;
         }
         cache.len = end;
@@ -311,6 +310,43 @@ impl Llama {
         let last = candle_nn::ops::rms_norm(&last, &self.out_norm, cfg.rms_eps)?;
         Ok(self.output.forward(&last)?.to_dtype(DType::F32)?)
     }
+}
+
+/// One query token against the cache on the CPU: q (1, h, 1, hd), caches (kv, C, hd) holding
+/// L tokens. Returns (1, h*hd).
+fn decode_attention_cpu(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    cfg: &LlamaConfig,
+    capacity: usize,
+    len: usize,
+    scale: f32,
+) -> Result<Tensor> {
+    let q = q.flatten_all()?.to_vec1::<f32>()?;
+    let (ks, kl) = k_cache.storage_and_layout();
+    let (vs, vl) = v_cache.storage_and_layout();
+    let (candle_core::Storage::Cpu(k), candle_core::Storage::Cpu(v)) = (&*ks, &*vs) else {
+        bail!("the KV cache is not on the CPU");
+    };
+    let k = &k.as_slice::<f32>()?[kl.start_offset()..];
+    let v = &v.as_slice::<f32>()?[vl.start_offset()..];
+    let y = super::attention::decode_attention(
+        &q,
+        k,
+        v,
+        cfg.n_head,
+        cfg.n_kv_head,
+        capacity,
+        len,
+        cfg.head_dim,
+        scale,
+    );
+    Ok(Tensor::from_vec(
+        y,
+        (1, cfg.n_head * cfg.head_dim),
+        &Device::Cpu,
+    )?)
 }
 
 /// cos and sin of the rotation angles of positions pos..pos+T: (T, hd/2) each. Computed per

@@ -4,6 +4,7 @@
 //! pass with a batch of steps; each step appends tokens to one sequence at its own position.
 //! One call of `forward` is one forward pass, whatever the batch holds.
 
+pub mod attention;
 pub mod llama;
 pub mod qlinear;
 

@@ -150,7 +150,19 @@ impl CpuQWeight {
                 let first = c * chunk_rows;
                 for (i, out_row) in out.chunks_mut(t).enumerate() {
                     let w = self.blocks.row(first + i);
-                    for (tt, o) in out_row.iter_mut().enumerate() {
+                    let mut tt = 0;
+                    // Four tokens at a time share each unpacked weight block (prefill).
+                    while tt + 4 <= t && self.has_dot4() {
+                        let a = [
+                            act.row(tt),
+                            act.row(tt + 1),
+                            act.row(tt + 2),
+                            act.row(tt + 3),
+                        ];
+                        out_row[tt..tt + 4].copy_from_slice(&self.dot4(w, a));
+                        tt += 4;
+                    }
+                    for (o, tt) in out_row[tt..].iter_mut().zip(tt..) {
                         *o = self.dot(w, act.row(tt));
                     }
                 }
@@ -167,6 +179,25 @@ impl CpuQWeight {
         out
     }
 
+    fn has_dot4(&self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self.ty == WeightType::Q4_1 && self.kernel == Kernel::Avx2 {
+            return true;
+        }
+        false
+    }
+
+    /// The dot products of one weight row with four activation rows.
+    #[inline]
+    fn dot4(&self, w: Row<'_>, a: [Row<'_>; 4]) -> [f32; 4] {
+        #[cfg(target_arch = "x86_64")]
+        if self.ty == WeightType::Q4_1 && self.kernel == Kernel::Avx2 {
+            // SAFETY: Kernel::Avx2 is only chosen when the CPU reports AVX2 and FMA.
+            return unsafe { x86::dot4_q4_1_q8_1_avx2(w, a) };
+        }
+        a.map(|a| self.dot(w, a))
+    }
+
     #[inline]
     fn dot(&self, w: Row<'_>, a: Row<'_>) -> f32 {
         match (self.ty, self.kernel) {
@@ -177,6 +208,67 @@ impl CpuQWeight {
             (WeightType::Q4_1, Kernel::Avx2) => unsafe { x86::dot_q4_1_q8_1_avx2(w, a) },
             #[cfg(target_arch = "x86_64")]
             (WeightType::Q8_0, Kernel::Avx2) => unsafe { x86::dot_q8_0_q8_0_avx2(w, a) },
+        }
+    }
+}
+
+/// Several linear layers reading the same input (q, k and v; gate and up), run as one matrix
+/// when our kernels apply: one quantization of the input and one parallel region instead of
+/// several, which is most of the per-layer overhead of a one-token decode step.
+pub enum Projections {
+    Fused { linear: QLinear, widths: Vec<usize> },
+    Separate(Vec<QLinear>),
+}
+
+impl Projections {
+    pub fn new(parts: Vec<QLinear>) -> Self {
+        let fusable = parts.iter().all(|p| matches!(p, QLinear::Cpu(_)))
+            && parts.windows(2).all(|w| match (&w[0], &w[1]) {
+                (QLinear::Cpu(a), QLinear::Cpu(b)) => {
+                    a.ty == b.ty && a.cols == b.cols && a.kernel == b.kernel
+                }
+                _ => false,
+            });
+        if !fusable || parts.is_empty() {
+            return Projections::Separate(parts);
+        }
+        let mut widths = Vec::new();
+        let mut ws = parts.into_iter().map(|p| match p {
+            QLinear::Cpu(w) => w,
+            QLinear::Candle(_) => unreachable!("checked above"),
+        });
+        let mut all = ws.next().expect("not empty");
+        widths.push(all.rows);
+        for w in ws {
+            widths.push(w.rows);
+            all.rows += w.rows;
+            all.blocks.scale.extend_from_slice(&w.blocks.scale);
+            all.blocks.offset.extend_from_slice(&w.blocks.offset);
+            all.blocks.qs.extend_from_slice(&w.blocks.qs);
+        }
+        Projections::Fused {
+            linear: QLinear::Cpu(all),
+            widths,
+        }
+    }
+
+    /// x: (T, K) -> one (T, N_i) per projection.
+    pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        match self {
+            Projections::Separate(ps) => ps.iter().map(|p| p.forward(x)).collect(),
+            Projections::Fused { linear, widths } => {
+                let y = linear.forward(x)?;
+                let last = y.rank() - 1;
+                let mut at = 0;
+                widths
+                    .iter()
+                    .map(|&w| {
+                        let part = y.narrow(last, at, w)?.contiguous()?;
+                        at += w;
+                        Ok(part)
+                    })
+                    .collect()
+            }
         }
     }
 }
@@ -391,6 +483,44 @@ mod x86 {
         hsum_f32(acc) + summs
     }
 
+    /// Four activation rows against one Q4_1 weight row: each weight block is unpacked once.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; every row must hold the same number of blocks.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot4_q4_1_q8_1_avx2(w: Row<'_>, a: [Row<'_>; 4]) -> [f32; 4] {
+        let nb = w.scale.len();
+        debug_assert!(a
+            .iter()
+            .all(|a| a.scale.len() >= nb && a.qs.len() >= nb * QK));
+        let mask = _mm_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut summs = [0f32; 4];
+        let wq = w.qs.as_ptr();
+        for b in 0..nb {
+            let (dw, mw) = (*w.scale.get_unchecked(b), *w.offset.get_unchecked(b));
+            let packed = _mm_loadu_si128(wq.add(b * 16) as *const __m128i);
+            let lo = _mm_and_si128(packed, mask);
+            let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+            let qw = _mm256_set_m128i(hi, lo);
+            for i in 0..4 {
+                let ai = a.get_unchecked(i);
+                summs[i] += mw * ai.offset.get_unchecked(b);
+                let qa = _mm256_loadu_si256(ai.qs.as_ptr().add(b * QK) as *const __m256i);
+                let prod = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qa), ones);
+                let d = _mm256_set1_ps(dw * ai.scale.get_unchecked(b));
+                acc[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(prod), acc[i]);
+            }
+        }
+        [
+            hsum_f32(acc[0]) + summs[0],
+            hsum_f32(acc[1]) + summs[1],
+            hsum_f32(acc[2]) + summs[2],
+            hsum_f32(acc[3]) + summs[3],
+        ]
+    }
+
     /// # Safety
     /// The CPU must support AVX2 and FMA; `w` and `a` must hold the same number of blocks.
     #[target_feature(enable = "avx2,fma")]
@@ -531,6 +661,38 @@ mod tests {
         }
         assert_eq!(round_half_even(2.5), 2.0);
         assert_eq!(round_half_even(-3.5), -4.0);
+    }
+
+    #[test]
+    fn fused_projections_equal_separate_ones() {
+        let k = 64;
+        let mk = |n: usize, seed: u64| {
+            let w = Tensor::from_vec(data(n * k, seed), (n, k), &Device::Cpu).unwrap();
+            QLinear::new(
+                QTensor::quantize(&w, GgmlDType::Q4_1).unwrap(),
+                &Device::Cpu,
+            )
+            .unwrap()
+        };
+        let x = Tensor::from_vec(data(3 * k, 5), (3, k), &Device::Cpu).unwrap();
+        let separate: Vec<Vec<f32>> = [(32, 1), (8, 2), (8, 3)]
+            .iter()
+            .map(|&(n, s)| {
+                mk(n, s)
+                    .forward(&x)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap()
+            })
+            .collect();
+        let fused = Projections::new(vec![mk(32, 1), mk(8, 2), mk(8, 3)]);
+        assert!(matches!(fused, Projections::Fused { .. }));
+        let outs = fused.forward(&x).unwrap();
+        for (o, s) in outs.iter().zip(&separate) {
+            assert_eq!(&o.flatten_all().unwrap().to_vec1::<f32>().unwrap(), s);
+        }
     }
 
     #[test]
