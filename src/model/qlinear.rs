@@ -28,16 +28,24 @@ pub enum Kernel {
     Scalar,
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Vnni,
 }
 
 impl Kernel {
-    /// The fastest kernel this CPU supports, unless `GEN_KERNEL=scalar` asks for the fallback.
+    /// The fastest kernel this CPU supports, unless `GEN_KERNEL=scalar` (or `avx2`) asks for a
+    /// slower one.
     pub fn detect() -> Self {
         if std::env::var("GEN_KERNEL").is_ok_and(|v| v == "scalar") {
             return Kernel::Scalar;
         }
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            let vnni =
+                is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl");
+            if vnni && !std::env::var("GEN_KERNEL").is_ok_and(|v| v == "avx2") {
+                return Kernel::Vnni;
+            }
             return Kernel::Avx2;
         }
         Kernel::Scalar
@@ -48,6 +56,8 @@ impl Kernel {
             Kernel::Scalar => "scalar",
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx2 => "avx2",
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Vnni => "avx512-vnni",
         }
     }
 }
@@ -180,22 +190,21 @@ impl CpuQWeight {
     }
 
     fn has_dot4(&self) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        if self.ty == WeightType::Q4_1 && self.kernel == Kernel::Avx2 {
-            return true;
-        }
-        false
+        self.ty == WeightType::Q4_1 && self.kernel != Kernel::Scalar
     }
 
     /// The dot products of one weight row with four activation rows.
     #[inline]
     fn dot4(&self, w: Row<'_>, a: [Row<'_>; 4]) -> [f32; 4] {
-        #[cfg(target_arch = "x86_64")]
-        if self.ty == WeightType::Q4_1 && self.kernel == Kernel::Avx2 {
-            // SAFETY: Kernel::Avx2 is only chosen when the CPU reports AVX2 and FMA.
-            return unsafe { x86::dot4_q4_1_q8_1_avx2(w, a) };
+        // SAFETY (all unsafe calls below): a SIMD kernel is only chosen when the CPU reports
+        // its features (Kernel::detect), and rows of one matrix hold the same block count.
+        match (self.ty, self.kernel) {
+            #[cfg(target_arch = "x86_64")]
+            (WeightType::Q4_1, Kernel::Avx2) => unsafe { x86::avx2::dot4_q4_1_q8_1(w, a) },
+            #[cfg(target_arch = "x86_64")]
+            (WeightType::Q4_1, Kernel::Vnni) => unsafe { x86::vnni::dot4_q4_1_q8_1(w, a) },
+            _ => a.map(|a| self.dot(w, a)),
         }
-        a.map(|a| self.dot(w, a))
     }
 
     #[inline]
@@ -204,10 +213,13 @@ impl CpuQWeight {
             (WeightType::Q4_1, Kernel::Scalar) => dot_q4_1_q8_1_scalar(w, a),
             (WeightType::Q8_0, Kernel::Scalar) => dot_q8_0_q8_0_scalar(w, a),
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: Kernel::Avx2 is only chosen when the CPU reports AVX2 and FMA.
-            (WeightType::Q4_1, Kernel::Avx2) => unsafe { x86::dot_q4_1_q8_1_avx2(w, a) },
+            (WeightType::Q4_1, Kernel::Avx2) => unsafe { x86::avx2::dot_q4_1_q8_1(w, a) },
             #[cfg(target_arch = "x86_64")]
-            (WeightType::Q8_0, Kernel::Avx2) => unsafe { x86::dot_q8_0_q8_0_avx2(w, a) },
+            (WeightType::Q8_0, Kernel::Avx2) => unsafe { x86::avx2::dot_q8_0_q8_0(w, a) },
+            #[cfg(target_arch = "x86_64")]
+            (WeightType::Q4_1, Kernel::Vnni) => unsafe { x86::vnni::dot_q4_1_q8_1(w, a) },
+            #[cfg(target_arch = "x86_64")]
+            (WeightType::Q8_0, Kernel::Vnni) => unsafe { x86::vnni::dot_q8_0_q8_0(w, a) },
         }
     }
 }
@@ -441,107 +453,138 @@ fn dot_q8_0_q8_0_scalar(w: Row<'_>, a: Row<'_>) -> f32 {
     acc
 }
 
+/// The x86 kernels, written once and instantiated per instruction set: `avx2` multiplies
+/// unsigned by signed bytes with maddubs + madd (two instructions), `vnni` with one dpbusd.
 #[cfg(target_arch = "x86_64")]
-mod x86 {
-    use super::{Row, QK};
-    use std::arch::x86_64::*;
+macro_rules! x86_kernels {
+    ($name:ident, $features:literal, $mul_sum:ident) => {
+        pub mod $name {
+            use super::super::{Row, QK};
+            use std::arch::x86_64::*;
 
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum_f32(v: __m256) -> f32 {
-        let lo = _mm256_castps256_ps128(v);
-        let hi = _mm256_extractf128_ps(v, 1);
-        let s = _mm_add_ps(lo, hi);
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
-    }
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn hsum_f32(v: __m256) -> f32 {
+                let lo = _mm256_castps256_ps128(v);
+                let hi = _mm256_extractf128_ps(v, 1);
+                let s = _mm_add_ps(lo, hi);
+                let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+                let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+                _mm_cvtss_f32(s)
+            }
 
-    /// # Safety
-    /// The CPU must support AVX2 and FMA; `w` and `a` must hold the same number of blocks.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_q4_1_q8_1_avx2(w: Row<'_>, a: Row<'_>) -> f32 {
-        let nb = w.scale.len();
-        debug_assert!(a.scale.len() >= nb && a.qs.len() >= nb * QK && w.qs.len() >= nb * 16);
-        let mask = _mm_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = _mm256_setzero_ps();
-        let mut summs = 0f32;
-        let (wq, aq) = (w.qs.as_ptr(), a.qs.as_ptr());
-        for b in 0..nb {
-            summs += w.offset.get_unchecked(b) * a.offset.get_unchecked(b);
-            let d = w.scale.get_unchecked(b) * a.scale.get_unchecked(b);
-            let packed = _mm_loadu_si128(wq.add(b * 16) as *const __m128i);
-            let lo = _mm_and_si128(packed, mask);
-            let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
-            // Nibbles in the order of the activations: 16 low ones, then 16 high ones.
-            let qw = _mm256_set_m128i(hi, lo);
-            let qa = _mm256_loadu_si256(aq.add(b * QK) as *const __m256i);
-            let prod = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qa), ones);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(prod), acc);
-        }
-        hsum_f32(acc) + summs
-    }
+            /// Sum of m_w * s_a over the blocks: contiguous arrays, so it vectorises on its own.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn offsets(w: &[f32], a: &[f32]) -> f32 {
+                w.iter().zip(a).map(|(x, y)| x * y).sum()
+            }
 
-    /// Four activation rows against one Q4_1 weight row: each weight block is unpacked once.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and FMA; every row must hold the same number of blocks.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot4_q4_1_q8_1_avx2(w: Row<'_>, a: [Row<'_>; 4]) -> [f32; 4] {
-        let nb = w.scale.len();
-        debug_assert!(a
-            .iter()
-            .all(|a| a.scale.len() >= nb && a.qs.len() >= nb * QK));
-        let mask = _mm_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut summs = [0f32; 4];
-        let wq = w.qs.as_ptr();
-        for b in 0..nb {
-            let (dw, mw) = (*w.scale.get_unchecked(b), *w.offset.get_unchecked(b));
-            let packed = _mm_loadu_si128(wq.add(b * 16) as *const __m128i);
-            let lo = _mm_and_si128(packed, mask);
-            let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
-            let qw = _mm256_set_m128i(hi, lo);
-            for i in 0..4 {
-                let ai = a.get_unchecked(i);
-                summs[i] += mw * ai.offset.get_unchecked(b);
-                let qa = _mm256_loadu_si256(ai.qs.as_ptr().add(b * QK) as *const __m256i);
-                let prod = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qa), ones);
-                let d = _mm256_set1_ps(dw * ai.scale.get_unchecked(b));
-                acc[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(prod), acc[i]);
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn unpack_q4(ptr: *const u8) -> __m256i {
+                let mask = _mm_set1_epi8(0x0F);
+                let packed = _mm_loadu_si128(ptr as *const __m128i);
+                let lo = _mm_and_si128(packed, mask);
+                let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+                // Nibbles in the order of the activations: 16 low ones, then 16 high ones.
+                _mm256_set_m128i(hi, lo)
+            }
+
+            /// # Safety
+            /// The CPU must support the features; `w` and `a` must hold the same number of blocks.
+            #[target_feature(enable = $features)]
+            pub unsafe fn dot_q4_1_q8_1(w: Row<'_>, a: Row<'_>) -> f32 {
+                let nb = w.scale.len();
+                debug_assert!(
+                    a.scale.len() >= nb && a.qs.len() >= nb * QK && w.qs.len() >= nb * 16
+                );
+                let mut acc = _mm256_setzero_ps();
+                let (wq, aq) = (w.qs.as_ptr(), a.qs.as_ptr());
+                for b in 0..nb {
+                    let d = w.scale.get_unchecked(b) * a.scale.get_unchecked(b);
+                    let qw = unpack_q4(wq.add(b * 16));
+                    let qa = _mm256_loadu_si256(aq.add(b * QK) as *const __m256i);
+                    let prod = super::$mul_sum(qw, qa);
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(prod), acc);
+                }
+                hsum_f32(acc) + offsets(w.offset, &a.offset[..nb])
+            }
+
+            /// Four activation rows against one Q4_1 weight row: each weight block is unpacked once.
+            ///
+            /// # Safety
+            /// The CPU must support the features; every row must hold the same number of blocks.
+            #[target_feature(enable = $features)]
+            pub unsafe fn dot4_q4_1_q8_1(w: Row<'_>, a: [Row<'_>; 4]) -> [f32; 4] {
+                let nb = w.scale.len();
+                debug_assert!(a
+                    .iter()
+                    .all(|a| a.scale.len() >= nb && a.qs.len() >= nb * QK));
+                let mut acc = [_mm256_setzero_ps(); 4];
+                let wq = w.qs.as_ptr();
+                for b in 0..nb {
+                    let dw = *w.scale.get_unchecked(b);
+                    let qw = unpack_q4(wq.add(b * 16));
+                    for i in 0..4 {
+                        let ai = a.get_unchecked(i);
+                        let qa = _mm256_loadu_si256(ai.qs.as_ptr().add(b * QK) as *const __m256i);
+                        let prod = super::$mul_sum(qw, qa);
+                        let d = _mm256_set1_ps(dw * ai.scale.get_unchecked(b));
+                        acc[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(prod), acc[i]);
+                    }
+                }
+                let mut out = [0f32; 4];
+                for i in 0..4 {
+                    out[i] = hsum_f32(acc[i]) + offsets(w.offset, &a[i].offset[..nb]);
+                }
+                out
+            }
+
+            /// # Safety
+            /// The CPU must support the features; `w` and `a` must hold the same number of blocks.
+            #[target_feature(enable = $features)]
+            pub unsafe fn dot_q8_0_q8_0(w: Row<'_>, a: Row<'_>) -> f32 {
+                let nb = w.scale.len();
+                debug_assert!(
+                    a.scale.len() >= nb && a.qs.len() >= nb * QK && w.qs.len() >= nb * QK
+                );
+                let mut acc = _mm256_setzero_ps();
+                let (wq, aq) = (w.qs.as_ptr(), a.qs.as_ptr());
+                for b in 0..nb {
+                    let d = w.scale.get_unchecked(b) * a.scale.get_unchecked(b);
+                    let qw = _mm256_loadu_si256(wq.add(b * QK) as *const __m256i);
+                    let qa = _mm256_loadu_si256(aq.add(b * QK) as *const __m256i);
+                    // The byte products take an unsigned operand: move w's sign onto a.
+                    let prod = super::$mul_sum(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qa, qw));
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(prod), acc);
+                }
+                hsum_f32(acc)
             }
         }
-        [
-            hsum_f32(acc[0]) + summs[0],
-            hsum_f32(acc[1]) + summs[1],
-            hsum_f32(acc[2]) + summs[2],
-            hsum_f32(acc[3]) + summs[3],
-        ]
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// Eight lanes of sum(u8 * i8) over groups of four bytes, in two instructions.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn mul_sum_avx2(u: __m256i, s: __m256i) -> __m256i {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
     }
 
-    /// # Safety
-    /// The CPU must support AVX2 and FMA; `w` and `a` must hold the same number of blocks.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_q8_0_q8_0_avx2(w: Row<'_>, a: Row<'_>) -> f32 {
-        let nb = w.scale.len();
-        debug_assert!(a.scale.len() >= nb && a.qs.len() >= nb * QK && w.qs.len() >= nb * QK);
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = _mm256_setzero_ps();
-        let (wq, aq) = (w.qs.as_ptr(), a.qs.as_ptr());
-        for b in 0..nb {
-            let d = w.scale.get_unchecked(b) * a.scale.get_unchecked(b);
-            let qw = _mm256_loadu_si256(wq.add(b * QK) as *const __m256i);
-            let qa = _mm256_loadu_si256(aq.add(b * QK) as *const __m256i);
-            // maddubs needs an unsigned operand: move w's sign onto a.
-            let aw = _mm256_sign_epi8(qw, qw);
-            let sa = _mm256_sign_epi8(qa, qw);
-            let prod = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), ones);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(prod), acc);
-        }
-        hsum_f32(acc)
+    /// The same in one VNNI instruction.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+    unsafe fn mul_sum_vnni(u: __m256i, s: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
     }
+
+    x86_kernels!(avx2, "avx2,fma", mul_sum_avx2);
+    x86_kernels!(vnni, "avx2,fma,avx512vnni,avx512vl", mul_sum_vnni);
 }
 
 #[cfg(test)]
@@ -579,6 +622,9 @@ mod tests {
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
             k.push(Kernel::Avx2);
+            if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
+                k.push(Kernel::Vnni);
+            }
         }
         k
     }
