@@ -13,14 +13,51 @@ use libfuzzer_sys::fuzz_target;
 
 /// Pieces real vocabularies are made of, so that merges and special tokens line up often.
 const FRAGMENTS: &[&str] = &[
-    "a", "b", "ab", "c", " ", "\n", "Ġ", "▁", "Ċ", "é", "日", "<0x41>", "<0x0A>", "<0xE6>", "<s>",
-    "</s>", "<unk>", "<|im_start|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>",
-    "<|eot_id|>", "<end_of_turn>", "<fim_prefix>", "[EMPTY_0]", "", "  ", "\u{0}",
+    "a",
+    "b",
+    "ab",
+    "c",
+    " ",
+    "\n",
+    "Ġ",
+    "▁",
+    "Ċ",
+    "é",
+    "日",
+    "<0x41>",
+    "<0x0A>",
+    "<0xE6>",
+    "<s>",
+    "</s>",
+    "<unk>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|eot_id|>",
+    "<end_of_turn>",
+    "<fim_prefix>",
+    "[EMPTY_0]",
+    "",
+    "  ",
+    "\u{0}",
 ];
 
 const PRE_NAMES: &[&str] = &[
-    "default", "llama3", "llama-bpe", "smollm", "gpt-2", "qwen2", "falcon", "starcoder", "dbrx",
-    "seed-coder", "deepseek-llm", "gemma", "no-such-pre",
+    "default",
+    "llama3",
+    "llama-bpe",
+    "smollm",
+    "gpt-2",
+    "qwen2",
+    "falcon",
+    "starcoder",
+    "dbrx",
+    "seed-coder",
+    "deepseek-llm",
+    "gemma",
+    "no-such-pre",
 ];
 
 /// GPT-2's byte-to-character table (printable Latin-1 as itself, the rest from U+0100 on).
@@ -99,7 +136,11 @@ fn metadata(u: &mut Unstructured) -> Result<HashMap<String, Value>> {
     }
 
     if u.arbitrary()? {
-        let len = if u.ratio(1, 10)? { u.int_in_range(0..=n + 1)? } else { n };
+        let len = if u.ratio(1, 10)? {
+            u.int_in_range(0..=n + 1)?
+        } else {
+            n
+        };
         let mut types = Vec::with_capacity(len);
         for _ in 0..len {
             types.push(Value::I32(match u.int_in_range(0..=9)? {
@@ -110,7 +151,11 @@ fn metadata(u: &mut Unstructured) -> Result<HashMap<String, Value>> {
         md.insert("tokenizer.ggml.token_type".into(), Value::Array(types));
     }
     if spm || u.ratio(1, 10)? {
-        let len = if u.ratio(1, 10)? { u.int_in_range(0..=n + 1)? } else { n };
+        let len = if u.ratio(1, 10)? {
+            u.int_in_range(0..=n + 1)?
+        } else {
+            n
+        };
         let mut scores = Vec::with_capacity(len);
         for i in 0..len {
             scores.push(match u.int_in_range(0..=9)? {
