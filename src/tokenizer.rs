@@ -719,6 +719,19 @@ fn build_gpt2(
     merges: Vec<(String, String)>,
     pre: &BpePre,
 ) -> Result<tokenizers::Tokenizer> {
+    // tokenizers 0.23 joins each merge's two sides into a buffer as long as the longest token
+    // and panics when they are longer together (it would reject the merge a line later: the
+    // result cannot be in the vocabulary). Refuse such a merge first.
+    let longest = tokens.iter().map(String::len).max().unwrap_or(0);
+    if let Some((a, b)) = merges.iter().find(|(a, b)| a.len() + b.len() > longest) {
+        let short = |t: &str| t.chars().take(40).collect::<String>();
+        bail!(
+            "`{KEY_MERGES}` does not fit `{KEY_TOKENS}`: merging {:?} and {:?} makes a token \
+             longer than any in the vocabulary",
+            short(a),
+            short(b)
+        );
+    }
     let vocab: Vocab = tokens
         .iter()
         .enumerate()

@@ -441,3 +441,42 @@ fn a_full_disk_during_the_fetch_is_one_clear_error_and_leaves_no_model_file() {
         "left in the cache: {left:?}"
     );
 }
+
+// --- Inputs the fuzz targets found crashing (fuzz/, see README "Reliability") -----------------
+
+fn gpt2_metadata(
+    tokens: &[&str],
+    merges: &[&str],
+) -> std::collections::HashMap<String, gguf_file::Value> {
+    use gguf_file::Value;
+    let strings =
+        |v: &[&str]| Value::Array(v.iter().map(|t| Value::String(t.to_string())).collect());
+    [
+        ("tokenizer.ggml.model", Value::String("gpt2".into())),
+        ("tokenizer.ggml.tokens", strings(tokens)),
+        ("tokenizer.ggml.merges", strings(merges)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+/// fuzz target `tokenizer_metadata`, 6 crashes in its first two minutes, all this one: a merge
+/// of two vocabulary entries longer together than the longest entry made tokenizers 0.23 index
+/// past its buffer (panic in `BpeBuilder::build`), so a GGUF file with such a merge crashed gen.
+/// Now it is an error naming the merge.
+#[test]
+fn fuzz_tokenizer_merge_longer_than_any_token_is_an_error_not_a_panic() {
+    for merges in [&["ab ab"][..], &["a b", "ab b"], &["b ab", "a b"]] {
+        let md = gpt2_metadata(&["a", "b", "ab"], merges);
+        let err = Tokenizer::from_gguf_metadata(&md).expect_err("accepted an impossible merge");
+        assert!(
+            format!("{err:#}").contains("longer than any in the vocabulary"),
+            "{err:#}"
+        );
+    }
+    // Merges that make vocabulary entries still build.
+    let md = gpt2_metadata(&["a", "b", "ab", "abab"], &["a b", "ab ab"]);
+    let tok = Tokenizer::from_gguf_metadata(&md).unwrap();
+    assert_eq!(tok.encode("abab", false).unwrap(), vec![3]);
+}
