@@ -33,6 +33,9 @@ fuzz_target!(|data: &[u8]| {
             .truncate(true)
             .open(&path)
             .expect("scratch file");
+        // Only the open file is used (the path just names it in errors): unlinking it now leaves
+        // nothing behind when the process ends.
+        let _ = std::fs::remove_file(&path);
         (file, path)
     });
     file.set_len(0).expect("truncate scratch file");
