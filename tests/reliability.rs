@@ -431,6 +431,10 @@ fn a_full_disk_during_the_fetch_is_one_clear_error_and_leaves_no_model_file() {
     assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
     let line = one_error_line(&out);
     assert!(line.contains("No space left on device"), "{line}");
+    assert!(
+        line.contains("is full"),
+        "the hint should blame the disk: {line}"
+    );
     eprintln!("full disk: {line}");
     let left: Vec<String> = fs::read_dir(&cache)
         .unwrap()

