@@ -3,15 +3,11 @@
 
 mod common;
 
+use common::{gen, one_error_line, text};
+
 use std::io::{Read, Write};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
-
-fn gen() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_gen"));
-    c.env_remove("HF_HUB_OFFLINE").env("RUST_BACKTRACE", "0");
-    c
-}
 
 /// `gen` on the default model, greedy, 2 threads, with extra args and optional stdin.
 fn run(args: &[&str], stdin: Option<&[u8]>) -> Output {
@@ -34,10 +30,6 @@ fn run(args: &[&str], stdin: Option<&[u8]>) -> Output {
     child.wait_with_output().unwrap()
 }
 
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
 fn stats(out: &Output) -> serde_json::Value {
     let err = text(&out.stderr);
     let line = err
@@ -46,16 +38,6 @@ fn stats(out: &Output) -> serde_json::Value {
         .find(|l| l.starts_with('{'))
         .unwrap_or_else(|| panic!("no JSON in stderr: {err}"));
     serde_json::from_str(line).unwrap()
-}
-
-/// The one error line gen prints, asserting there is exactly one and no panic.
-fn one_error_line(out: &Output) -> String {
-    let err = text(&out.stderr);
-    assert!(!err.contains("panicked"), "panic: {err}");
-    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "expected one line on stderr, got: {err}");
-    assert!(lines[0].starts_with("gen: error: "), "{err}");
-    lines[0].to_string()
 }
 
 #[test]

@@ -4,24 +4,16 @@
 
 mod common;
 
+use common::{gen, one_error_line, text};
+
 use std::fs;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use candle_core::quantized::gguf_file;
 use gen::tokenizer::Tokenizer;
-
-fn gen() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_gen"));
-    c.env_remove("HF_HUB_OFFLINE").env("RUST_BACKTRACE", "0");
-    c
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
 
 /// A fresh folder for one test, under cargo's scratch space.
 fn scratch(name: &str) -> PathBuf {
@@ -30,16 +22,6 @@ fn scratch(name: &str) -> PathBuf {
     let _ = fs::remove_dir_all(&d);
     fs::create_dir_all(&d).unwrap();
     d
-}
-
-/// The one error line gen printed, asserting there is exactly one and no panic.
-fn one_error_line(out: &Output) -> String {
-    let err = text(&out.stderr);
-    assert!(!err.contains("panicked"), "panic: {err}");
-    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "expected one line on stderr, got: {err}");
-    assert!(lines[0].starts_with("gen: error: "), "{err}");
-    lines[0].to_string()
 }
 
 fn interrupt(child: &Child) {

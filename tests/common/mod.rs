@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 use std::path::PathBuf;
+use std::process::{Command, Output};
 
 use gen::source::{self, FetchOptions, ModelSpec};
 
@@ -19,4 +20,25 @@ pub fn smollm2() -> PathBuf {
 /// Gemma 3 270M Q4_K_M.
 pub fn gemma3() -> PathBuf {
     known("gemma3-270m")
+}
+
+/// The built `gen` binary, with a clean environment for what the tests assert on.
+pub fn gen() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_gen"));
+    c.env_remove("HF_HUB_OFFLINE").env("RUST_BACKTRACE", "0");
+    c
+}
+
+pub fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// The one error line gen printed, asserting there is exactly one and no panic.
+pub fn one_error_line(out: &Output) -> String {
+    let err = text(&out.stderr);
+    assert!(!err.contains("panicked"), "panic: {err}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "expected one line on stderr, got: {err}");
+    assert!(lines[0].starts_with("gen: error: "), "{err}");
+    lines[0].to_string()
 }
