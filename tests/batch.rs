@@ -364,7 +364,20 @@ fn the_binary_writes_one_line_per_prompt_in_order_and_keeps_going_past_failures(
     let indices: Vec<u64> = got.iter().map(|l| l["index"].as_u64().unwrap()).collect();
     assert_eq!(indices, vec![0, 1, 2, 3, 4]);
     assert_eq!(got[0]["id"], "paris");
-    assert_eq!(got[0]["text"], " Paris.\n\nThe answer is:");
+    let single = |prompt: &str, extra: &[&str]| {
+        let out = common::gen()
+            .args(["--model", model.to_str().unwrap(), "--prompt", prompt])
+            .args(["--temperature", "0", "-q"])
+            .args(extra)
+            .output()
+            .unwrap();
+        common::text(&out.stdout)
+    };
+    assert_eq!(
+        got[0]["text"],
+        single("The capital of France is", &["-n", "8"])
+    );
+    assert!(got[0]["text"].as_str().unwrap().starts_with(" Paris."));
     assert_eq!(got[0]["tokens"], 8);
     assert_eq!(got[0]["stop"], "max-new");
     assert_eq!(got[0]["passes"], 8);
@@ -385,9 +398,14 @@ fn the_binary_writes_one_line_per_prompt_in_order_and_keeps_going_past_failures(
     assert_eq!(got[4]["id"], 42);
     assert_eq!(got[4]["line"], 6, "blank lines are skipped but counted");
     assert_eq!(got[4]["stop"], "stop");
-    assert_eq!(
-        got[4]["text"], " with a white rose on the top.",
+    let text4 = got[4]["text"].as_str().unwrap();
+    assert!(
+        !text4.is_empty() && !text4.contains('\n'),
         "cut before the stop string"
+    );
+    assert_eq!(
+        text4,
+        single("Roses are red,", &["-n", "12", "--stop", "\n"])
     );
 
     let report: serde_json::Value =

@@ -12,13 +12,13 @@ use rayon::prelude::*;
 pub struct PagedQuery<'a> {
     /// (h, hd)
     pub q: &'a [f32],
-    /// Block table: token `p` is in row `blocks[p / block] * block + p % block` of the pools.
+    /// Block table: token `p` is row `p % block` of block `blocks[p / block]` of the pools.
     pub blocks: &'a [u32],
     /// Tokens in the cache, the query's own included.
     pub len: usize,
 }
 
-/// Every step's query against its own sequence: pools are (P*block, kv*hd). Returns
+/// Every step's query against its own sequence: pools are (kv, P, block, hd). Returns
 /// (steps, h*hd). One parallel region for the whole batch, over (step, head) pairs.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention(
@@ -32,36 +32,109 @@ pub fn paged_decode_attention(
     scale: f32,
 ) -> Vec<f32> {
     let g = heads / kv_heads;
-    let row = kv_heads * head_dim;
+    let pool_blocks = k_pool.len() / (kv_heads * block * head_dim).max(1);
+    let avx2 = avx2_available();
     let mut out = vec![0f32; steps.len() * heads * head_dim];
     out.par_chunks_mut(head_dim).enumerate().for_each(|(i, o)| {
         let (step, head) = (&steps[i / heads], i % heads);
-        let q = &step.q[head * head_dim..(head + 1) * head_dim];
-        let col = head / g * head_dim;
-        // Cache row of token p, then this head's hd values in it.
-        let at = |p: usize| (step.blocks[p / block] as usize * block + p % block) * row + col;
-        let mut scores: Vec<f32> = (0..step.len)
-            .map(|p| dot(q, &k_pool[at(p)..at(p) + head_dim]) * scale)
-            .collect();
-        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-        let mut sum = 0f32;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s;
-        }
-        let inv = 1.0 / sum;
-        for (p, w) in scores.iter().enumerate() {
-            let w = w * inv;
-            for (o, x) in o.iter_mut().zip(&v_pool[at(p)..at(p) + head_dim]) {
-                *o += w * x;
-            }
+        let one = OneHead {
+            q: &step.q[head * head_dim..(head + 1) * head_dim],
+            blocks: step.blocks,
+            len: step.len,
+            block,
+            pool_blocks,
+            j: head / g,
+            scale,
+        };
+        match avx2 {
+            // SAFETY: only when the CPU has AVX2 and FMA.
+            #[cfg(target_arch = "x86_64")]
+            true => unsafe { one.run_avx2(k_pool, v_pool, o) },
+            _ => one.run(k_pool, v_pool, o),
         }
     });
     out
 }
 
+fn avx2_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if std::env::var("GEN_KERNEL").map_or(true, |v| v != "scalar") {
+        return is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+    }
+    false
+}
+
+/// One query head against its kv head's cached rows.
+struct OneHead<'a> {
+    q: &'a [f32],
+    blocks: &'a [u32],
+    len: usize,
+    block: usize,
+    /// Blocks in the pool, and the kv head this query head reads.
+    pool_blocks: usize,
+    j: usize,
+    scale: f32,
+}
+
+/// The same loops compiled twice: for any x86-64 (or other) CPU, and with AVX2 and FMA, where
+/// the compiler turns the 8-lane loops into 256-bit instructions.
+macro_rules! one_head_impl {
+    ($name:ident $(, $features:literal)?) => {
+        $(#[target_feature(enable = $features)])?
+        #[allow(unused_unsafe)]
+        unsafe fn $name(&self, k_pool: &[f32], v_pool: &[f32], o: &mut [f32]) {
+            let hd = self.q.len();
+            let mut scores = Vec::with_capacity(self.len);
+            let mut max = f32::NEG_INFINITY;
+            for (b, &id) in self.blocks.iter().enumerate() {
+                let first = b * self.block;
+                if first >= self.len {
+                    break;
+                }
+                for r in 0..(self.len - first).min(self.block) {
+                    let at = ((self.j * self.pool_blocks + id as usize) * self.block + r) * hd;
+                    let s = dot(self.q, &k_pool[at..at + hd]) * self.scale;
+                    max = max.max(s);
+                    scores.push(s);
+                }
+            }
+            let mut sum = 0f32;
+            for s in scores.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            let inv = 1.0 / sum;
+            let mut p = 0;
+            for (b, &id) in self.blocks.iter().enumerate() {
+                let first = b * self.block;
+                if first >= self.len {
+                    break;
+                }
+                for r in 0..(self.len - first).min(self.block) {
+                    let at = ((self.j * self.pool_blocks + id as usize) * self.block + r) * hd;
+                    let w = scores[p] * inv;
+                    p += 1;
+                    for (o, x) in o.iter_mut().zip(&v_pool[at..at + hd]) {
+                        *o += w * x;
+                    }
+                }
+            }
+        }
+    };
+}
+
+impl OneHead<'_> {
+    fn run(&self, k_pool: &[f32], v_pool: &[f32], o: &mut [f32]) {
+        // SAFETY: the portable instance needs no CPU features.
+        unsafe { self.run_portable(k_pool, v_pool, o) }
+    }
+    one_head_impl!(run_portable);
+    #[cfg(target_arch = "x86_64")]
+    one_head_impl!(run_avx2, "avx2,fma");
+}
+
 /// Dot product in 8 independent lanes, so the compiler can keep them in one vector register.
-#[inline]
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -134,13 +207,14 @@ mod tests {
         block: usize,
         blocks: &[u32],
     ) -> Vec<f32> {
-        let pool_rows = (*blocks.iter().max().unwrap() as usize + 1) * block;
-        let mut pool = data(pool_rows * kv * hd, 77); // junk where no token lives
+        let p_blocks = *blocks.iter().max().unwrap() as usize + 1;
+        let mut pool = data(kv * p_blocks * block * hd, 77); // junk where no token lives
         for p in 0..l {
-            let r = blocks[p / block] as usize * block + p % block;
+            let (id, r) = (blocks[p / block] as usize, p % block);
             for j in 0..kv {
                 let src = &cache[(j * l + p) * hd..(j * l + p + 1) * hd];
-                pool[(r * kv + j) * hd..(r * kv + j + 1) * hd].copy_from_slice(src);
+                let at = ((j * p_blocks + id) * block + r) * hd;
+                pool[at..at + hd].copy_from_slice(src);
             }
         }
         pool
@@ -156,11 +230,9 @@ mod tests {
         ] {
             let k = data(kv * l * hd, 2);
             let v = data(kv * l * hd, 3);
-            // Blocks out of order, as a pool hands them out after churn.
             let n_blocks = l.div_ceil(block);
-            let blocks: Vec<u32> = (0..n_blocks as u32)
-                .map(|b| (b * 5 + 3) % (n_blocks as u32 * 2 + 1))
-                .collect();
+            // Distinct, out of order, with gaps: as a pool hands them out after churn.
+            let blocks: Vec<u32> = (0..n_blocks as u32).rev().map(|b| b * 2 + 1).collect();
             let (kp, vp) = (
                 paged(&k, kv, l, hd, block, &blocks),
                 paged(&v, kv, l, hd, block, &blocks),

@@ -149,6 +149,225 @@ impl PagedKv {
     }
 }
 
+/// The keys and values themselves, per layer, in the blocks `PagedKv` hands out. Layout
+/// (kv, P, BLOCK_SIZE, hd): each kv head has its own region, so a sequence whose blocks are
+/// consecutive (the common case: blocks are handed out lowest first) is one contiguous run per
+/// head, which the hardware prefetchers stream like an unpaged cache. On the CPU the storage is plain memory our kernels read and write in place; on other
+/// devices, tensors of (P * kv * BLOCK_SIZE, hd) rows written with `slice_set` and read with
+/// `index_select`.
+pub enum KvStore {
+    Host {
+        k: Vec<Vec<f32>>,
+        v: Vec<Vec<f32>>,
+        kv_heads: usize,
+        head_dim: usize,
+    },
+    Device {
+        k: Vec<candle_core::Tensor>,
+        v: Vec<candle_core::Tensor>,
+        kv_heads: usize,
+        head_dim: usize,
+    },
+}
+
+impl KvStore {
+    pub fn empty() -> Self {
+        KvStore::Host {
+            k: Vec::new(),
+            v: Vec::new(),
+            kv_heads: 0,
+            head_dim: 0,
+        }
+    }
+
+    pub fn new(
+        device: &candle_core::Device,
+        layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        blocks: usize,
+    ) -> candle_core::Result<Self> {
+        let rows = blocks * kv_heads * BLOCK_SIZE;
+        if device.is_cpu() {
+            // Zeroed allocations: the OS hands out pages only as tokens land on them.
+            let mk = || (0..layers).map(|_| vec![0f32; rows * head_dim]).collect();
+            return Ok(KvStore::Host {
+                k: mk(),
+                v: mk(),
+                kv_heads,
+                head_dim,
+            });
+        }
+        let mk = || -> candle_core::Result<Vec<candle_core::Tensor>> {
+            (0..layers)
+                .map(|_| {
+                    candle_core::Tensor::zeros((rows, head_dim), candle_core::DType::F32, device)
+                })
+                .collect()
+        };
+        Ok(KvStore::Device {
+            k: mk()?,
+            v: mk()?,
+            kv_heads,
+            head_dim,
+        })
+    }
+
+    /// Store one layer's keys and values of N tokens, (N, kv*hd) each, at cache `slots`.
+    pub fn write(
+        &mut self,
+        layer: usize,
+        keys: &candle_core::Tensor,
+        values: &candle_core::Tensor,
+        slots: &[u32],
+    ) -> candle_core::Result<()> {
+        match self {
+            KvStore::Host {
+                k,
+                v,
+                kv_heads,
+                head_dim,
+            } => {
+                let (kv, hd) = (*kv_heads, *head_dim);
+                let p = k[layer].len() / (kv * BLOCK_SIZE * hd).max(1);
+                for (src, dst) in [(keys, &mut k[layer]), (values, &mut v[layer])] {
+                    let src = src.contiguous()?;
+                    let (storage, layout) = src.storage_and_layout();
+                    let candle_core::Storage::Cpu(cpu) = &*storage else {
+                        candle_core::bail!("keys for the host cache are not on the host");
+                    };
+                    let src = &cpu.as_slice::<f32>()?[layout.start_offset()..];
+                    for (i, &s) in slots.iter().enumerate() {
+                        let (blk, r) = (s as usize / BLOCK_SIZE, s as usize % BLOCK_SIZE);
+                        for j in 0..kv {
+                            let to = ((j * p + blk) * BLOCK_SIZE + r) * hd;
+                            let from = (i * kv + j) * hd;
+                            dst[to..to + hd].copy_from_slice(&src[from..from + hd]);
+                        }
+                    }
+                }
+                Ok(())
+            }
+            KvStore::Device {
+                k,
+                v,
+                kv_heads,
+                head_dim,
+            } => {
+                let (kv, hd) = (*kv_heads, *head_dim);
+                let p = k[layer].dim(0)? / (kv * BLOCK_SIZE).max(1);
+                // One copy per run of consecutive rows within a block, per head.
+                let mut from = 0;
+                while from < slots.len() {
+                    let mut to = from + 1;
+                    while to < slots.len()
+                        && slots[to] == slots[to - 1] + 1
+                        && !(slots[to] as usize).is_multiple_of(BLOCK_SIZE)
+                    {
+                        to += 1;
+                    }
+                    let (blk, r) = (
+                        slots[from] as usize / BLOCK_SIZE,
+                        slots[from] as usize % BLOCK_SIZE,
+                    );
+                    for j in 0..kv {
+                        let row = (j * p + blk) * BLOCK_SIZE + r;
+                        for (src, dst) in [(keys, &k[layer]), (values, &v[layer])] {
+                            let part = src.narrow(0, from, to - from)?.narrow(1, j * hd, hd)?;
+                            dst.slice_set(&part.contiguous()?, 0, row)?;
+                        }
+                    }
+                    from = to;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Rows of the cache to gather for a sequence whose tokens sit at `slots`, head by head:
+    /// kv * L row numbers, for `gather`.
+    pub fn gather_rows(&self, slots: &[u32]) -> Vec<u32> {
+        let kv = self.kv_heads() as u32;
+        let p = self.blocks() as u32;
+        let block = BLOCK_SIZE as u32;
+        (0..kv)
+            .flat_map(|j| {
+                slots
+                    .iter()
+                    .map(move |&s| (j * p + s / block) * block + s % block)
+            })
+            .collect()
+    }
+
+    /// Blocks in the pool.
+    pub fn blocks(&self) -> usize {
+        match self {
+            KvStore::Host {
+                k,
+                kv_heads,
+                head_dim,
+                ..
+            } => k
+                .first()
+                .map_or(0, |k| k.len() / (kv_heads * BLOCK_SIZE * head_dim).max(1)),
+            KvStore::Device { k, kv_heads, .. } => k
+                .first()
+                .map_or(0, |k| k.dims()[0] / (kv_heads * BLOCK_SIZE).max(1)),
+        }
+    }
+
+    /// One layer's keys and values at `rows` (from `gather_rows`): (kv, L, hd) each.
+    pub fn gather(
+        &self,
+        layer: usize,
+        rows: &[u32],
+        rows_on_device: Option<&candle_core::Tensor>,
+        device: &candle_core::Device,
+    ) -> candle_core::Result<(candle_core::Tensor, candle_core::Tensor)> {
+        let kv = self.kv_heads();
+        let l = rows.len() / kv.max(1);
+        match self {
+            KvStore::Host { k, v, head_dim, .. } => {
+                let hd = *head_dim;
+                let take = |pool: &[f32]| {
+                    let mut out = Vec::with_capacity(rows.len() * hd);
+                    for &r in rows {
+                        let at = r as usize * hd;
+                        out.extend_from_slice(&pool[at..at + hd]);
+                    }
+                    candle_core::Tensor::from_vec(out, (kv, l, hd), device)
+                };
+                Ok((take(&k[layer])?, take(&v[layer])?))
+            }
+            KvStore::Device { k, v, head_dim, .. } => {
+                let idx = match rows_on_device {
+                    Some(t) => t.clone(),
+                    None => candle_core::Tensor::new(rows, device)?,
+                };
+                let hd = *head_dim;
+                Ok((
+                    k[layer].index_select(&idx, 0)?.reshape((kv, l, hd))?,
+                    v[layer].index_select(&idx, 0)?.reshape((kv, l, hd))?,
+                ))
+            }
+        }
+    }
+
+    /// The CPU storage of one layer, for the fused decode kernel.
+    pub fn host(&self, layer: usize) -> Option<(&[f32], &[f32])> {
+        match self {
+            KvStore::Host { k, v, .. } => Some((&k[layer], &v[layer])),
+            KvStore::Device { .. } => None,
+        }
+    }
+
+    fn kv_heads(&self) -> usize {
+        match self {
+            KvStore::Host { kv_heads, .. } | KvStore::Device { kv_heads, .. } => *kv_heads,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,7 +16,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::{DType, Device, Tensor};
 
-use super::kv_cache::{PagedKv, BLOCK_SIZE};
+use super::kv_cache::{KvStore, PagedKv, BLOCK_SIZE};
 use super::qlinear::{Projections, QLinear};
 use super::{LanguageModel, ModelInfo, SeqStep};
 
@@ -109,8 +109,7 @@ pub struct Llama {
     out_norm: Tensor, // (d)
     output: QLinear,  // (V, d)
     kv: PagedKv,
-    k_pool: Vec<Tensor>, // per layer (P*BLOCK_SIZE, kv*hd): row slot(seq, pos) holds one token
-    v_pool: Vec<Tensor>, // per layer (P*BLOCK_SIZE, kv*hd)
+    store: KvStore,
 }
 
 impl Llama {
@@ -208,8 +207,7 @@ impl Llama {
             out_norm,
             output,
             kv: PagedKv::new(0),
-            k_pool: Vec::new(),
-            v_pool: Vec::new(),
+            store: KvStore::empty(),
         })
     }
 
@@ -246,12 +244,15 @@ impl Llama {
                 continue;
             }
             let end = step.pos + t;
-            let rows: Vec<u32> = self.kv.slots(step.seq, 0, end).collect();
-            let rows = Tensor::from_vec(rows, end, dev)?;
+            let slots: Vec<u32> = self.kv.slots(step.seq, 0, end).collect();
+            let rows = self.store.gather_rows(&slots);
+            let on_device = (!cpu)
+                .then(|| Tensor::new(rows.as_slice(), dev))
+                .transpose()?;
             let mask = (t > 1)
                 .then(|| causal_mask(t, step.pos, g, dev))
                 .transpose()?;
-            gathered.push(Some((rows, mask)));
+            gathered.push(Some((rows, on_device, mask)));
         }
         // The fused CPU kernel's view of each one-token step: its block table and length.
         let decode: Vec<(usize, &[u32], usize)> = batch
@@ -264,7 +265,6 @@ impl Llama {
         let ids = Tensor::new(ids.as_slice(), dev)?;
         let mut x = self.embedding.embedding(&ids)?; // (N, d)
         let (cos, sin) = rope_tables(hd, cfg.rope_base, &positions, dev)?; // (N, hd/2)
-        let slot_runs = runs(&slots);
         let scale = 1.0 / (hd as f64).sqrt();
         for (l, layer) in self.layers.iter().enumerate() {
             let xn = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?;
@@ -284,19 +284,16 @@ impl Llama {
             let k = candle_nn::rotary_emb::rope_i(&heads_first(k, kv)?, &cos, &sin)?; // (1, kv, N, hd)
             let q = q.squeeze(0)?.transpose(0, 1)?.contiguous()?; // (N, h, hd)
             let k = k.squeeze(0)?.transpose(0, 1)?.reshape((n, kv * hd))?; // (N, kv*hd)
-            for &(from, to) in &slot_runs {
-                let at = slots[from] as usize;
-                self.k_pool[l].slice_set(&k.narrow(0, from, to - from)?, 0, at)?;
-                self.v_pool[l].slice_set(&v.narrow(0, from, to - from)?, 0, at)?;
-            }
+            self.store.write(l, &k, &v, &slots)?;
 
             let fused = if decode.is_empty() {
                 None
             } else {
+                let (k_pool, v_pool) = self.store.host(l).context("a host KV cache")?;
                 Some(decode_attention_cpu(
                     &q,
-                    &self.k_pool[l],
-                    &self.v_pool[l],
+                    k_pool,
+                    v_pool,
                     &decode,
                     cfg,
                     scale as f32,
@@ -309,24 +306,15 @@ impl Llama {
                 let mut fused_rows = 0..decode.len();
                 for ((step, &at), gather) in batch.iter().zip(&starts).zip(&gathered) {
                     let t = step.tokens.len();
-                    let Some((rows, mask)) = gather else {
+                    let Some((rows, on_device, mask)) = gather else {
                         let f = fused.as_ref().expect("a CPU decode step");
                         let row = fused_rows.next().expect("one row per decode step");
                         parts.push(f.narrow(0, row, 1)?);
                         continue;
                     };
-                    let end = step.pos + t;
-                    let cached = |pool: &Tensor| -> Result<Tensor> {
-                        Ok(pool
-                            .index_select(rows, 0)? // (L, kv*hd)
-                            .reshape((end, kv, hd))?
-                            .transpose(0, 1)?
-                            .contiguous()?) // (kv, L, hd)
-                    };
-                    let keys = cached(&self.k_pool[l])?;
-                    let values = cached(&self.v_pool[l])?;
-                    // Heads sharing a kv head sit next to each other: fold them into the row
-                    // axis so the cache is used as is, never repeated.
+                    let (keys, values) = self.store.gather(l, rows, on_device.as_ref(), dev)?; // (kv, L, hd)
+                                                                                               // Heads sharing a kv head sit next to each other: fold them into the row
+                                                                                               // axis so the cache is used as is, never repeated.
                     let qs = q
                         .narrow(0, at, t)?
                         .transpose(0, 1)?
@@ -376,44 +364,22 @@ impl Llama {
     }
 }
 
-/// Maximal runs of consecutive values in `slots`, as index ranges: one copy per run when
-/// writing a step's keys into the cache.
-fn runs(slots: &[u32]) -> Vec<(usize, usize)> {
-    let mut out = Vec::new();
-    let mut from = 0;
-    for i in 1..=slots.len() {
-        if i == slots.len() || slots[i] != slots[i - 1] + 1 {
-            if from < i {
-                out.push((from, i));
-            }
-            from = i;
-        }
-    }
-    out
-}
-
 /// One query token per step against its sequence's pages, on the CPU. q: (N, h, hd); pools:
-/// (P*BLOCK_SIZE, kv*hd); `steps`: (row of q, block table, tokens in the cache). Returns
+/// (kv, P, BLOCK_SIZE, hd); `steps`: (row of q, block table, tokens in the cache). Returns
 /// (steps, h*hd).
 fn decode_attention_cpu(
     q: &Tensor,
-    k_pool: &Tensor,
-    v_pool: &Tensor,
+    k: &[f32],
+    v: &[f32],
     steps: &[(usize, &[u32], usize)],
     cfg: &LlamaConfig,
     scale: f32,
 ) -> Result<Tensor> {
     let (qs, ql) = q.storage_and_layout();
-    let (ks, kl) = k_pool.storage_and_layout();
-    let (vs, vl) = v_pool.storage_and_layout();
-    let (candle_core::Storage::Cpu(qc), candle_core::Storage::Cpu(k), candle_core::Storage::Cpu(v)) =
-        (&*qs, &*ks, &*vs)
-    else {
-        bail!("the KV cache is not on the CPU");
+    let candle_core::Storage::Cpu(qc) = &*qs else {
+        bail!("the queries are not on the CPU");
     };
     let q = &qc.as_slice::<f32>()?[ql.start_offset()..];
-    let k = &k.as_slice::<f32>()?[kl.start_offset()..];
-    let v = &v.as_slice::<f32>()?[vl.start_offset()..];
     let width = cfg.n_head * cfg.head_dim;
     let seqs: Vec<super::attention::PagedQuery<'_>> = steps
         .iter()
@@ -501,16 +467,14 @@ impl LanguageModel for Llama {
         if !self.kv.is_idle() {
             bail!("the KV cache pool can only grow while no sequence is live");
         }
-        // Zeroed memory: on the CPU, pages are only touched (and counted) as tokens land on them.
-        let shape = (blocks * BLOCK_SIZE, self.cfg.n_kv_head * self.cfg.head_dim);
-        self.k_pool.clear();
-        self.v_pool.clear();
-        for _ in 0..self.cfg.n_layer {
-            self.k_pool
-                .push(Tensor::zeros(shape, DType::F32, &self.device)?);
-            self.v_pool
-                .push(Tensor::zeros(shape, DType::F32, &self.device)?);
-        }
+        self.store = KvStore::empty(); // the old pool goes before the new one is made
+        self.store = KvStore::new(
+            &self.device,
+            self.cfg.n_layer,
+            self.cfg.n_kv_head,
+            self.cfg.head_dim,
+            blocks,
+        )?;
         self.kv = PagedKv::new(blocks);
         Ok(())
     }

@@ -78,6 +78,8 @@ struct Blocks {
     offset: Vec<f32>,
     /// Quants, `per_block` bytes a block: 16 (two nibbles a byte) for Q4_1, 32 for Q8.
     qs: Vec<u8>,
+    /// Q8_0 activations: sum(q) of every block, for the tiled kernels' bias correction.
+    isum: Vec<i32>,
     per_block: usize,
     /// Blocks in a row: K / 32.
     row_blocks: usize,
@@ -89,6 +91,7 @@ struct Row<'a> {
     scale: &'a [f32],
     offset: &'a [f32],
     qs: &'a [u8],
+    isum: &'a [i32],
 }
 
 impl Blocks {
@@ -102,6 +105,11 @@ impl Blocks {
                 &self.offset[b0..b1]
             },
             qs: &self.qs[b0 * self.per_block..b1 * self.per_block],
+            isum: if self.isum.is_empty() {
+                &[]
+            } else {
+                &self.isum[b0..b1]
+            },
         }
     }
 
@@ -116,6 +124,7 @@ impl Blocks {
             scale: Vec::with_capacity(n),
             offset: Vec::with_capacity(if ty == WeightType::Q4_1 { n } else { 0 }),
             qs: Vec::with_capacity(n * per_block),
+            isum: Vec::new(),
             per_block,
             row_blocks,
         };
@@ -130,13 +139,122 @@ impl Blocks {
     }
 }
 
+/// Weight rows in groups of 8, interleaved so one 32-byte load holds 4 quants of each of the 8
+/// rows: a multiply-add of that against 4 activation quants broadcast to every lane gives the
+/// 8 rows' partial dot products in the 8 lanes of a register, with no horizontal sums, and
+/// each block's scales apply to 8 rows in one vector multiply.
+///
+/// Per group of 8 rows and per block: Q4_1 has 4 chunks of 32 bytes, chunk c holding bytes
+/// 4c..4c+4 of each row's 16 (low nibbles: values 4c..4c+4, high nibbles: values 16+4c..);
+/// Q8_0 has 8 chunks, chunk c holding values 4c..4c+4 of each row. Then the 8 rows' d (and m)
+/// as f32. Rows past N (the last group's padding) are zero.
+struct Tiles {
+    qs: Vec<u8>,
+    d: Vec<f32>,
+    m: Vec<f32>,
+    groups: usize,
+    /// Blocks in a row: K / 32.
+    nb: usize,
+    /// Quant bytes of one block of one group: 128 (Q4_1) or 256 (Q8_0).
+    per_block: usize,
+}
+
+/// One group of 8 rows of `Tiles`, borrowed.
+#[derive(Clone, Copy)]
+struct Tile<'a> {
+    qs: &'a [u8],
+    d: &'a [f32],
+    m: &'a [f32],
+}
+
+impl Tiles {
+    fn from_rows(b: &Blocks, ty: WeightType, rows: usize) -> Self {
+        let nb = b.row_blocks;
+        let groups = rows.div_ceil(8);
+        let per_block = if ty == WeightType::Q4_1 { 128 } else { 256 };
+        let mut t = Tiles {
+            qs: vec![0; groups * nb * per_block],
+            d: vec![0.0; groups * nb * 8],
+            m: vec![
+                0.0;
+                if ty == WeightType::Q4_1 {
+                    groups * nb * 8
+                } else {
+                    0
+                }
+            ],
+            groups,
+            nb,
+            per_block,
+        };
+        for row in 0..rows {
+            let (g, r) = (row / 8, row % 8);
+            let src = b.row(row);
+            for blk in 0..nb {
+                let at = (g * nb + blk) * 8 + r;
+                t.d[at] = src.scale[blk];
+                if ty == WeightType::Q4_1 {
+                    t.m[at] = src.offset[blk];
+                }
+                let q = &src.qs[blk * b.per_block..(blk + 1) * b.per_block];
+                let dst = (g * nb + blk) * per_block;
+                for c in 0..per_block / 32 {
+                    let to = dst + c * 32 + r * 4;
+                    t.qs[to..to + 4].copy_from_slice(&q[c * 4..c * 4 + 4]);
+                }
+            }
+        }
+        t
+    }
+
+    fn tile(&self, g: usize) -> Tile<'_> {
+        let nb = self.nb;
+        Tile {
+            qs: &self.qs[g * nb * self.per_block..(g + 1) * nb * self.per_block],
+            d: &self.d[g * nb * 8..(g + 1) * nb * 8],
+            m: if self.m.is_empty() {
+                &[]
+            } else {
+                &self.m[g * nb * 8..(g + 1) * nb * 8]
+            },
+        }
+    }
+
+    /// Groups of `other` after ours (both hold whole groups of 8 real rows).
+    fn append(&mut self, other: Tiles) {
+        self.qs.extend_from_slice(&other.qs);
+        self.d.extend_from_slice(&other.d);
+        self.m.extend_from_slice(&other.m);
+        self.groups += other.groups;
+    }
+}
+
+/// How a weight is laid out: plain rows for the portable scalar kernel, 8-row tiles for SIMD.
+enum Layout {
+    Rows(Blocks),
+    Tiles(Tiles),
+}
+
 /// A weight matrix (N, K) in our own CPU layout.
 pub struct CpuQWeight {
     ty: WeightType,
     rows: usize, // N
     cols: usize, // K
-    blocks: Blocks,
+    layout: Layout,
     kernel: Kernel,
+}
+
+/// The output buffer, written by several threads at disjoint indices.
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+// SAFETY: every thread writes only the columns of its own row groups (see `matmul`).
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+
+impl Out {
+    fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
 }
 
 impl CpuQWeight {
@@ -149,77 +267,96 @@ impl CpuQWeight {
             WeightType::Q4_1 => quantize_q8_1(x, k),
             WeightType::Q8_0 => quantize_q8_0(x, k),
         };
-        // Output computed as (N, T) so each weight row is read once for all T tokens, in parallel
-        // over chunks of weight rows; transposed to (T, N) at the end when T > 1.
-        let mut out_nt = vec![0f32; n_rows * t];
-        let chunk_rows = (n_rows / (rayon::current_num_threads() * 8)).clamp(16, 512);
-        out_nt
-            .par_chunks_mut(chunk_rows * t)
-            .enumerate()
-            .for_each(|(c, out)| {
-                let first = c * chunk_rows;
-                for (i, out_row) in out.chunks_mut(t).enumerate() {
-                    let w = self.blocks.row(first + i);
-                    let mut tt = 0;
-                    // Four tokens at a time share each unpacked weight block (prefill).
-                    while tt + 4 <= t && self.has_dot4() {
-                        let a = [
-                            act.row(tt),
-                            act.row(tt + 1),
-                            act.row(tt + 2),
-                            act.row(tt + 3),
-                        ];
-                        out_row[tt..tt + 4].copy_from_slice(&self.dot4(w, a));
-                        tt += 4;
-                    }
-                    for (o, tt) in out_row[tt..].iter_mut().zip(tt..) {
-                        *o = self.dot(w, act.row(tt));
+        let mut out = vec![0f32; t * n_rows];
+        match &self.layout {
+            Layout::Rows(blocks) => {
+                // Computed as (N, T), in parallel over chunks of weight rows, then transposed.
+                let mut out_nt = vec![0f32; n_rows * t];
+                let chunk_rows = (n_rows / (rayon::current_num_threads() * 8)).clamp(16, 512);
+                out_nt
+                    .par_chunks_mut(chunk_rows * t)
+                    .enumerate()
+                    .for_each(|(c, out)| {
+                        for (i, out_row) in out.chunks_mut(t).enumerate() {
+                            let w = blocks.row(c * chunk_rows + i);
+                            for (o, tt) in out_row.iter_mut().zip(0..) {
+                                *o = match self.ty {
+                                    WeightType::Q4_1 => dot_q4_1_q8_1_scalar(w, act.row(tt)),
+                                    WeightType::Q8_0 => dot_q8_0_q8_0_scalar(w, act.row(tt)),
+                                };
+                            }
+                        }
+                    });
+                for n in 0..n_rows {
+                    for tt in 0..t {
+                        out[tt * n_rows + n] = out_nt[n * t + tt];
                     }
                 }
-            });
-        if t == 1 {
-            return out_nt;
-        }
-        let mut out = vec![0f32; t * n_rows];
-        for n in 0..n_rows {
-            for tt in 0..t {
-                out[tt * n_rows + n] = out_nt[n * t + tt];
+            }
+            Layout::Tiles(tiles) => {
+                let ptr = Out(out.as_mut_ptr());
+                let chunk = (tiles.groups / (rayon::current_num_threads() * 4)).max(1);
+                let group_ranges: Vec<(usize, usize)> = (0..tiles.groups)
+                    .step_by(chunk)
+                    .map(|g| (g, (g + chunk).min(tiles.groups)))
+                    .collect();
+                group_ranges.into_par_iter().for_each(|(g0, g1)| {
+                    for g in g0..g1 {
+                        let tile = tiles.tile(g);
+                        let real = (n_rows - g * 8).min(8);
+                        let mut tt = 0;
+                        while tt < t {
+                            let n = (t - tt).min(4);
+                            let mut y = [[0f32; 8]; 4];
+                            self.tile_dot(tile, &act, tt, n, &mut y);
+                            for (i, y) in y.iter().enumerate().take(n) {
+                                let at = (tt + i) * n_rows + g * 8;
+                                // SAFETY: row group g's columns of each token's row are
+                                // written by this thread only, and are within `out`.
+                                unsafe {
+                                    std::ptr::copy_nonoverlapping(y.as_ptr(), ptr.at(at), real)
+                                };
+                            }
+                            tt += n;
+                        }
+                    }
+                });
             }
         }
         out
     }
 
-    fn has_dot4(&self) -> bool {
-        self.ty == WeightType::Q4_1 && self.kernel != Kernel::Scalar
-    }
-
-    /// The dot products of one weight row with four activation rows.
+    /// Tokens tt..tt+n (n <= 4) against one group of 8 rows.
     #[inline]
-    fn dot4(&self, w: Row<'_>, a: [Row<'_>; 4]) -> [f32; 4] {
+    fn tile_dot(&self, w: Tile<'_>, act: &Blocks, tt: usize, n: usize, y: &mut [[f32; 8]; 4]) {
+        let a = |i: usize| act.row(tt + i.min(n - 1));
+        let rows = [a(0), a(1), a(2), a(3)];
         // SAFETY (all unsafe calls below): a SIMD kernel is only chosen when the CPU reports
-        // its features (Kernel::detect), and rows of one matrix hold the same block count.
-        match (self.ty, self.kernel) {
-            #[cfg(target_arch = "x86_64")]
-            (WeightType::Q4_1, Kernel::Avx2) => unsafe { x86::avx2::dot4_q4_1_q8_1(w, a) },
-            #[cfg(target_arch = "x86_64")]
-            (WeightType::Q4_1, Kernel::Vnni) => unsafe { x86::vnni::dot4_q4_1_q8_1(w, a) },
-            _ => a.map(|a| self.dot(w, a)),
+        // its features (Kernel::detect); tiles and activations hold the same block count.
+        macro_rules! call {
+            ($m:ident, $f:ident) => {
+                match n {
+                    1 => y[..1].copy_from_slice(&unsafe { x86::$m::$f::<1>(w, [rows[0]]) }),
+                    2 => {
+                        y[..2].copy_from_slice(&unsafe { x86::$m::$f::<2>(w, [rows[0], rows[1]]) })
+                    }
+                    3 => y[..3].copy_from_slice(&unsafe {
+                        x86::$m::$f::<3>(w, [rows[0], rows[1], rows[2]])
+                    }),
+                    _ => *y = unsafe { x86::$m::$f::<4>(w, rows) },
+                }
+            };
         }
-    }
-
-    #[inline]
-    fn dot(&self, w: Row<'_>, a: Row<'_>) -> f32 {
         match (self.ty, self.kernel) {
-            (WeightType::Q4_1, Kernel::Scalar) => dot_q4_1_q8_1_scalar(w, a),
-            (WeightType::Q8_0, Kernel::Scalar) => dot_q8_0_q8_0_scalar(w, a),
             #[cfg(target_arch = "x86_64")]
-            (WeightType::Q4_1, Kernel::Avx2) => unsafe { x86::avx2::dot_q4_1_q8_1(w, a) },
+            (WeightType::Q4_1, Kernel::Avx2) => call!(avx2, tile_q4_1),
             #[cfg(target_arch = "x86_64")]
-            (WeightType::Q8_0, Kernel::Avx2) => unsafe { x86::avx2::dot_q8_0_q8_0(w, a) },
+            (WeightType::Q4_1, Kernel::Vnni) => call!(vnni, tile_q4_1),
             #[cfg(target_arch = "x86_64")]
-            (WeightType::Q4_1, Kernel::Vnni) => unsafe { x86::vnni::dot_q4_1_q8_1(w, a) },
+            (WeightType::Q8_0, Kernel::Avx2) => call!(avx2, tile_q8_0),
             #[cfg(target_arch = "x86_64")]
-            (WeightType::Q8_0, Kernel::Vnni) => unsafe { x86::vnni::dot_q8_0_q8_0(w, a) },
+            (WeightType::Q8_0, Kernel::Vnni) => call!(vnni, tile_q8_0),
+            _ => unreachable!("tiles are only built for SIMD kernels"),
         }
     }
 }
@@ -234,13 +371,16 @@ pub enum Projections {
 
 impl Projections {
     pub fn new(parts: Vec<QLinear>) -> Self {
-        let fusable = parts.iter().all(|p| matches!(p, QLinear::Cpu(_)))
-            && parts.windows(2).all(|w| match (&w[0], &w[1]) {
-                (QLinear::Cpu(a), QLinear::Cpu(b)) => {
-                    a.ty == b.ty && a.cols == b.cols && a.kernel == b.kernel
-                }
-                _ => false,
-            });
+        let fusable = parts.iter().all(|p| match p {
+            // Tiles concatenate only when no part has padding rows.
+            QLinear::Cpu(w) => matches!(w.layout, Layout::Rows(_)) || w.rows % 8 == 0,
+            QLinear::Candle(_) => false,
+        }) && parts.windows(2).all(|w| match (&w[0], &w[1]) {
+            (QLinear::Cpu(a), QLinear::Cpu(b)) => {
+                a.ty == b.ty && a.cols == b.cols && a.kernel == b.kernel
+            }
+            _ => false,
+        });
         if !fusable || parts.is_empty() {
             return Projections::Separate(parts);
         }
@@ -254,9 +394,15 @@ impl Projections {
         for w in ws {
             widths.push(w.rows);
             all.rows += w.rows;
-            all.blocks.scale.extend_from_slice(&w.blocks.scale);
-            all.blocks.offset.extend_from_slice(&w.blocks.offset);
-            all.blocks.qs.extend_from_slice(&w.blocks.qs);
+            match (&mut all.layout, w.layout) {
+                (Layout::Rows(a), Layout::Rows(b)) => {
+                    a.scale.extend_from_slice(&b.scale);
+                    a.offset.extend_from_slice(&b.offset);
+                    a.qs.extend_from_slice(&b.qs);
+                }
+                (Layout::Tiles(a), Layout::Tiles(b)) => a.append(b),
+                _ => unreachable!("same kernel, same layout"),
+            }
         }
         Projections::Fused {
             linear: QLinear::Cpu(all),
@@ -322,11 +468,16 @@ impl QLinear {
                     );
                 }
                 let blocks = Blocks::from_gguf(&raw, ty, cols / QK);
+                let layout = if kernel == Kernel::Scalar {
+                    Layout::Rows(blocks)
+                } else {
+                    Layout::Tiles(Tiles::from_rows(&blocks, ty, rows))
+                };
                 Ok(QLinear::Cpu(CpuQWeight {
                     ty,
                     rows,
                     cols,
-                    blocks,
+                    layout,
                     kernel,
                 }))
             }
@@ -390,6 +541,7 @@ fn quantize_rows(x: &[f32], k: usize, with_sums: bool) -> Blocks {
         scale: Vec::with_capacity(n),
         offset: Vec::with_capacity(if with_sums { n } else { 0 }),
         qs: vec![0u8; n * QK],
+        isum: Vec::with_capacity(if with_sums { 0 } else { n }),
         per_block: QK,
         row_blocks: k / QK,
     };
@@ -406,6 +558,8 @@ fn quantize_rows(x: &[f32], k: usize, with_sums: bool) -> Blocks {
         b.scale.push(through_f16(d));
         if with_sums {
             b.offset.push(through_f16(d * sum as f32));
+        } else {
+            b.isum.push(sum);
         }
     }
     b
@@ -457,109 +611,120 @@ fn dot_q8_0_q8_0_scalar(w: Row<'_>, a: Row<'_>) -> f32 {
 /// unsigned by signed bytes with maddubs + madd (two instructions), `vnni` with one dpbusd.
 #[cfg(target_arch = "x86_64")]
 macro_rules! x86_kernels {
-    ($name:ident, $features:literal, $mul_sum:ident) => {
+    ($name:ident, $features:literal, $dot_u4:ident, $prep_i8:ident, $dot_i8:ident, $bias:expr) => {
         pub mod $name {
-            use super::super::{Row, QK};
+            use super::super::{Row, Tile};
             use std::arch::x86_64::*;
 
-            #[inline]
-            #[target_feature(enable = $features)]
-            unsafe fn hsum_f32(v: __m256) -> f32 {
-                let lo = _mm256_castps256_ps128(v);
-                let hi = _mm256_extractf128_ps(v, 1);
-                let s = _mm_add_ps(lo, hi);
-                let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-                let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-                _mm_cvtss_f32(s)
-            }
-
-            /// Sum of m_w * s_a over the blocks: contiguous arrays, so it vectorises on its own.
-            #[inline]
-            #[target_feature(enable = $features)]
-            unsafe fn offsets(w: &[f32], a: &[f32]) -> f32 {
-                w.iter().zip(a).map(|(x, y)| x * y).sum()
-            }
-
-            #[inline]
-            #[target_feature(enable = $features)]
-            unsafe fn unpack_q4(ptr: *const u8) -> __m256i {
-                let mask = _mm_set1_epi8(0x0F);
-                let packed = _mm_loadu_si128(ptr as *const __m128i);
-                let lo = _mm_and_si128(packed, mask);
-                let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
-                // Nibbles in the order of the activations: 16 low ones, then 16 high ones.
-                _mm256_set_m128i(hi, lo)
-            }
-
-            /// # Safety
-            /// The CPU must support the features; `w` and `a` must hold the same number of blocks.
-            #[target_feature(enable = $features)]
-            pub unsafe fn dot_q4_1_q8_1(w: Row<'_>, a: Row<'_>) -> f32 {
-                let nb = w.scale.len();
-                debug_assert!(
-                    a.scale.len() >= nb && a.qs.len() >= nb * QK && w.qs.len() >= nb * 16
-                );
-                let mut acc = _mm256_setzero_ps();
-                let (wq, aq) = (w.qs.as_ptr(), a.qs.as_ptr());
-                for b in 0..nb {
-                    let d = w.scale.get_unchecked(b) * a.scale.get_unchecked(b);
-                    let qw = unpack_q4(wq.add(b * 16));
-                    let qa = _mm256_loadu_si256(aq.add(b * QK) as *const __m256i);
-                    let prod = super::$mul_sum(qw, qa);
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(prod), acc);
-                }
-                hsum_f32(acc) + offsets(w.offset, &a.offset[..nb])
-            }
-
-            /// Four activation rows against one Q4_1 weight row: each weight block is unpacked once.
+            /// N activation rows (Q8_1) against a tile of 8 Q4_1 rows: [token][row].
             ///
             /// # Safety
-            /// The CPU must support the features; every row must hold the same number of blocks.
+            /// The CPU must support the features; the rows hold as many blocks as the tile.
             #[target_feature(enable = $features)]
-            pub unsafe fn dot4_q4_1_q8_1(w: Row<'_>, a: [Row<'_>; 4]) -> [f32; 4] {
-                let nb = w.scale.len();
+            pub unsafe fn tile_q4_1<const N: usize>(w: Tile<'_>, a: [Row<'_>; N]) -> [[f32; 8]; N] {
+                let nb = w.d.len() / 8;
+                debug_assert!(w.qs.len() >= nb * 128 && w.m.len() >= nb * 8);
                 debug_assert!(a
                     .iter()
-                    .all(|a| a.scale.len() >= nb && a.qs.len() >= nb * QK));
-                let mut acc = [_mm256_setzero_ps(); 4];
-                let wq = w.qs.as_ptr();
+                    .all(|a| a.qs.len() >= nb * 32 && a.scale.len() >= nb));
+                let mask = _mm256_set1_epi8(0x0F);
+                let mut acc = [_mm256_setzero_ps(); N];
                 for b in 0..nb {
-                    let dw = *w.scale.get_unchecked(b);
-                    let qw = unpack_q4(wq.add(b * 16));
-                    for i in 0..4 {
+                    let base = w.qs.as_ptr().add(b * 128);
+                    let mut wv = [_mm256_setzero_si256(); 8];
+                    for c in 0..4 {
+                        let raw = _mm256_loadu_si256(base.add(c * 32) as *const __m256i);
+                        wv[c] = _mm256_and_si256(raw, mask);
+                        wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+                    }
+                    let dw = _mm256_loadu_ps(w.d.as_ptr().add(b * 8));
+                    let mw = _mm256_loadu_ps(w.m.as_ptr().add(b * 8));
+                    for i in 0..N {
                         let ai = a.get_unchecked(i);
-                        let qa = _mm256_loadu_si256(ai.qs.as_ptr().add(b * QK) as *const __m256i);
-                        let prod = super::$mul_sum(qw, qa);
-                        let d = _mm256_set1_ps(dw * ai.scale.get_unchecked(b));
-                        acc[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(prod), acc[i]);
+                        let q = ai.qs.as_ptr().add(b * 32) as *const i32;
+                        // Two independent chains of multiply-adds.
+                        let mut s0 = _mm256_setzero_si256();
+                        let mut s1 = _mm256_setzero_si256();
+                        for g in (0..8).step_by(2) {
+                            s0 = super::$dot_u4(
+                                s0,
+                                wv[g],
+                                _mm256_set1_epi32(q.add(g).read_unaligned()),
+                            );
+                            s1 = super::$dot_u4(
+                                s1,
+                                wv[g + 1],
+                                _mm256_set1_epi32(q.add(g + 1).read_unaligned()),
+                            );
+                        }
+                        let s = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+                        let d = _mm256_mul_ps(dw, _mm256_set1_ps(*ai.scale.get_unchecked(b)));
+                        acc[i] = _mm256_fmadd_ps(s, d, acc[i]);
+                        acc[i] = _mm256_fmadd_ps(
+                            mw,
+                            _mm256_set1_ps(*ai.offset.get_unchecked(b)),
+                            acc[i],
+                        );
                     }
                 }
-                let mut out = [0f32; 4];
-                for i in 0..4 {
-                    out[i] = hsum_f32(acc[i]) + offsets(w.offset, &a[i].offset[..nb]);
+                let mut out = [[0f32; 8]; N];
+                for i in 0..N {
+                    _mm256_storeu_ps(out[i].as_mut_ptr(), acc[i]);
                 }
                 out
             }
 
+            /// N activation rows (Q8_0) against a tile of 8 Q8_0 rows: [token][row].
+            ///
             /// # Safety
-            /// The CPU must support the features; `w` and `a` must hold the same number of blocks.
+            /// The CPU must support the features; the rows hold as many blocks as the tile.
             #[target_feature(enable = $features)]
-            pub unsafe fn dot_q8_0_q8_0(w: Row<'_>, a: Row<'_>) -> f32 {
-                let nb = w.scale.len();
-                debug_assert!(
-                    a.scale.len() >= nb && a.qs.len() >= nb * QK && w.qs.len() >= nb * QK
-                );
-                let mut acc = _mm256_setzero_ps();
-                let (wq, aq) = (w.qs.as_ptr(), a.qs.as_ptr());
+            pub unsafe fn tile_q8_0<const N: usize>(w: Tile<'_>, a: [Row<'_>; N]) -> [[f32; 8]; N] {
+                let nb = w.d.len() / 8;
+                debug_assert!(w.qs.len() >= nb * 256);
+                debug_assert!(a
+                    .iter()
+                    .all(|a| a.qs.len() >= nb * 32 && a.isum.len() >= nb));
+                let mut acc = [_mm256_setzero_ps(); N];
                 for b in 0..nb {
-                    let d = w.scale.get_unchecked(b) * a.scale.get_unchecked(b);
-                    let qw = _mm256_loadu_si256(wq.add(b * QK) as *const __m256i);
-                    let qa = _mm256_loadu_si256(aq.add(b * QK) as *const __m256i);
-                    // The byte products take an unsigned operand: move w's sign onto a.
-                    let prod = super::$mul_sum(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qa, qw));
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(prod), acc);
+                    let base = w.qs.as_ptr().add(b * 256);
+                    let mut wv = [_mm256_setzero_si256(); 8];
+                    for c in 0..8 {
+                        wv[c] =
+                            super::$prep_i8(_mm256_loadu_si256(base.add(c * 32) as *const __m256i));
+                    }
+                    let dw = _mm256_loadu_ps(w.d.as_ptr().add(b * 8));
+                    for i in 0..N {
+                        let ai = a.get_unchecked(i);
+                        let q = ai.qs.as_ptr().add(b * 32) as *const i32;
+                        let mut s0 = _mm256_setzero_si256();
+                        let mut s1 = _mm256_setzero_si256();
+                        for g in (0..8).step_by(2) {
+                            s0 = super::$dot_i8(
+                                s0,
+                                wv[g],
+                                _mm256_set1_epi32(q.add(g).read_unaligned()),
+                            );
+                            s1 = super::$dot_i8(
+                                s1,
+                                wv[g + 1],
+                                _mm256_set1_epi32(q.add(g + 1).read_unaligned()),
+                            );
+                        }
+                        let s = _mm256_add_epi32(s0, s1);
+                        let s = _mm256_sub_epi32(
+                            s,
+                            _mm256_set1_epi32($bias * *ai.isum.get_unchecked(b)),
+                        );
+                        let d = _mm256_mul_ps(dw, _mm256_set1_ps(*ai.scale.get_unchecked(b)));
+                        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[i]);
+                    }
                 }
-                hsum_f32(acc)
+                let mut out = [[0f32; 8]; N];
+                for i in 0..N {
+                    _mm256_storeu_ps(out[i].as_mut_ptr(), acc[i]);
+                }
+                out
             }
         }
     };
@@ -569,22 +734,59 @@ macro_rules! x86_kernels {
 mod x86 {
     use std::arch::x86_64::*;
 
-    /// Eight lanes of sum(u8 * i8) over groups of four bytes, in two instructions.
+    /// acc + per lane, sum over 4 bytes of u8 * i8 (the u8 below 16, so the i16 pairs of
+    /// maddubs cannot saturate).
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn mul_sum_avx2(u: __m256i, s: __m256i) -> __m256i {
-        _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+    unsafe fn dot_u4_avx2(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        let pairs = _mm256_maddubs_epi16(u, s);
+        _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
     }
 
     /// The same in one VNNI instruction.
     #[inline]
     #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
-    unsafe fn mul_sum_vnni(u: __m256i, s: __m256i) -> __m256i {
-        _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+    unsafe fn dot_u4_vnni(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(acc, u, s)
     }
 
-    x86_kernels!(avx2, "avx2,fma", mul_sum_avx2);
-    x86_kernels!(vnni, "avx2,fma,avx512vnni,avx512vl", mul_sum_vnni);
+    /// AVX2 multiplies signed bytes through maddubs by moving w's sign onto a: |w| * ±a.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn keep_i8(w: __m256i) -> __m256i {
+        w
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot_i8_avx2(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
+        let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+        _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+    }
+
+    /// VNNI takes w + 128 as unsigned bytes (flipping the top bit) and the kernel subtracts
+    /// 128 * sum(a) afterwards: exact in 32-bit integers.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+    unsafe fn bias_i8(w: __m256i) -> __m256i {
+        _mm256_xor_si256(w, _mm256_set1_epi8(-128))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+    unsafe fn dot_i8_vnni(acc: __m256i, w_biased: __m256i, a: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(acc, w_biased, a)
+    }
+
+    x86_kernels!(avx2, "avx2,fma", dot_u4_avx2, keep_i8, dot_i8_avx2, 0);
+    x86_kernels!(
+        vnni,
+        "avx2,fma,avx512vnni,avx512vl",
+        dot_u4_vnni,
+        bias_i8,
+        dot_i8_vnni,
+        128
+    );
 }
 
 #[cfg(test)]
@@ -682,6 +884,44 @@ mod tests {
                             "{dtype:?}: fast {a} vs scalar {b}"
                         );
                     }
+                }
+            }
+        }
+    }
+
+    /// A token's outputs do not depend on which other tokens share the call: what lets a
+    /// batched pass give each sequence exactly the logits it would get alone.
+    #[test]
+    fn each_row_is_computed_the_same_alone_or_with_others() {
+        let (t, n, k) = (7, 27, 96);
+        for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+            let w = Tensor::from_vec(data(n * k, 3), (n, k), &Device::Cpu).unwrap();
+            let x = data(t * k, 4);
+            for kernel in kernels() {
+                let lin = QLinear::with_kernel(
+                    QTensor::quantize(&w, dtype).unwrap(),
+                    &Device::Cpu,
+                    kernel,
+                )
+                .unwrap();
+                let run = |rows: &[f32]| {
+                    let xt =
+                        Tensor::from_vec(rows.to_vec(), (rows.len() / k, k), &Device::Cpu).unwrap();
+                    lin.forward(&xt)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap()
+                };
+                let all = run(&x);
+                for i in 0..t {
+                    let alone = run(&x[i * k..(i + 1) * k]);
+                    assert_eq!(
+                        &all[i * n..(i + 1) * n],
+                        &alone[..],
+                        "{dtype:?} {kernel:?} row {i}"
+                    );
                 }
             }
         }
