@@ -42,7 +42,7 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
 
     let (device, device_name) = pick_device(cfg.device, cfg.threads)?;
     let load_start = Instant::now();
-    let mut loaded = model::load_gguf(&path, &device, cfg.tokenizer.as_deref())?;
+    let mut loaded = model::load(&path, &device, cfg.tokenizer.as_deref(), cfg.dtype)?;
     let load_s = load_start.elapsed().as_secs_f64();
     if interrupt::requested() {
         eprintln!("gen: interrupted");

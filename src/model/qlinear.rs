@@ -14,7 +14,7 @@
 
 use anyhow::{bail, Result};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{Device, Module, Storage, Tensor};
+use candle_core::{DType, Device, Module, Storage, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
@@ -247,7 +247,7 @@ impl Projections {
         let mut widths = Vec::new();
         let mut ws = parts.into_iter().map(|p| match p {
             QLinear::Cpu(w) => w,
-            QLinear::Candle(_) => unreachable!("checked above"),
+            QLinear::Candle(_) | QLinear::Dense(_) => unreachable!("checked above"),
         });
         let mut all = ws.next().expect("not empty");
         widths.push(all.rows);
@@ -285,10 +285,14 @@ impl Projections {
     }
 }
 
-/// A linear layer: our CPU kernels where they apply, candle's QMatMul elsewhere.
+/// A linear layer: our CPU kernels where they apply, a plain matrix for unquantized weights,
+/// candle's QMatMul elsewhere.
 pub enum QLinear {
     Cpu(CpuQWeight),
     Candle(QMatMul),
+    /// An f32, f16 or bf16 weight (N, K), kept in its own type: the input is converted to it
+    /// for the multiply and the output back to the input's type.
+    Dense(Tensor),
 }
 
 impl QLinear {
@@ -330,7 +334,19 @@ impl QLinear {
                     kernel,
                 }))
             }
-            _ => Ok(QLinear::Candle(QMatMul::from_qtensor(q)?)),
+            _ => {
+                // candle's QMatMul would widen f16 and bf16 weights to f32; keep their type.
+                let dense = match q.dtype() {
+                    GgmlDType::F32 => Some(DType::F32),
+                    GgmlDType::F16 => Some(DType::F16),
+                    GgmlDType::BF16 => Some(DType::BF16),
+                    _ => None,
+                };
+                match dense {
+                    Some(dt) => Ok(QLinear::Dense(q.dequantize(device)?.to_dtype(dt)?)),
+                    None => Ok(QLinear::Candle(QMatMul::from_qtensor(q)?)),
+                }
+            }
         }
     }
 
@@ -338,6 +354,10 @@ impl QLinear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             QLinear::Candle(m) => Ok(m.forward(x)?),
+            QLinear::Dense(w) => {
+                let y = x.to_dtype(w.dtype())?.broadcast_matmul(&w.t()?)?;
+                Ok(y.to_dtype(x.dtype())?)
+            }
             QLinear::Cpu(w) => {
                 let dims = x.dims().to_vec();
                 let k = *dims.last().unwrap_or(&0);
