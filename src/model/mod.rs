@@ -110,7 +110,7 @@ fn build_model(
 }
 
 /// Load a GGUF file onto `device`, with its own tokenizer or the given tokenizer.json.
-fn load_gguf(
+pub fn load_gguf(
     path: &std::path::Path,
     device: &candle_core::Device,
     tokenizer_json: Option<&std::path::Path>,
