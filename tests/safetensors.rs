@@ -12,7 +12,7 @@ use std::process::Output;
 use std::sync::OnceLock;
 
 use candle_core::DType;
-use common::hf::{gguf_to_hf_dir, Layout};
+use common::hf::{converted, Layout};
 use common::{gen, one_error_line, text};
 
 const PROMPTS: &[&str] = &[
@@ -23,21 +23,6 @@ const PROMPTS: &[&str] = &[
     "In 1969, Neil Armstrong",
     "Water boils at",
 ];
-
-/// Converted folders live under cargo's scratch space for integration tests and are reused
-/// by later runs (a `complete` marker is written last); bump the version when `common::hf`
-/// changes what it writes.
-fn converted(variant: &str, layout: Layout) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("hf-smollm2-v1")
-        .join(variant);
-    if !dir.join("complete").is_file() {
-        let _ = std::fs::remove_dir_all(&dir);
-        gguf_to_hf_dir(&common::smollm2(), &dir, layout);
-        std::fs::write(dir.join("complete"), b"").unwrap();
-    }
-    dir
-}
 
 /// The default GGUF with every tensor dequantized to f32: the folders' weights in GGUF form,
 /// loaded by the GGUF path and multiplied in f32 like the folders, so only the conversion

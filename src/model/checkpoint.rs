@@ -350,7 +350,7 @@ pub fn gguf_name(hf: &str) -> Option<String> {
 /// head's width, which do not change when q and k are both permuted the same way.
 pub fn hf_rows_to_interleaved(w: &Tensor, heads: usize) -> Result<Tensor> {
     let (rows, cols) = w.dims2()?;
-    if heads == 0 || rows % heads != 0 || (rows / heads) % 2 != 0 {
+    if heads == 0 || !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
         bail!("a q/k projection of {rows} rows does not split into {heads} heads of even width");
     }
     let half = rows / heads / 2;

@@ -197,3 +197,18 @@ pub fn dequantized_gguf(gguf: &Path, out: &Path) {
     let mut w = std::io::BufWriter::new(File::create(out).unwrap());
     gguf_file::write(&mut w, &metadata, &tensor_refs).unwrap();
 }
+
+/// The default GGUF converted by [`gguf_to_hf_dir`] into folder `variant`. Folders live under
+/// cargo's scratch space for integration tests and are reused by later runs (a `complete`
+/// marker is written last); bump the version when this file changes what it writes.
+pub fn converted(variant: &str, layout: Layout) -> std::path::PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("hf-smollm2-v1")
+        .join(variant);
+    if !dir.join("complete").is_file() {
+        let _ = std::fs::remove_dir_all(&dir);
+        gguf_to_hf_dir(&super::smollm2(), &dir, layout);
+        std::fs::write(dir.join("complete"), b"").unwrap();
+    }
+    dir
+}
