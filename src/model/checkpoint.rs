@@ -156,14 +156,7 @@ impl Checkpoint {
                 dir.display()
             );
         }
-        let name = dir
-            .canonicalize()
-            .ok()
-            .as_deref()
-            .unwrap_or(dir)
-            .file_name()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "model".into());
+        let name = checkpoint_name(&dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf()));
         let metadata = cfg.gguf_metadata(&name);
         Ok(Self {
             arch: cfg.family.to_string(),
@@ -247,6 +240,26 @@ fn cpu_bytes(t: &Tensor) -> Result<Vec<u8>> {
             .collect(),
         other => bail!("unexpected tensor type {other:?}"),
     })
+}
+
+/// How the report names a checkpoint folder: `owner/name` for a snapshot in the Hugging Face
+/// cache (`.../models--owner--name/snapshots/COMMIT`), else the folder's name.
+pub fn checkpoint_name(dir: &Path) -> String {
+    fn part(p: Option<&Path>) -> Option<String> {
+        Some(p?.file_name()?.to_string_lossy().into_owned())
+    }
+    let snapshots = dir.parent();
+    if part(snapshots).as_deref() == Some("snapshots") {
+        if let Some(repo) = part(snapshots.and_then(Path::parent)) {
+            if let Some((owner, name)) = repo
+                .strip_prefix("models--")
+                .and_then(|r| r.split_once("--"))
+            {
+                return format!("{owner}/{name}");
+            }
+        }
+    }
+    part(Some(dir)).unwrap_or_else(|| "model".into())
 }
 
 /// The safetensors files of a checkpoint folder: the shards the index names, or the one file.
@@ -627,6 +640,14 @@ fn short(v: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hub_snapshots_are_named_by_their_repo() {
+        let snap = Path::new("/c/hub/models--HuggingFaceTB--SmolLM2-135M/snapshots/0123abc");
+        assert_eq!(checkpoint_name(snap), "HuggingFaceTB/SmolLM2-135M");
+        assert_eq!(checkpoint_name(Path::new("/m/my-llama")), "my-llama");
+        assert_eq!(checkpoint_name(Path::new("/x/snapshots/abc")), "abc");
+    }
 
     #[test]
     fn names_map_to_gguf() {
