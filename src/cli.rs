@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Result};
 use clap::{Parser, ValueEnum};
 
+use crate::batch_input::BatchFormat;
 use crate::sampler::SamplingParams;
 use crate::source::{self, ModelSpec};
 
@@ -122,6 +123,26 @@ pub struct Args {
     #[arg(long)]
     pub echo: bool,
 
+    /// Run many prompts: one per line of FILE (`-`: standard input), plain text or JSON Lines
+    /// with {"prompt", and optionally "id", "max_new", "temperature", "seed", "stop"}; other
+    /// fields are ignored. Writes one JSON object per prompt to stdout, in input order.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt", "prompt_file", "echo"])]
+    pub batch: Option<PathBuf>,
+
+    /// How to read the --batch file.
+    #[arg(long, value_enum, default_value_t = BatchFormat::Auto, requires = "batch")]
+    pub batch_format: BatchFormat,
+
+    /// Most prompts decoded together in one forward pass (default: 8 on the CPU, 64 on a GPU).
+    #[arg(long, value_name = "N", requires = "batch")]
+    pub batch_size: Option<usize>,
+
+    /// KV cache pool for --batch, in blocks of 16 tokens (default: room for --batch-size
+    /// prompts as long as the longest, with their replies). When it runs short, sequences wait
+    /// or are paused and resumed; nothing is lost.
+    #[arg(long, value_name = "BLOCKS", requires = "batch")]
+    pub kv_blocks: Option<usize>,
+
     /// Where to run: auto, cpu, cuda, cuda:N, metal.
     #[arg(long, default_value = "auto")]
     pub device: String,
@@ -169,6 +190,16 @@ pub enum PromptSource {
     Stdin,
 }
 
+/// A batch run's input and sizes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchConfig {
+    /// None: standard input.
+    pub file: Option<PathBuf>,
+    pub format: BatchFormat,
+    pub batch_size: Option<usize>,
+    pub kv_blocks: Option<usize>,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceChoice {
     Auto,
@@ -207,6 +238,8 @@ pub struct Config {
     pub tokenizer: Option<PathBuf>,
     pub offline: bool,
     pub prompt: PromptSource,
+    /// Some: a batch run over many prompts (`prompt` is unused).
+    pub batch: Option<BatchConfig>,
     pub chat: bool,
     pub system: Option<String>,
     pub echo: bool,
@@ -234,6 +267,18 @@ impl Args {
         if self.ctx_size == Some(0) {
             bail!("--ctx-size must be at least 1");
         }
+        if self.batch_size == Some(0) {
+            bail!("--batch-size must be at least 1");
+        }
+        if self.kv_blocks == Some(0) {
+            bail!("--kv-blocks must be at least 1");
+        }
+        let batch = self.batch.map(|file| BatchConfig {
+            file: (file.as_os_str() != "-").then_some(file),
+            format: self.batch_format,
+            batch_size: self.batch_size,
+            kv_blocks: self.kv_blocks,
+        });
         let seed = self.seed.unwrap_or_else(fresh_seed);
         let sampling = SamplingParams {
             temperature: self.temperature,
@@ -273,6 +318,7 @@ impl Args {
             tokenizer: self.tokenizer,
             offline,
             prompt,
+            batch,
             chat: self.chat,
             system: self.system,
             echo: self.echo,
@@ -381,6 +427,27 @@ mod tests {
             assert!(err.contains("--dtype") && err.contains("HINT"), "{err}");
         }
         assert!(parse(&["--model", "o/n", "--dtype", "f64"]).is_err());
+    }
+
+    #[test]
+    fn batch_flags() {
+        let b = parse(&["--batch", "p.jsonl", "--batch-size", "4"])
+            .unwrap()
+            .batch
+            .unwrap();
+        assert_eq!(b.file, Some(PathBuf::from("p.jsonl")));
+        assert_eq!((b.batch_size, b.format), (Some(4), BatchFormat::Auto));
+        assert_eq!(parse(&["--batch", "-"]).unwrap().batch.unwrap().file, None);
+        assert_eq!(parse(&[]).unwrap().batch, None);
+        for bad in [
+            &["--batch", "p", "--prompt", "x"][..],
+            &["--batch", "p", "--echo"],
+            &["--batch", "p", "--batch-size", "0"],
+            &["--batch-size", "4"],
+            &["--kv-blocks", "4"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?} was accepted");
+        }
     }
 
     #[test]

@@ -108,7 +108,13 @@ pub fn generate(
         limits.context_len
     );
     let capacity = (prompt.len() + limits.max_new).min(limits.context_len);
-    let seq = model.new_sequence(capacity)?;
+    // One sequence: a pool just big enough for it, its blocks taken up front.
+    model.reserve_pool(crate::model::kv_cache::blocks_for(capacity))?;
+    let seq = model.new_sequence();
+    if !model.reserve(seq, capacity) {
+        model.free_sequence(seq);
+        anyhow::bail!("the KV cache has no room for {capacity} tokens");
+    }
     let result = run_loop(model, seq, prompt, sampler, eos, limits, sink);
     model.free_sequence(seq);
     result

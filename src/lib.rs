@@ -1,10 +1,12 @@
 //! gen: a command-line text generator for local language models.
 //!
 //! Reading order: `source` (where the model files are) -> `model` (loading, the forward pass)
-//! -> `tokenizer` (text <-> ids) -> `sampler` -> `generate` (the loop) -> `output` (streaming
+//! -> `tokenizer` (text <-> ids) -> `sampler` -> `generate` (the loop) -> `batch` (many prompts per pass) -> `output` (streaming
 //! text out) -> `report` -> `cli` (flags resolved into a `Config`) -> `app` (the wiring).
 
 pub mod app;
+pub mod batch;
+pub mod batch_input;
 pub mod chat;
 pub mod cli;
 pub mod generate;

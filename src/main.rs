@@ -38,6 +38,10 @@ fn main() -> ExitCode {
     match app::run(&cfg) {
         Ok(app::Outcome::Done) => ExitCode::SUCCESS,
         Ok(app::Outcome::Interrupted) => ExitCode::from(interrupt::EXIT_INTERRUPTED as u8),
+        Ok(app::Outcome::PromptsFailed { failed, total }) => {
+            eprintln!("gen: error: {failed} of {total} prompts failed (see their \"error\" lines)");
+            ExitCode::from(1)
+        }
         Err(e) => {
             if interrupt::requested() {
                 eprintln!("gen: interrupted");

@@ -99,3 +99,113 @@ impl Report {
         writeln!(w)
     }
 }
+
+/// The report of a batch run (`--batch`).
+#[derive(Debug, Clone, Serialize)]
+pub struct BatchReport {
+    pub model: String,
+    pub device: String,
+    pub load_s: f64,
+    pub prompts: usize,
+    pub failed: usize,
+    pub batch_size: usize,
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    pub forward_passes: usize,
+    /// Passes the same prompts would have taken one at a time.
+    pub solo_passes: usize,
+    /// Generated tokens per second of the whole run, all prompts together.
+    pub decode_tok_s: f64,
+    pub total_s: f64,
+    pub preemptions: usize,
+    pub kv_block_tokens: usize,
+    pub kv_blocks_total: usize,
+    pub kv_blocks_peak: usize,
+    pub kv_peak_bytes: usize,
+}
+
+impl BatchReport {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        model: &str,
+        device: &str,
+        load_s: f64,
+        prompts: usize,
+        failed: usize,
+        batch_size: usize,
+        stats: &crate::batch::BatchStats,
+        block_bytes: usize,
+    ) -> Self {
+        let total_s = stats.elapsed.as_secs_f64();
+        Self {
+            model: model.to_string(),
+            device: device.to_string(),
+            load_s,
+            prompts,
+            failed,
+            batch_size,
+            prompt_tokens: stats.prompt_tokens,
+            generated_tokens: stats.generated_tokens,
+            forward_passes: stats.forward_passes,
+            solo_passes: stats.solo_passes,
+            decode_tok_s: if total_s > 0.0 {
+                stats.generated_tokens as f64 / total_s
+            } else {
+                0.0
+            },
+            total_s,
+            preemptions: stats.preemptions,
+            kv_block_tokens: crate::model::kv_cache::BLOCK_SIZE,
+            kv_blocks_total: stats.blocks_total,
+            kv_blocks_peak: stats.blocks_peak,
+            kv_peak_bytes: stats.blocks_peak * block_bytes,
+        }
+    }
+
+    pub fn write_human(&self, w: &mut dyn Write) -> std::io::Result<()> {
+        writeln!(w)?;
+        writeln!(
+            w,
+            "model          {} on {} (loaded in {:.2} s)",
+            self.model, self.device, self.load_s
+        )?;
+        writeln!(
+            w,
+            "prompts        {} ({} failed), up to {} per pass",
+            self.prompts, self.failed, self.batch_size
+        )?;
+        writeln!(
+            w,
+            "tokens         {} prompt, {} generated",
+            self.prompt_tokens, self.generated_tokens
+        )?;
+        writeln!(
+            w,
+            "forward passes {} (one prompt at a time: {})",
+            self.forward_passes, self.solo_passes
+        )?;
+        writeln!(
+            w,
+            "decode         {:.1} tok/s, all prompts together; total {:.2} s",
+            self.decode_tok_s, self.total_s
+        )?;
+        writeln!(
+            w,
+            "kv cache       peak {} of {} blocks of {} tokens ({:.1} MiB){}",
+            self.kv_blocks_peak,
+            self.kv_blocks_total,
+            self.kv_block_tokens,
+            self.kv_peak_bytes as f64 / (1024.0 * 1024.0),
+            if self.preemptions > 0 {
+                format!(", {} preemptions", self.preemptions)
+            } else {
+                String::new()
+            }
+        )
+    }
+
+    pub fn write_json(&self, w: &mut dyn Write) -> std::io::Result<()> {
+        serde_json::to_writer(&mut *w, self)?;
+        writeln!(w)
+    }
+}

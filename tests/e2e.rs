@@ -51,10 +51,13 @@ fn greedy_choices_agree_with_llama_cpp_at_every_step() {
     for r in references() {
         let prompt = loaded.tokenizer.encode(&r.prompt, false).unwrap();
         assert_eq!(prompt, r.prompt_ids, "prompt ids for {:?}", r.prompt);
-        let seq = loaded
+        let need = prompt.len() + r.ids.len();
+        loaded
             .model
-            .new_sequence(prompt.len() + r.ids.len())
+            .reserve_pool(gen::model::kv_cache::blocks_for(need))
             .unwrap();
+        let seq = loaded.model.new_sequence();
+        assert!(loaded.model.reserve(seq, need));
         let mut input = prompt.clone();
         let mut pos = 0;
         for (i, &want) in r.ids.iter().enumerate() {

@@ -2,69 +2,12 @@
 //! reasons, and the positions the loop feeds the model.
 
 use anyhow::Result;
-use candle_core::{Device, Tensor};
 use gen::generate::{generate, Flow, Limits, StopReason, TokenSink};
-use gen::model::{LanguageModel, ModelInfo, SeqId, SeqStep};
+use gen::model::LanguageModel;
 use gen::sampler::{Sampler, SamplingParams};
 
-const VOCAB: usize = 64;
-const EOS: u32 = 0;
-
-/// Predicts `len + 1` while the sequence is shorter than `eos_at`, then EOS (0).
-struct Counting {
-    info: ModelInfo,
-    eos_at: usize,
-    lens: Vec<Option<usize>>,
-    steps: Vec<(usize, usize)>, // (pos, tokens) of every step it was given
-}
-
-impl Counting {
-    fn new(eos_at: usize, context_len: usize) -> Self {
-        let info = ModelInfo {
-            arch: "test".into(),
-            name: "counting".into(),
-            context_len,
-            vocab_size: VOCAB,
-        };
-        Self {
-            info,
-            eos_at,
-            lens: Vec::new(),
-            steps: Vec::new(),
-        }
-    }
-}
-
-impl LanguageModel for Counting {
-    fn info(&self) -> &ModelInfo {
-        &self.info
-    }
-    fn new_sequence(&mut self, _capacity: usize) -> Result<SeqId> {
-        self.lens.push(Some(0));
-        Ok(self.lens.len() - 1)
-    }
-    fn free_sequence(&mut self, seq: SeqId) {
-        self.lens[seq] = None;
-    }
-    fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<Tensor> {
-        let mut rows = Vec::new();
-        for step in batch {
-            let len = self.lens[step.seq].as_mut().expect("live sequence");
-            assert_eq!(*len, step.pos, "the loop fed a token at the wrong position");
-            *len += step.tokens.len();
-            self.steps.push((step.pos, step.tokens.len()));
-            let next = if *len < self.eos_at {
-                *len + 1
-            } else {
-                EOS as usize
-            };
-            let mut row = vec![0f32; VOCAB];
-            row[next % VOCAB] = 1.0;
-            rows.extend(row);
-        }
-        Ok(Tensor::from_vec(rows, (batch.len(), VOCAB), &Device::Cpu)?)
-    }
-}
+mod common;
+use common::counting::{Counting, EOS};
 
 #[derive(Default)]
 struct Collect {
@@ -118,13 +61,11 @@ fn worked_example_from_the_issue() {
     assert_eq!(g.stop, StopReason::Eos);
     // One prefill pass of 3 tokens, then one pass per token at consecutive positions.
     assert_eq!(
-        model.steps,
+        model.steps(),
         vec![(0, 3), (3, 1), (4, 1), (5, 1), (6, 1), (7, 1)]
     );
-    assert!(
-        model.lens.iter().all(|l| l.is_none()),
-        "the sequence's cache is returned"
-    );
+    assert!(model.kv().is_idle(), "the sequence is ended");
+    assert_eq!(model.kv_usage().blocks_used, 0, "its blocks are returned");
 }
 
 #[test]
@@ -167,7 +108,7 @@ fn a_full_context_window_stops_generation() {
     assert_eq!(g.stop, StopReason::ContextFull);
     assert_eq!(g.tokens, vec![4, 5, 6]);
     assert_eq!(g.forward_passes, 3);
-    assert_eq!(model.steps.last(), Some(&(4, 1)));
+    assert_eq!(model.steps().last(), Some(&(4, 1)));
 }
 
 #[test]

@@ -139,8 +139,16 @@ fn teacher_forced(a: &Path, b: &Path, b_dtype: Option<DType>) -> Agreement {
             ids,
             "{prompt:?}"
         );
-        let sa = a.model.new_sequence(ids.len() + 8).unwrap();
-        let sb = b.model.new_sequence(ids.len() + 8).unwrap();
+        let open = |m: &mut Loaded| {
+            let need = ids.len() + 8;
+            m.model
+                .reserve_pool(gen::model::kv_cache::blocks_for(need))
+                .unwrap();
+            let seq = m.model.new_sequence();
+            assert!(m.model.reserve(seq, need));
+            seq
+        };
+        let (sa, sb) = (open(&mut a), open(&mut b));
         let (mut input, mut pos) = (ids.clone(), 0);
         for i in 0..8 {
             let step = |m: &mut Loaded, seq| {
@@ -183,6 +191,8 @@ fn teacher_forced(a: &Path, b: &Path, b_dtype: Option<DType>) -> Agreement {
             }
             input = vec![want as u32];
         }
+        a.model.free_sequence(sa);
+        b.model.free_sequence(sb);
     }
     found
 }

@@ -1,38 +1,47 @@
-//! Attention of one new token against a sequence's KV cache, fused into one pass over the cache
-//! per head: scores, softmax and the weighted sum of values, with no intermediate tensors. The
+//! Attention of one new token against its sequence's pages of the KV cache, fused into one pass
+//! over the cache per head: scores, softmax and the weighted sum of values, with no intermediate tensors. The
 //! decode step's attention cost grows with the context, so this is what keeps decode fast after
 //! a long prompt. (Prefill, many queries at once, goes through candle's matrix multiplies.)
 //!
 //! Shape legend: h = query heads, kv = key/value heads (h = g * kv; query head i reads kv head
-//! i / g), C = cache capacity, L = tokens in the cache, hd = head width.
+//! i / g), L = tokens in the cache, hd = head width.
 
 use rayon::prelude::*;
 
-/// q: (h, hd); k_cache, v_cache: (kv, C, hd) of which the first L rows of each head are filled.
-/// Returns (h, hd).
+/// One step's query token and where its sequence's keys and values are.
+pub struct PagedQuery<'a> {
+    /// (h, hd)
+    pub q: &'a [f32],
+    /// Block table: token `p` is in row `blocks[p / block] * block + p % block` of the pools.
+    pub blocks: &'a [u32],
+    /// Tokens in the cache, the query's own included.
+    pub len: usize,
+}
+
+/// Every step's query against its own sequence: pools are (P*block, kv*hd). Returns
+/// (steps, h*hd). One parallel region for the whole batch, over (step, head) pairs.
 #[allow(clippy::too_many_arguments)]
-pub fn decode_attention(
-    q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+pub fn paged_decode_attention(
+    steps: &[PagedQuery<'_>],
+    k_pool: &[f32],
+    v_pool: &[f32],
+    block: usize,
     heads: usize,
     kv_heads: usize,
-    capacity: usize,
-    len: usize,
     head_dim: usize,
     scale: f32,
 ) -> Vec<f32> {
     let g = heads / kv_heads;
-    let mut out = vec![0f32; heads * head_dim];
+    let row = kv_heads * head_dim;
+    let mut out = vec![0f32; steps.len() * heads * head_dim];
     out.par_chunks_mut(head_dim).enumerate().for_each(|(i, o)| {
-        let j = i / g;
-        let q = &q[i * head_dim..(i + 1) * head_dim];
-        let base = j * capacity * head_dim;
-        let keys = &k_cache[base..base + len * head_dim];
-        let values = &v_cache[base..base + len * head_dim];
-        let mut scores: Vec<f32> = keys
-            .chunks_exact(head_dim)
-            .map(|k| dot(q, k) * scale)
+        let (step, head) = (&steps[i / heads], i % heads);
+        let q = &step.q[head * head_dim..(head + 1) * head_dim];
+        let col = head / g * head_dim;
+        // Cache row of token p, then this head's hd values in it.
+        let at = |p: usize| (step.blocks[p / block] as usize * block + p % block) * row + col;
+        let mut scores: Vec<f32> = (0..step.len)
+            .map(|p| dot(q, &k_pool[at(p)..at(p) + head_dim]) * scale)
             .collect();
         let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
         let mut sum = 0f32;
@@ -41,9 +50,9 @@ pub fn decode_attention(
             sum += *s;
         }
         let inv = 1.0 / sum;
-        for (p, v) in scores.iter().zip(values.chunks_exact(head_dim)) {
-            let w = p * inv;
-            for (o, x) in o.iter_mut().zip(v) {
+        for (p, w) in scores.iter().enumerate() {
+            let w = w * inv;
+            for (o, x) in o.iter_mut().zip(&v_pool[at(p)..at(p) + head_dim]) {
                 *o += w * x;
             }
         }
@@ -80,6 +89,7 @@ mod tests {
     }
 
     /// Plain attention in f64, one head at a time.
+    #[allow(clippy::too_many_arguments)]
     fn reference(
         q: &[f32],
         k: &[f32],
@@ -115,21 +125,65 @@ mod tests {
         out
     }
 
+    /// Lay a contiguous (kv, L, hd) cache out in scattered blocks of `block` rows.
+    fn paged(
+        cache: &[f32],
+        kv: usize,
+        l: usize,
+        hd: usize,
+        block: usize,
+        blocks: &[u32],
+    ) -> Vec<f32> {
+        let pool_rows = (*blocks.iter().max().unwrap() as usize + 1) * block;
+        let mut pool = data(pool_rows * kv * hd, 77); // junk where no token lives
+        for p in 0..l {
+            let r = blocks[p / block] as usize * block + p % block;
+            for j in 0..kv {
+                let src = &cache[(j * l + p) * hd..(j * l + p + 1) * hd];
+                pool[(r * kv + j) * hd..(r * kv + j + 1) * hd].copy_from_slice(src);
+            }
+        }
+        pool
+    }
+
     #[test]
     fn matches_plain_attention_on_ragged_sizes() {
-        for &(h, kv, c, l, hd) in &[
-            (9, 3, 40, 1, 64),
-            (9, 3, 40, 37, 64),
-            (4, 1, 10, 10, 12),
-            (2, 2, 5, 3, 7),
+        for &(h, kv, l, hd, block) in &[
+            (9, 3, 1, 64, 16),
+            (9, 3, 37, 64, 16),
+            (4, 1, 10, 12, 4),
+            (2, 2, 3, 7, 2),
         ] {
-            let q = data(h * hd, 1);
-            let k = data(kv * c * hd, 2);
-            let v = data(kv * c * hd, 3);
+            let k = data(kv * l * hd, 2);
+            let v = data(kv * l * hd, 3);
+            // Blocks out of order, as a pool hands them out after churn.
+            let n_blocks = l.div_ceil(block);
+            let blocks: Vec<u32> = (0..n_blocks as u32)
+                .map(|b| (b * 5 + 3) % (n_blocks as u32 * 2 + 1))
+                .collect();
+            let (kp, vp) = (
+                paged(&k, kv, l, hd, block, &blocks),
+                paged(&v, kv, l, hd, block, &blocks),
+            );
             let scale = 1.0 / (hd as f32).sqrt();
-            let got = decode_attention(&q, &k, &v, h, kv, c, l, hd, scale);
-            let want = reference(&q, &k, &v, h, kv, c, l, hd, scale);
-            for (a, b) in got.iter().zip(&want) {
+            // Two steps of one batch: different queries, different lengths, same pages.
+            let (q1, q2) = (data(h * hd, 1), data(h * hd, 9));
+            let steps = [
+                PagedQuery {
+                    q: &q1,
+                    blocks: &blocks,
+                    len: l,
+                },
+                PagedQuery {
+                    q: &q2,
+                    blocks: &blocks,
+                    len: l.div_ceil(2),
+                },
+            ];
+            let got = paged_decode_attention(&steps, &kp, &vp, block, h, kv, hd, scale);
+            let want1 = reference(&q1, &k, &v, h, kv, l, l, hd, scale);
+            let want2 = reference(&q2, &k, &v, h, kv, l, l.div_ceil(2), hd, scale);
+            for (a, b) in got.iter().zip(want1.iter().chain(&want2)) {
                 assert!((a - b).abs() < 1e-5, "h={h} kv={kv} l={l}: {a} vs {b}");
             }
         }

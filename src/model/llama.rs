@@ -4,8 +4,11 @@
 //! a sequence's cache, d = embedding width, h = query heads, kv = key/value heads, g = h / kv,
 //! hd = head width, V = vocabulary.
 //!
-//! Not here: batching several sequences into one matrix multiply (each step of a batch runs on
-//! its own for now), and CPU kernels of our own (candle's quantized matmul does the work).
+//! A pass runs every token of every step of the batch through each linear layer together (N
+//! rows, so each weight is read once per pass), and attention per step against that step's own
+//! sequence in the paged KV cache. A step's result does not depend on what else is in the batch.
+//!
+//! N (below) = tokens of all steps of a pass.
 
 use std::collections::HashMap;
 
@@ -14,8 +17,9 @@ use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::{DType, Device, Tensor};
 
 use super::checkpoint::Checkpoint;
+use super::kv_cache::{PagedKv, BLOCK_SIZE};
 use super::qlinear::{Projections, QLinear};
-use super::{LanguageModel, ModelInfo, SeqId, SeqStep};
+use super::{LanguageModel, ModelInfo, SeqStep};
 
 /// Hyper-parameters read from the GGUF metadata.
 #[derive(Debug, Clone)]
@@ -97,14 +101,6 @@ struct Layer {
     w_down: QLinear,      // (d, ff)
 }
 
-/// One sequence's keys and values, preallocated for its whole capacity and written in place.
-struct KvCache {
-    k: Vec<Tensor>, // per layer (kv, C, hd)
-    v: Vec<Tensor>, // per layer (kv, C, hd)
-    capacity: usize,
-    len: usize,
-}
-
 pub struct Llama {
     info: ModelInfo,
     cfg: LlamaConfig,
@@ -113,7 +109,9 @@ pub struct Llama {
     layers: Vec<Layer>,
     out_norm: Tensor, // (d)
     output: QLinear,  // (V, d)
-    seqs: Vec<Option<KvCache>>,
+    kv: PagedKv,
+    k_pool: Vec<Tensor>, // per layer (P*BLOCK_SIZE, kv*hd): row slot(seq, pos) holds one token
+    v_pool: Vec<Tensor>, // per layer (P*BLOCK_SIZE, kv*hd)
 }
 
 impl Llama {
@@ -205,48 +203,64 @@ impl Llama {
             layers,
             out_norm,
             output,
-            seqs: Vec::new(),
+            kv: PagedKv::new(0),
+            k_pool: Vec::new(),
+            v_pool: Vec::new(),
         })
     }
 
-    /// Run one sequence's step through every layer; returns the last token's logits (1, V).
-    fn forward_step(&mut self, step: &SeqStep<'_>) -> Result<Tensor> {
+    /// The rows of `x` (N, d) through every layer, then the output layer for the last token of
+    /// each step: (batch, V).
+    fn forward_batch(&mut self, batch: &[SeqStep<'_>]) -> Result<Tensor> {
+        let n = super::check_batch(&self.kv, batch, self.cfg.context_len)?;
         let cfg = &self.cfg;
         let (h, kv, hd) = (cfg.n_head, cfg.n_kv_head, cfg.head_dim);
         let g = h / kv;
-        let t = step.tokens.len();
-        let cache = self
-            .seqs
-            .get_mut(step.seq)
-            .and_then(|c| c.as_mut())
-            .with_context(|| format!("sequence {} is not allocated", step.seq))?;
-        if t == 0 {
-            bail!("a forward step needs at least one token");
+        let dev = &self.device;
+        let cpu = dev.is_cpu();
+
+        // Per token: id, position, and the cache row it is written to.
+        let mut ids = Vec::with_capacity(n);
+        let mut positions = Vec::with_capacity(n);
+        let mut slots = Vec::with_capacity(n);
+        // Per step: where its tokens start among the N rows.
+        let mut starts = Vec::with_capacity(batch.len());
+        for step in batch {
+            starts.push(ids.len());
+            let end = step.pos + step.tokens.len();
+            ids.extend_from_slice(step.tokens);
+            positions.extend(step.pos..end);
+            slots.extend(self.kv.slots(step.seq, step.pos, end));
         }
-        if step.pos != cache.len {
-            bail!(
-                "sequence {} holds {} tokens but the step starts at {}",
-                step.seq,
-                cache.len,
-                step.pos
-            );
+        // Steps attended through candle's matrix multiplies (all of them off the CPU; prompt
+        // chunks on it): every cache row of the sequence, and the causal mask.
+        let mut gathered = Vec::with_capacity(batch.len());
+        for step in batch {
+            let t = step.tokens.len();
+            if cpu && t == 1 {
+                gathered.push(None);
+                continue;
+            }
+            let end = step.pos + t;
+            let rows: Vec<u32> = self.kv.slots(step.seq, 0, end).collect();
+            let rows = Tensor::from_vec(rows, end, dev)?;
+            let mask = (t > 1)
+                .then(|| causal_mask(t, step.pos, g, dev))
+                .transpose()?;
+            gathered.push(Some((rows, mask)));
         }
-        let end = step.pos + t;
-        if end > cache.capacity || end > cfg.context_len {
-            bail!(
-                "sequence {} would hold {end} tokens, over its capacity {}",
-                step.seq,
-                cache.capacity.min(cfg.context_len)
-            );
-        }
-        let ids = Tensor::new(step.tokens, &self.device)?;
-        let mut x = self.embedding.embedding(&ids)?; // (T, d)
-        let (cos, sin) = rope_tables(cfg.head_dim, cfg.rope_base, step.pos, t, &self.device)?;
-        let mask = if t > 1 {
-            Some(causal_mask(t, step.pos, g, &self.device)?)
-        } else {
-            None
-        };
+        // The fused CPU kernel's view of each one-token step: its block table and length.
+        let decode: Vec<(usize, &[u32], usize)> = batch
+            .iter()
+            .zip(&starts)
+            .filter(|(s, _)| cpu && s.tokens.len() == 1)
+            .map(|(s, &at)| (at, self.kv.blocks(s.seq), s.pos + 1))
+            .collect();
+
+        let ids = Tensor::new(ids.as_slice(), dev)?;
+        let mut x = self.embedding.embedding(&ids)?; // (N, d)
+        let (cos, sin) = rope_tables(hd, cfg.rope_base, &positions, dev)?; // (N, hd/2)
+        let slot_runs = runs(&slots);
         let scale = 1.0 / (hd as f64).sqrt();
         for (l, layer) in self.layers.iter().enumerate() {
             let xn = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?;
@@ -255,40 +269,79 @@ impl Llama {
                 .forward(&xn)?
                 .try_into()
                 .expect("three projections");
-            let q = q.reshape((1, t, h, hd))?.transpose(1, 2)?.contiguous()?;
-            let k = k.reshape((1, t, kv, hd))?.transpose(1, 2)?.contiguous()?;
-            let v = v.reshape((t, kv, hd))?.transpose(0, 1)?.contiguous()?;
-            // GGUF llama weights are permuted for interleaved (GPT-J style) rotary pairs.
-            let q = candle_nn::rotary_emb::rope_i(&q, &cos, &sin)?; // (1, h, T, hd)
-            let k = candle_nn::rotary_emb::rope_i(&k, &cos, &sin)?; // (1, kv, T, hd)
-            cache.k[l].slice_set(&k.squeeze(0)?, 1, step.pos)?;
-            cache.v[l].slice_set(&v, 1, step.pos)?;
-            let y = if t == 1 && self.device.is_cpu() {
-                decode_attention_cpu(
-                    &q,
-                    &cache.k[l],
-                    &cache.v[l],
-                    cfg,
-                    cache.capacity,
-                    end,
-                    scale as f32,
-                )?
-            } else {
-                let keys = cache.k[l].narrow(1, 0, end)?; // (kv, L, hd)
-                let values = cache.v[l].narrow(1, 0, end)?; // (kv, L, hd)
-                                                            // Heads sharing a kv head sit next to each other: fold them into the row axis so
-                                                            // the cache is used as is, never repeated.
-                let q = q.reshape((kv, g * t, hd))?;
-                let att = (q.matmul(&keys.t()?)? * scale)?; // (kv, g*T, L)
-                let att = match &mask {
-                    Some(m) => att.broadcast_add(m)?,
-                    None => att,
-                };
-                let att = candle_nn::ops::softmax_last_dim(&att)?;
-                let y = att.matmul(&values)?; // (kv, g*T, hd)
-                y.reshape((h, t, hd))?
+            let heads_first = |t: Tensor, heads: usize| -> Result<Tensor> {
+                Ok(t.reshape((n, heads, hd))?
                     .transpose(0, 1)?
-                    .reshape((t, h * hd))?
+                    .contiguous()?
+                    .unsqueeze(0)?)
+            };
+            // GGUF llama weights are permuted for interleaved (GPT-J style) rotary pairs.
+            let q = candle_nn::rotary_emb::rope_i(&heads_first(q, h)?, &cos, &sin)?; // (1, h, N, hd)
+            let k = candle_nn::rotary_emb::rope_i(&heads_first(k, kv)?, &cos, &sin)?; // (1, kv, N, hd)
+            let q = q.squeeze(0)?.transpose(0, 1)?.contiguous()?; // (N, h, hd)
+            let k = k.squeeze(0)?.transpose(0, 1)?.reshape((n, kv * hd))?; // (N, kv*hd)
+            for &(from, to) in &slot_runs {
+                let at = slots[from] as usize;
+                self.k_pool[l].slice_set(&k.narrow(0, from, to - from)?, 0, at)?;
+                self.v_pool[l].slice_set(&v.narrow(0, from, to - from)?, 0, at)?;
+            }
+
+            let fused = if decode.is_empty() {
+                None
+            } else {
+                Some(decode_attention_cpu(
+                    &q,
+                    &self.k_pool[l],
+                    &self.v_pool[l],
+                    &decode,
+                    cfg,
+                    scale as f32,
+                )?)
+            };
+            let y = if decode.len() == batch.len() {
+                fused.expect("every step is a CPU decode step") // (N, h*hd)
+            } else {
+                let mut parts = Vec::with_capacity(batch.len());
+                let mut fused_rows = 0..decode.len();
+                for ((step, &at), gather) in batch.iter().zip(&starts).zip(&gathered) {
+                    let t = step.tokens.len();
+                    let Some((rows, mask)) = gather else {
+                        let f = fused.as_ref().expect("a CPU decode step");
+                        let row = fused_rows.next().expect("one row per decode step");
+                        parts.push(f.narrow(0, row, 1)?);
+                        continue;
+                    };
+                    let end = step.pos + t;
+                    let cached = |pool: &Tensor| -> Result<Tensor> {
+                        Ok(pool
+                            .index_select(rows, 0)? // (L, kv*hd)
+                            .reshape((end, kv, hd))?
+                            .transpose(0, 1)?
+                            .contiguous()?) // (kv, L, hd)
+                    };
+                    let keys = cached(&self.k_pool[l])?;
+                    let values = cached(&self.v_pool[l])?;
+                    // Heads sharing a kv head sit next to each other: fold them into the row
+                    // axis so the cache is used as is, never repeated.
+                    let qs = q
+                        .narrow(0, at, t)?
+                        .transpose(0, 1)?
+                        .contiguous()?
+                        .reshape((kv, g * t, hd))?;
+                    let att = (qs.matmul(&keys.t()?)? * scale)?; // (kv, g*T, L)
+                    let att = match mask {
+                        Some(m) => att.broadcast_add(m)?,
+                        None => att,
+                    };
+                    let att = candle_nn::ops::softmax_last_dim(&att)?;
+                    let y = att.matmul(&values)?; // (kv, g*T, hd)
+                    parts.push(
+                        y.reshape((h, t, hd))?
+                            .transpose(0, 1)?
+                            .reshape((t, h * hd))?,
+                    );
+                }
+                Tensor::cat(&parts, 0)?
             };
             x = (x + layer.wo.forward(&y)?)?;
             let xn = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps)?;
@@ -300,77 +353,111 @@ impl Llama {
             let gate = candle_nn::ops::silu(&gate)?;
             x = (x + layer.w_down.forward(&(gate * up)?)?)?;
         }
-        cache.len = end;
-        // Only the last position's logits are needed: skip the output layer for the rest.
-        let last = x.narrow(0, t - 1, 1)?;
+        for step in batch {
+            self.kv.advance(step.seq, step.tokens.len());
+        }
+        // Only each step's last token needs logits: skip the output layer for the rest.
+        let last: Vec<u32> = batch
+            .iter()
+            .zip(&starts)
+            .map(|(s, &at)| (at + s.tokens.len() - 1) as u32)
+            .collect();
+        let last = if last.len() == n {
+            x
+        } else {
+            x.index_select(&Tensor::new(last.as_slice(), dev)?, 0)?
+        };
         let last = candle_nn::ops::rms_norm(&last, &self.out_norm, cfg.rms_eps)?;
         Ok(self.output.forward(&last)?.to_dtype(DType::F32)?)
     }
 }
 
-/// One query token against the cache on the CPU: q (1, h, 1, hd), caches (kv, C, hd) holding
-/// L tokens. Returns (1, h*hd).
+/// Maximal runs of consecutive values in `slots`, as index ranges: one copy per run when
+/// writing a step's keys into the cache.
+fn runs(slots: &[u32]) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut from = 0;
+    for i in 1..=slots.len() {
+        if i == slots.len() || slots[i] != slots[i - 1] + 1 {
+            if from < i {
+                out.push((from, i));
+            }
+            from = i;
+        }
+    }
+    out
+}
+
+/// One query token per step against its sequence's pages, on the CPU. q: (N, h, hd); pools:
+/// (P*BLOCK_SIZE, kv*hd); `steps`: (row of q, block table, tokens in the cache). Returns
+/// (steps, h*hd).
 fn decode_attention_cpu(
     q: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
+    k_pool: &Tensor,
+    v_pool: &Tensor,
+    steps: &[(usize, &[u32], usize)],
     cfg: &LlamaConfig,
-    capacity: usize,
-    len: usize,
     scale: f32,
 ) -> Result<Tensor> {
-    let q = q.flatten_all()?.to_vec1::<f32>()?;
-    let (ks, kl) = k_cache.storage_and_layout();
-    let (vs, vl) = v_cache.storage_and_layout();
-    let (candle_core::Storage::Cpu(k), candle_core::Storage::Cpu(v)) = (&*ks, &*vs) else {
+    let (qs, ql) = q.storage_and_layout();
+    let (ks, kl) = k_pool.storage_and_layout();
+    let (vs, vl) = v_pool.storage_and_layout();
+    let (candle_core::Storage::Cpu(qc), candle_core::Storage::Cpu(k), candle_core::Storage::Cpu(v)) =
+        (&*qs, &*ks, &*vs)
+    else {
         bail!("the KV cache is not on the CPU");
     };
+    let q = &qc.as_slice::<f32>()?[ql.start_offset()..];
     let k = &k.as_slice::<f32>()?[kl.start_offset()..];
     let v = &v.as_slice::<f32>()?[vl.start_offset()..];
-    let y = super::attention::decode_attention(
-        &q,
+    let width = cfg.n_head * cfg.head_dim;
+    let seqs: Vec<super::attention::PagedQuery<'_>> = steps
+        .iter()
+        .map(|&(row, blocks, len)| super::attention::PagedQuery {
+            q: &q[row * width..(row + 1) * width],
+            blocks,
+            len,
+        })
+        .collect();
+    let y = super::attention::paged_decode_attention(
+        &seqs,
         k,
         v,
+        BLOCK_SIZE,
         cfg.n_head,
         cfg.n_kv_head,
-        capacity,
-        len,
         cfg.head_dim,
         scale,
     );
-    Ok(Tensor::from_vec(
-        y,
-        (1, cfg.n_head * cfg.head_dim),
-        &Device::Cpu,
-    )?)
+    Ok(Tensor::from_vec(y, (steps.len(), width), &Device::Cpu)?)
 }
 
-/// cos and sin of the rotation angles of positions pos..pos+T: (T, hd/2) each. Computed per
-/// step (T * hd/2 values) rather than tabled for the whole context, whose length comes from the
+/// cos and sin of the rotation angles of each token's position: (N, hd/2) each. Computed per
+/// pass (N * hd/2 values) rather than tabled for the whole context, whose length comes from the
 /// file and may be huge.
 fn rope_tables(
     head_dim: usize,
     base: f32,
-    pos: usize,
-    t: usize,
+    positions: &[usize],
     device: &Device,
 ) -> Result<(Tensor, Tensor)> {
     let half = head_dim / 2;
     let inv_freq: Vec<f32> = (0..half)
         .map(|i| 1.0 / base.powf((2 * i) as f32 / head_dim as f32))
         .collect();
-    let mut cos = Vec::with_capacity(t * half);
-    let mut sin = Vec::with_capacity(t * half);
-    for p in pos..pos + t {
+    let mut cos = Vec::with_capacity(positions.len() * half);
+    let mut sin = Vec::with_capacity(positions.len() * half);
+    for &p in positions {
         for f in &inv_freq {
             let a = p as f32 * f;
             cos.push(a.cos());
             sin.push(a.sin());
         }
     }
+    let n = positions.len();
     Ok((
-        Tensor::from_vec(cos, (t, half), device)?,
-        Tensor::from_vec(sin, (t, half), device)?,
+        Tensor::from_vec(cos, (n, half), device)?,
+        Tensor::from_vec(sin, (n, half), device)?,
     ))
 }
 
@@ -395,45 +482,41 @@ impl LanguageModel for Llama {
         &self.info
     }
 
-    fn new_sequence(&mut self, capacity: usize) -> Result<SeqId> {
-        let capacity = capacity.min(self.cfg.context_len).max(1);
-        let shape = (self.cfg.n_kv_head, capacity, self.cfg.head_dim);
-        let mut k = Vec::with_capacity(self.cfg.n_layer);
-        let mut v = Vec::with_capacity(self.cfg.n_layer);
-        for _ in 0..self.cfg.n_layer {
-            k.push(Tensor::zeros(shape, DType::F32, &self.device)?);
-            v.push(Tensor::zeros(shape, DType::F32, &self.device)?);
-        }
-        let cache = KvCache {
-            k,
-            v,
-            capacity,
-            len: 0,
-        };
-        match self.seqs.iter().position(|s| s.is_none()) {
-            Some(i) => {
-                self.seqs[i] = Some(cache);
-                Ok(i)
-            }
-            None => {
-                self.seqs.push(Some(cache));
-                Ok(self.seqs.len() - 1)
-            }
-        }
+    fn kv(&self) -> &PagedKv {
+        &self.kv
     }
 
-    fn free_sequence(&mut self, seq: SeqId) {
-        if let Some(slot) = self.seqs.get_mut(seq) {
-            *slot = None;
+    fn kv_mut(&mut self) -> &mut PagedKv {
+        &mut self.kv
+    }
+
+    fn reserve_pool(&mut self, blocks: usize) -> Result<()> {
+        if self.kv.usage().blocks_total >= blocks {
+            return Ok(());
         }
+        if !self.kv.is_idle() {
+            bail!("the KV cache pool can only grow while no sequence is live");
+        }
+        // Zeroed memory: on the CPU, pages are only touched (and counted) as tokens land on them.
+        let shape = (blocks * BLOCK_SIZE, self.cfg.n_kv_head * self.cfg.head_dim);
+        self.k_pool.clear();
+        self.v_pool.clear();
+        for _ in 0..self.cfg.n_layer {
+            self.k_pool
+                .push(Tensor::zeros(shape, DType::F32, &self.device)?);
+            self.v_pool
+                .push(Tensor::zeros(shape, DType::F32, &self.device)?);
+        }
+        self.kv = PagedKv::new(blocks);
+        Ok(())
+    }
+
+    fn kv_bytes_per_token(&self) -> usize {
+        2 * self.cfg.n_layer * self.cfg.n_kv_head * self.cfg.head_dim * std::mem::size_of::<f32>()
     }
 
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<Tensor> {
-        let rows = batch
-            .iter()
-            .map(|step| self.forward_step(step))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Tensor::cat(&rows, 0)?)
+        self.forward_batch(batch)
     }
 }
 

@@ -1,15 +1,20 @@
 //! The forward pass: the `LanguageModel` trait the generation loop drives, and loading a real one.
 //!
-//! A model owns its KV caches. The loop asks for a sequence slot, then calls `forward` once per
-//! pass with a batch of steps; each step appends tokens to one sequence at its own position.
-//! One call of `forward` is one forward pass, whatever the batch holds.
+//! A model owns its KV cache: a pool of fixed-size blocks shared by every live sequence. The
+//! loop opens a sequence, reserves room for its tokens, then calls `forward` once per pass with a
+//! batch of steps; each step appends tokens to one sequence at its own position. One call of
+//! `forward` is one forward pass, whatever the batch holds: every weight is read once for all
+//! of its steps, and each step attends only to its own sequence.
 
 pub mod attention;
 pub mod checkpoint;
+pub mod kv_cache;
 pub mod llama;
 pub mod qlinear;
 
 use candle_core::Tensor;
+
+pub use kv_cache::{KvUsage, PagedKv};
 
 /// Handle of one sequence's KV cache inside a model.
 pub type SeqId = usize;
@@ -38,14 +43,81 @@ pub struct ModelInfo {
 pub trait LanguageModel {
     fn info(&self) -> &ModelInfo;
 
-    /// Reserve a KV cache for a sequence that will hold at most `capacity` tokens.
-    fn new_sequence(&mut self, capacity: usize) -> anyhow::Result<SeqId>;
+    /// The block tables of the paged KV cache (see [`kv_cache`]).
+    fn kv(&self) -> &PagedKv;
+    fn kv_mut(&mut self) -> &mut PagedKv;
 
-    /// Return a sequence's KV cache to the model.
-    fn free_sequence(&mut self, seq: SeqId);
+    /// Make the KV cache pool hold at least `blocks` blocks. Only while no sequence is live.
+    fn reserve_pool(&mut self, blocks: usize) -> anyhow::Result<()>;
 
-    /// One forward pass. Returns the logits of each step's last token: (batch, vocab), f32.
+    /// Bytes of keys and values one token takes in the cache, all layers together.
+    fn kv_bytes_per_token(&self) -> usize;
+
+    /// One forward pass. Each step's sequence must have room for its tokens (`reserve`).
+    /// Returns the logits of each step's last token: (batch, vocab), f32.
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> anyhow::Result<Tensor>;
+
+    /// A new, empty sequence.
+    fn new_sequence(&mut self) -> SeqId {
+        self.kv_mut().new_sequence()
+    }
+
+    /// End a sequence; its blocks go back to the pool.
+    fn free_sequence(&mut self, seq: SeqId) {
+        self.kv_mut().free_sequence(seq)
+    }
+
+    /// Make room for `seq` to hold `tokens` tokens in all; false when the pool is short.
+    fn reserve(&mut self, seq: SeqId, tokens: usize) -> bool {
+        self.kv_mut().reserve(seq, tokens)
+    }
+
+    fn kv_usage(&self) -> KvUsage {
+        self.kv().usage()
+    }
+}
+
+/// Checks common to every model's `forward`: each step's sequence is live, starts where the
+/// sequence ends, fits what was reserved and the context window, and no sequence appears
+/// twice. Returns the total number of tokens in the batch.
+pub fn check_batch(
+    kv: &PagedKv,
+    batch: &[SeqStep<'_>],
+    context_len: usize,
+) -> anyhow::Result<usize> {
+    use anyhow::bail;
+    if batch.is_empty() {
+        bail!("a forward pass needs at least one step");
+    }
+    let mut total = 0;
+    for (i, step) in batch.iter().enumerate() {
+        let Some(len) = kv.len(step.seq) else {
+            bail!("sequence {} is not live", step.seq);
+        };
+        if step.tokens.is_empty() {
+            bail!("a forward step needs at least one token");
+        }
+        if batch[..i].iter().any(|s| s.seq == step.seq) {
+            bail!("sequence {} appears twice in one pass", step.seq);
+        }
+        if step.pos != len {
+            bail!(
+                "sequence {} holds {len} tokens but the step starts at {}",
+                step.seq,
+                step.pos
+            );
+        }
+        let end = step.pos + step.tokens.len();
+        let room = kv.capacity(step.seq).unwrap_or(0).min(context_len);
+        if end > room {
+            bail!(
+                "sequence {} would hold {end} tokens, over the {room} it has room for",
+                step.seq
+            );
+        }
+        total += step.tokens.len();
+    }
+    Ok(total)
 }
 
 /// A model file, loaded: the network, its tokenizer and its chat template.

@@ -1,5 +1,7 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
+pub mod counting;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 

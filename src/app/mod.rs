@@ -16,78 +16,107 @@ use crate::source::{self, FetchOptions};
 use crate::tokenizer::TextStream;
 use crate::{chat, interrupt, model};
 
+mod batch;
+
 /// How a run ended, for the exit status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     Done,
     Interrupted,
+    /// A batch run finished, but some of its prompts failed.
+    PromptsFailed {
+        failed: usize,
+        total: usize,
+    },
 }
 
-pub fn run(cfg: &Config) -> Result<Outcome> {
-    let stderr_tty = std::io::stderr().is_terminal();
-    let prompt_text = read_prompt(&cfg.prompt)?;
-    if prompt_text.trim().is_empty() {
-        bail!("the prompt is empty: give one with --prompt, --prompt-file or on standard input");
+/// A loaded model, ready to take prompts.
+pub(crate) struct Session {
+    pub loaded: model::Loaded,
+    pub device: Device,
+    pub device_name: String,
+    pub load_s: f64,
+    pub path: std::path::PathBuf,
+    /// The context window in use: the model's, or --ctx-size if smaller.
+    pub context_len: usize,
+}
+
+impl Session {
+    /// Fetch (if needed) and load the model. None when Ctrl-C came meanwhile.
+    pub fn open(cfg: &Config) -> Result<Option<Self>> {
+        let fetch = FetchOptions {
+            progress: std::io::stderr().is_terminal() && !cfg.quiet,
+            offline: cfg.offline,
+        };
+        let path = source::resolve(&cfg.model, &fetch)?;
+        if interrupt::requested() {
+            eprintln!("gen: interrupted");
+            return Ok(None);
+        }
+        let (device, device_name) = pick_device(cfg.device, cfg.threads)?;
+        let load_start = Instant::now();
+        let loaded = model::load(&path, &device, cfg.tokenizer.as_deref(), cfg.dtype)?;
+        let load_s = load_start.elapsed().as_secs_f64();
+        if interrupt::requested() {
+            eprintln!("gen: interrupted");
+            return Ok(None);
+        }
+        let model_ctx = loaded.model.info().context_len;
+        let context_len = cfg.ctx_size.map_or(model_ctx, |c| c.min(model_ctx));
+        Ok(Some(Self {
+            loaded,
+            device,
+            device_name,
+            load_s,
+            path,
+            context_len,
+        }))
     }
 
-    let fetch = FetchOptions {
-        progress: stderr_tty && !cfg.quiet,
-        offline: cfg.offline,
-    };
-    let path = source::resolve(&cfg.model, &fetch)?;
-    if interrupt::requested() {
-        eprintln!("gen: interrupted");
-        return Ok(Outcome::Interrupted);
-    }
-
-    let (device, device_name) = pick_device(cfg.device, cfg.threads)?;
-    let load_start = Instant::now();
-    let mut loaded = model::load(&path, &device, cfg.tokenizer.as_deref(), cfg.dtype)?;
-    let load_s = load_start.elapsed().as_secs_f64();
-    if interrupt::requested() {
-        eprintln!("gen: interrupted");
-        return Ok(Outcome::Interrupted);
-    }
-
-    let model_ctx = loaded.model.info().context_len;
-    let context_len = cfg.ctx_size.map_or(model_ctx, |c| c.min(model_ctx));
-    let text = if cfg.chat {
-        let template = loaded.chat_template.as_ref().with_context(|| {
-            format!(
-                "{} has no chat template: drop --chat, or use a chat model",
-                path.display()
-            )
-        })?;
-        template.render(&chat::one_shot(cfg.system.as_deref(), &prompt_text), true)?
-    } else {
-        prompt_text.clone()
-    };
-    // No token stands for more than max_token_bytes of text, so this many tokens at least:
-    // a prompt far over the window is refused now, without tokenizing all of it first.
-    let at_least = loaded.tokenizer.min_tokens(&text);
-    if at_least > context_len {
-        bail!(
-            "the prompt is {} bytes, so at least {at_least} tokens (no token is longer than {} \
-             bytes), over the context window of {context_len} tokens; shorten the prompt",
-            text.len(),
-            loaded.tokenizer.max_token_bytes()
-        );
-    }
-    // A chat template writes its own BOS where it wants one.
-    let prompt = loaded
-        .tokenizer
-        .encode(&text, loaded.add_bos && !cfg.chat)?;
-    if prompt.is_empty() {
-        bail!("the prompt encodes to no tokens");
-    }
-    // Checked before any compute. With --stop-at-context the loop stops at the window instead.
-    if prompt.len() + cfg.max_new > context_len {
-        if !cfg.stop_at_context || prompt.len() >= context_len {
+    /// The token ids of a prompt as the model will see it (through the chat template with
+    /// --chat), checked against the context window with room for `max_new` tokens (or for one
+    /// with --stop-at-context).
+    pub fn prompt_ids(&self, cfg: &Config, prompt_text: &str, max_new: usize) -> Result<Vec<u32>> {
+        let loaded = &self.loaded;
+        let context_len = self.context_len;
+        let text = if cfg.chat {
+            let template = loaded.chat_template.as_ref().with_context(|| {
+                format!(
+                    "{} has no chat template: drop --chat, or use a chat model",
+                    self.path.display()
+                )
+            })?;
+            template.render(&chat::one_shot(cfg.system.as_deref(), prompt_text), true)?
+        } else {
+            prompt_text.to_string()
+        };
+        // No token stands for more than max_token_bytes of text, so this many tokens at least:
+        // a prompt far over the window is refused now, without tokenizing all of it first.
+        let at_least = loaded.tokenizer.min_tokens(&text);
+        if at_least > context_len {
+            bail!(
+                "the prompt is {} bytes, so at least {at_least} tokens (no token is longer than {} \
+                 bytes), over the context window of {context_len} tokens; shorten the prompt",
+                text.len(),
+                loaded.tokenizer.max_token_bytes()
+            );
+        }
+        // A chat template writes its own BOS where it wants one.
+        let prompt = loaded
+            .tokenizer
+            .encode(&text, loaded.add_bos && !cfg.chat)?;
+        if prompt.is_empty() {
+            bail!("the prompt encodes to no tokens");
+        }
+        // Checked before any compute. With --stop-at-context the loop stops at the window instead.
+        if prompt.len() + max_new > context_len
+            && (!cfg.stop_at_context || prompt.len() >= context_len)
+        {
             bail!(
                 "prompt ({} tokens) plus --max-new ({}) is {} tokens, over the context window of {} tokens{}",
                 prompt.len(),
-                cfg.max_new,
-                prompt.len() + cfg.max_new,
+                max_new,
+                prompt.len() + max_new,
                 context_len,
                 if prompt.len() < context_len {
                     "; lower --max-new or pass --stop-at-context"
@@ -96,7 +125,24 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
                 }
             );
         }
+        Ok(prompt)
     }
+}
+
+pub fn run(cfg: &Config) -> Result<Outcome> {
+    if let Some(batch) = &cfg.batch {
+        return batch::run(cfg, batch);
+    }
+    let prompt_text = read_prompt(&cfg.prompt)?;
+    if prompt_text.trim().is_empty() {
+        bail!("the prompt is empty: give one with --prompt, --prompt-file or on standard input");
+    }
+    let Some(mut session) = Session::open(cfg)? else {
+        return Ok(Outcome::Interrupted);
+    };
+    let prompt = session.prompt_ids(cfg, &prompt_text, cfg.max_new)?;
+    let loaded = &mut session.loaded;
+    let context_len = session.context_len;
 
     let stdout = std::io::stdout();
     let mut out = TextOut::new(stdout.lock());
@@ -136,8 +182,8 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         let seed = (!cfg.sampling.is_greedy()).then_some(cfg.sampling.seed);
         let report = Report::new(
             loaded.model.info().name.as_str(),
-            &device_name,
-            load_s,
+            &session.device_name,
+            session.load_s,
             &gen,
             seed,
         );

@@ -1,0 +1,391 @@
+//! Wiring of a batch run (`--batch FILE`): read and check every prompt, run them through the
+//! continuous-batching loop, write one JSON line per prompt in input order as soon as it and
+//! every prompt before it are done, and report on stderr.
+
+use std::collections::BTreeMap;
+use std::io::{IsTerminal, Write};
+use std::time::Duration;
+
+use anyhow::Result;
+use serde::Serialize;
+
+use super::{read_prompt, Outcome, Session};
+use crate::batch::{self, BatchOptions, BatchSink, Outcome as SeqOutcome, Request};
+use crate::batch_input::{self, Entry, LineError};
+use crate::cli::{BatchConfig, Config, PromptSource, StatsFormat};
+use crate::generate::{Flow, StopReason};
+use crate::interrupt;
+use crate::model::kv_cache::{blocks_for, BLOCK_SIZE};
+use crate::output::StopMatcher;
+use crate::report::BatchReport;
+use crate::sampler::{Sampler, SamplingParams};
+use crate::tokenizer::TextStream;
+
+/// One line of output.
+#[derive(Serialize)]
+struct Line<'a> {
+    index: usize,
+    id: &'a Option<serde_json::Value>,
+    line: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_tokens: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tokens: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stop: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    passes: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ttft_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    wait_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    seed: Option<u64>,
+}
+
+/// A prompt ready to run, with what its output line needs.
+struct Prepared {
+    index: usize,
+    entry: Entry,
+    ids: Vec<u32>,
+    max_new: usize,
+    sampling: SamplingParams,
+}
+
+pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
+    let source = match &bc.file {
+        Some(p) => PromptSource::File(p.clone()),
+        None => PromptSource::Stdin,
+    };
+    let input = read_prompt(&source)?;
+    let entries = batch_input::parse(&input, bc.format);
+    drop(input);
+    if entries.is_empty() {
+        anyhow::bail!(
+            "no prompts in {}: write one prompt per line",
+            bc.file
+                .as_ref()
+                .map_or("standard input".to_string(), |p| p.display().to_string())
+        );
+    }
+    let total = entries.len();
+    let Some(mut session) = Session::open(cfg)? else {
+        return Ok(Outcome::Interrupted);
+    };
+
+    // Check every prompt before any compute; a bad one becomes its error line.
+    let mut out = Writer::new(total);
+    let mut prepared = Vec::new();
+    for (index, entry) in entries.into_iter().enumerate() {
+        match entry.and_then(|e| prepare(&session, cfg, index, e)) {
+            Ok(p) => prepared.push(p),
+            Err(e) => {
+                if !cfg.quiet {
+                    eprintln!("gen: prompt {} ({e})", index + 1);
+                }
+                out.error(index, e)?;
+            }
+        }
+    }
+
+    let batch_size = bc
+        .batch_size
+        .unwrap_or(if session.device.is_cpu() { 8 } else { 64 });
+    // Each sequence holds at most its prompt, its reply, and the token being fed.
+    let longest = prepared
+        .iter()
+        .map(|p| blocks_for((p.ids.len() + p.max_new).min(session.context_len) + 1))
+        .max()
+        .unwrap_or(1);
+    let pool_blocks = bc
+        .kv_blocks
+        .unwrap_or(longest * batch_size.min(prepared.len().max(1)));
+    // Prompts the pool cannot hold even alone fail now rather than wait forever.
+    let mut requests = Vec::new();
+    let mut ran = Vec::new();
+    for p in prepared {
+        let need = blocks_for((p.ids.len() + p.max_new).min(session.context_len) + 1);
+        if need > pool_blocks {
+            let e = LineError {
+                line: p.entry.line,
+                id: p.entry.id.clone(),
+                message: format!(
+                    "needs {need} KV cache blocks of {BLOCK_SIZE} tokens, over --kv-blocks \
+                     {pool_blocks}"
+                ),
+            };
+            if !cfg.quiet {
+                eprintln!("gen: prompt {} ({e})", p.index + 1);
+            }
+            out.error(p.index, e)?;
+            continue;
+        }
+        requests.push(Request {
+            prompt: p.ids.clone(),
+            max_new: p.max_new,
+            sampler: Sampler::new(p.sampling.clone()),
+        });
+        ran.push(p);
+    }
+
+    let loaded = &mut session.loaded;
+    let tokenizer = &loaded.tokenizer;
+    let progress = (std::io::stderr().is_terminal() && !cfg.quiet).then(|| {
+        let bar = indicatif::ProgressBar::new(total as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} prompts, {msg} [{elapsed_precise}]",
+            )
+            .expect("a valid template"),
+        );
+        bar.set_position(out.written as u64);
+        bar
+    });
+    let mut sink = Sink {
+        texts: ran
+            .iter()
+            .map(|p| SeqText {
+                stream: tokenizer.stream(),
+                stops: StopMatcher::new(p.entry.stop.clone().unwrap_or_else(|| cfg.stops.clone())),
+                text: String::new(),
+                stopped: false,
+            })
+            .collect(),
+        ran: &ran,
+        out: &mut out,
+        progress: progress.as_ref(),
+        tokens: 0,
+        started: std::time::Instant::now(),
+    };
+    let opts = BatchOptions {
+        batch_size,
+        context_len: session.context_len,
+        pool_blocks,
+        eos: if cfg.ignore_eos {
+            Vec::new()
+        } else {
+            tokenizer.eos_ids().to_vec()
+        },
+    };
+    let stats = if requests.is_empty() {
+        batch::BatchStats::default()
+    } else {
+        batch::run(loaded.model.as_mut(), requests, &opts, &mut sink)?
+    };
+    if let Some(bar) = &progress {
+        bar.finish_and_clear();
+    }
+    let closed = out.closed;
+    let failed = out.failed;
+
+    if !cfg.quiet && !closed {
+        let report = BatchReport::new(
+            loaded.model.info().name.as_str(),
+            &session.device_name,
+            session.load_s,
+            total,
+            failed,
+            batch_size,
+            &stats,
+            loaded.model.kv_bytes_per_token() * BLOCK_SIZE,
+        );
+        let mut err = std::io::stderr().lock();
+        match cfg.stats {
+            StatsFormat::Human => report.write_human(&mut err)?,
+            StatsFormat::Json => report.write_json(&mut err)?,
+        }
+    }
+    if interrupt::requested() {
+        return Ok(Outcome::Interrupted);
+    }
+    Ok(if failed > 0 {
+        Outcome::PromptsFailed { failed, total }
+    } else {
+        Outcome::Done
+    })
+}
+
+fn prepare(
+    session: &Session,
+    cfg: &Config,
+    index: usize,
+    entry: Entry,
+) -> Result<Prepared, LineError> {
+    let fail = |e: anyhow::Error| LineError {
+        line: entry.line,
+        id: entry.id.clone(),
+        message: format!("{e:#}"),
+    };
+    if entry.prompt.trim().is_empty() {
+        return Err(fail(anyhow::anyhow!("the prompt is empty")));
+    }
+    let max_new = entry.max_new.unwrap_or(cfg.max_new);
+    let ids = session
+        .prompt_ids(cfg, &entry.prompt, max_new)
+        .map_err(fail)?;
+    let mut sampling = cfg.sampling.clone();
+    if let Some(t) = entry.temperature {
+        sampling.temperature = t;
+    }
+    // Prompt i samples with seed + i: the same stream whatever else is in the batch, and the
+    // first prompt samples as a single run with the same --seed would.
+    sampling.seed = entry
+        .seed
+        .unwrap_or_else(|| cfg.sampling.seed.wrapping_add(index as u64));
+    sampling.validate().map_err(fail)?;
+    Ok(Prepared {
+        index,
+        entry,
+        ids,
+        max_new,
+        sampling,
+    })
+}
+
+/// A sequence's text as it streams in: detokenized, and cut at a stop string.
+struct SeqText<'t> {
+    stream: TextStream<'t>,
+    stops: StopMatcher,
+    text: String,
+    stopped: bool,
+}
+
+struct Sink<'a, 't> {
+    texts: Vec<SeqText<'t>>,
+    ran: &'a [Prepared],
+    out: &'a mut Writer,
+    progress: Option<&'a indicatif::ProgressBar>,
+    tokens: usize,
+    started: std::time::Instant,
+}
+
+impl BatchSink for Sink<'_, '_> {
+    fn on_token(&mut self, index: usize, id: u32) -> Result<Flow> {
+        self.tokens += 1;
+        let t = &mut self.texts[index];
+        let piece = t.stream.push(id)?;
+        let release = t.stops.push(&piece);
+        t.text.push_str(&release.text);
+        if release.stopped {
+            t.stopped = true;
+            return Ok(Flow::Stop(StopReason::Stop));
+        }
+        Ok(Flow::Continue)
+    }
+
+    fn on_done(&mut self, index: usize, o: SeqOutcome) -> Result<()> {
+        let t = &mut self.texts[index];
+        if !t.stopped {
+            let rest = t.stream.finish();
+            let release = t.stops.push(&rest);
+            t.text.push_str(&release.text);
+            t.text.push_str(&t.stops.finish());
+        }
+        let p = &self.ran[index];
+        let ms = |d: Duration| (d.as_secs_f64() * 1e5).round() / 100.0;
+        let line = Line {
+            index: p.index,
+            id: &p.entry.id,
+            line: p.entry.line,
+            text: Some(&t.text),
+            error: None,
+            prompt_tokens: Some(o.prompt_tokens),
+            tokens: Some(o.tokens.len()),
+            stop: Some(o.stop.as_str()),
+            passes: Some(o.passes),
+            ttft_ms: Some(ms(o.time_to_first_token)),
+            wait_ms: Some(ms(o.wait)),
+            seed: (!p.sampling.is_greedy()).then_some(p.sampling.seed),
+        };
+        let json = serde_json::to_string(&line)?;
+        t.text = String::new();
+        self.out.put(p.index, json)?;
+        if let Some(bar) = self.progress {
+            bar.set_position(self.out.written as u64);
+            let s = self.started.elapsed().as_secs_f64();
+            if s > 0.0 {
+                bar.set_message(format!("{:.1} tok/s", self.tokens as f64 / s));
+            }
+        }
+        Ok(())
+    }
+
+    fn cancelled(&self) -> Option<StopReason> {
+        if self.out.closed {
+            return Some(StopReason::OutputClosed);
+        }
+        interrupt::requested().then_some(StopReason::Interrupted)
+    }
+}
+
+/// Writes lines to stdout in index order: each as soon as every line before it is out.
+struct Writer {
+    next: usize,
+    total: usize,
+    ready: BTreeMap<usize, String>,
+    written: usize,
+    failed: usize,
+    /// Whoever reads stdout has gone: stop writing (and generating).
+    closed: bool,
+}
+
+impl Writer {
+    fn new(total: usize) -> Self {
+        Self {
+            next: 0,
+            total,
+            ready: BTreeMap::new(),
+            written: 0,
+            failed: 0,
+            closed: false,
+        }
+    }
+
+    fn error(&mut self, index: usize, e: LineError) -> Result<()> {
+        self.failed += 1;
+        let line = Line {
+            index,
+            id: &e.id,
+            line: e.line,
+            text: None,
+            error: Some(&e.message),
+            prompt_tokens: None,
+            tokens: None,
+            stop: None,
+            passes: None,
+            ttft_ms: None,
+            wait_ms: None,
+            seed: None,
+        };
+        let json = serde_json::to_string(&line)?;
+        self.put(index, json)
+    }
+
+    fn put(&mut self, index: usize, json: String) -> Result<()> {
+        debug_assert!(index < self.total);
+        self.ready.insert(index, json);
+        if self.closed {
+            return Ok(());
+        }
+        let stdout = std::io::stdout();
+        let mut w = stdout.lock();
+        while let Some(json) = self.ready.remove(&self.next) {
+            let wrote = writeln!(w, "{json}").and_then(|_| w.flush());
+            match wrote {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                    self.closed = true;
+                    return Ok(());
+                }
+                Err(e) => return Err(anyhow::Error::new(e).context("cannot write to stdout")),
+            }
+            self.next += 1;
+            self.written += 1;
+        }
+        Ok(())
+    }
+}

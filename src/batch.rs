@@ -1,0 +1,306 @@
+//! Continuous batching: many prompts, each generated as by `generate`, with the steps of up to
+//! `batch_size` sequences run in the same forward pass.
+//!
+//! Each pass: admit waiting prompts while there is a free slot and room in the KV cache pool
+//! (their prefill joins the pass), give every running sequence room for its next token
+//! (preempting the youngest when the pool is short), run one pass over all the steps, sample
+//! one token per sequence. A sequence that ends frees its slot and blocks at once, so the next
+//! prompt starts at the next pass, not when the whole wave is done.
+//!
+//! Results do not depend on the batch: a step's logits are computed as if it ran alone (see
+//! `model`), and each prompt has its own sampler. A preempted sequence loses its cache and is
+//! resumed later with one prefill pass over its prompt and reply so far; nothing it generated
+//! is lost.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+
+use crate::generate::{Flow, StopReason};
+use crate::model::kv_cache::blocks_for;
+use crate::model::{LanguageModel, SeqId, SeqStep};
+use crate::sampler::Sampler;
+
+/// One prompt of a batch.
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub max_new: usize,
+    pub sampler: Sampler,
+}
+
+#[derive(Debug, Clone)]
+pub struct BatchOptions {
+    /// Most sequences in one pass.
+    pub batch_size: usize,
+    /// Tokens a sequence may hold (prompt plus reply); reaching it ends with `ContextFull`.
+    pub context_len: usize,
+    /// Blocks of the KV cache pool.
+    pub pool_blocks: usize,
+    /// Token ids that end a reply (empty: never).
+    pub eos: Vec<u32>,
+}
+
+/// How one prompt's generation went.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub prompt_tokens: usize,
+    /// Generated ids, EOS excluded.
+    pub tokens: Vec<u32>,
+    pub stop: StopReason,
+    /// Forward passes this sequence took part in.
+    pub passes: usize,
+    /// From the start of the pass with its prefill to its first token.
+    pub time_to_first_token: Duration,
+    /// From the start of the batch to the start of that pass.
+    pub wait: Duration,
+    /// Times it was preempted for lack of KV cache blocks.
+    pub preempted: usize,
+}
+
+/// Receives tokens and finished sequences; `index` is the request's position.
+pub trait BatchSink {
+    fn on_token(&mut self, index: usize, id: u32) -> Result<Flow>;
+    fn on_done(&mut self, index: usize, outcome: Outcome) -> Result<()>;
+    /// Asked before each pass: Some(reason) ends every sequence.
+    fn cancelled(&self) -> Option<StopReason> {
+        None
+    }
+}
+
+/// What the whole batch cost.
+#[derive(Debug, Clone, Default)]
+pub struct BatchStats {
+    pub forward_passes: usize,
+    /// Passes the prompts would have taken one at a time (the sum of each one's passes).
+    pub solo_passes: usize,
+    pub generated_tokens: usize,
+    pub prompt_tokens: usize,
+    pub preemptions: usize,
+    pub blocks_total: usize,
+    pub blocks_peak: usize,
+    /// All blocks were back in the pool at the end.
+    pub blocks_returned: bool,
+    pub elapsed: Duration,
+}
+
+struct Seq {
+    index: usize,
+    /// Prompt, then the reply so far.
+    history: Vec<u32>,
+    prompt_len: usize,
+    max_new: usize,
+    sampler: Sampler,
+    /// Its KV cache while running, with how many of `history`'s tokens it holds.
+    slot: Option<SeqId>,
+    cached: usize,
+    passes: usize,
+    preempted: usize,
+    wait: Option<Duration>,
+    ttft: Option<Duration>,
+}
+
+impl Seq {
+    fn outcome(self, stop: StopReason) -> Outcome {
+        Outcome {
+            prompt_tokens: self.prompt_len,
+            tokens: self.history[self.prompt_len..].to_vec(),
+            stop,
+            passes: self.passes,
+            time_to_first_token: self.ttft.unwrap_or_default(),
+            wait: self.wait.unwrap_or_default(),
+            preempted: self.preempted,
+        }
+    }
+}
+
+/// Generate a reply to every request. Requests must have a non-empty prompt shorter than
+/// `context_len` and `max_new >= 1`.
+pub fn run(
+    model: &mut dyn LanguageModel,
+    requests: Vec<Request>,
+    opts: &BatchOptions,
+    sink: &mut dyn BatchSink,
+) -> Result<BatchStats> {
+    anyhow::ensure!(opts.batch_size > 0, "the batch size must be at least 1");
+    for (i, r) in requests.iter().enumerate() {
+        anyhow::ensure!(
+            !r.prompt.is_empty() && r.prompt.len() < opts.context_len && r.max_new > 0,
+            "request {i} has an empty prompt, one that fills the context, or max-new 0"
+        );
+    }
+    model.reserve_pool(opts.pool_blocks)?;
+    let start = Instant::now();
+    let mut stats = BatchStats {
+        blocks_total: model.kv_usage().blocks_total,
+        ..Default::default()
+    };
+    let mut waiting: VecDeque<Seq> = requests
+        .into_iter()
+        .enumerate()
+        .map(|(index, r)| Seq {
+            index,
+            prompt_len: r.prompt.len(),
+            history: r.prompt,
+            max_new: r.max_new,
+            sampler: r.sampler,
+            slot: None,
+            cached: 0,
+            passes: 0,
+            preempted: 0,
+            wait: None,
+            ttft: None,
+        })
+        .collect();
+    let mut running: Vec<Seq> = Vec::with_capacity(opts.batch_size);
+    let mut halt: Option<StopReason> = None;
+
+    loop {
+        if let Some(reason) = sink.cancelled() {
+            halt = Some(reason);
+        }
+        if halt.is_some() {
+            break;
+        }
+        admit(model, &mut waiting, &mut running, opts)?;
+        if running.is_empty() {
+            break;
+        }
+        make_room(model, &mut waiting, &mut running, &mut stats);
+
+        let steps: Vec<SeqStep<'_>> = running
+            .iter()
+            .map(|s| SeqStep {
+                seq: s.slot.expect("running"),
+                tokens: &s.history[s.cached..],
+                pos: s.cached,
+            })
+            .collect();
+        let pass_start = Instant::now();
+        let logits = model.forward(&steps)?;
+        stats.forward_passes += 1;
+
+        let mut ended = Vec::new();
+        for (row, s) in running.iter_mut().enumerate() {
+            s.passes += 1;
+            s.cached = s.history.len();
+            let next = s.sampler.sample(&logits.narrow(0, row, 1)?, &s.history)?;
+            if s.ttft.is_none() {
+                s.wait = Some(pass_start - start);
+                s.ttft = Some(pass_start.elapsed());
+            }
+            let generated = s.history.len() - s.prompt_len;
+            if opts.eos.contains(&next) {
+                ended.push((row, StopReason::Eos));
+                continue;
+            }
+            s.history.push(next);
+            stats.generated_tokens += 1;
+            match sink.on_token(s.index, next)? {
+                Flow::Stop(StopReason::OutputClosed) => {
+                    halt = Some(StopReason::OutputClosed);
+                    ended.push((row, StopReason::OutputClosed));
+                }
+                Flow::Stop(reason) => ended.push((row, reason)),
+                Flow::Continue if generated + 1 >= s.max_new => {
+                    ended.push((row, StopReason::MaxNew))
+                }
+                Flow::Continue if s.history.len() >= opts.context_len => {
+                    ended.push((row, StopReason::ContextFull))
+                }
+                Flow::Continue => {}
+            }
+        }
+        for (row, reason) in ended.into_iter().rev() {
+            let s = running.remove(row);
+            finish(model, s, reason, &mut stats, sink)?;
+        }
+    }
+
+    // Whatever is left was cut short by Ctrl-C or a closed stdout.
+    let reason = halt.unwrap_or(StopReason::Interrupted);
+    for s in running.drain(..).chain(waiting.drain(..)) {
+        finish(model, s, reason, &mut stats, sink)?;
+    }
+    let usage = model.kv_usage();
+    stats.blocks_peak = usage.blocks_peak;
+    stats.blocks_returned = usage.blocks_used == 0;
+    stats.elapsed = start.elapsed();
+    Ok(stats)
+}
+
+/// Start waiting sequences while a slot is free and the pool has room for their prefill and
+/// one more token. The oldest waiting sequence goes first; none jumps the queue.
+fn admit(
+    model: &mut dyn LanguageModel,
+    waiting: &mut VecDeque<Seq>,
+    running: &mut Vec<Seq>,
+    opts: &BatchOptions,
+) -> Result<()> {
+    while running.len() < opts.batch_size {
+        let Some(s) = waiting.front() else { break };
+        let need = s.history.len() + 1;
+        if blocks_for(need) > model.kv().free_blocks() {
+            if running.is_empty() {
+                // Nothing will ever free more: this one can never run.
+                let s = waiting.pop_front().expect("front exists");
+                let usage = model.kv_usage();
+                anyhow::bail!(
+                    "prompt {} needs {} KV cache blocks, the pool has {}",
+                    s.index + 1,
+                    blocks_for(need),
+                    usage.blocks_total
+                );
+            }
+            break;
+        }
+        let mut s = waiting.pop_front().expect("front exists");
+        let seq = model.new_sequence();
+        let ok = model.reserve(seq, s.history.len());
+        debug_assert!(ok, "checked above");
+        s.slot = Some(seq);
+        s.cached = 0;
+        running.push(s);
+    }
+    Ok(())
+}
+
+/// Give each running sequence blocks for the tokens it feeds this pass. When the pool is
+/// short, the youngest running sequence gives its blocks back and waits at the head of the
+/// queue (it may be the one that needed room).
+fn make_room(
+    model: &mut dyn LanguageModel,
+    waiting: &mut VecDeque<Seq>,
+    running: &mut Vec<Seq>,
+    stats: &mut BatchStats,
+) {
+    let mut i = 0;
+    while i < running.len() {
+        let s = &running[i];
+        if model.reserve(s.slot.expect("running"), s.history.len()) {
+            i += 1;
+            continue;
+        }
+        let mut victim = running.pop().expect("not empty");
+        model.free_sequence(victim.slot.take().expect("running"));
+        victim.cached = 0;
+        victim.preempted += 1;
+        stats.preemptions += 1;
+        waiting.push_front(victim);
+    }
+}
+
+fn finish(
+    model: &mut dyn LanguageModel,
+    mut s: Seq,
+    reason: StopReason,
+    stats: &mut BatchStats,
+    sink: &mut dyn BatchSink,
+) -> Result<()> {
+    if let Some(seq) = s.slot.take() {
+        model.free_sequence(seq);
+    }
+    stats.solo_passes += s.passes;
+    stats.prompt_tokens += s.prompt_len;
+    sink.on_done(s.index, s.outcome(reason))
+}

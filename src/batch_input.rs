@@ -1,0 +1,260 @@
+//! The prompts of a batch run (`--batch FILE`): one prompt per line of plain text, or JSON
+//! Lines with a `prompt` and optional per-prompt settings.
+//!
+//! Every problem is tied to its line: a bad line becomes that prompt's error, and the others
+//! still run.
+
+use serde::Deserialize;
+
+/// How to read the batch file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BatchFormat {
+    /// JSON Lines when the first non-blank line starts with `{`, plain text otherwise.
+    Auto,
+    /// Each non-blank line is a prompt.
+    Text,
+    /// Each non-blank line is a JSON object with a "prompt".
+    Jsonl,
+}
+
+/// One prompt of the batch, with what it overrides of the command line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Entry {
+    /// 1-based line number in the input.
+    pub line: usize,
+    pub id: Option<serde_json::Value>,
+    pub prompt: String,
+    pub max_new: Option<usize>,
+    pub temperature: Option<f64>,
+    pub seed: Option<u64>,
+    pub stop: Option<Vec<String>>,
+}
+
+/// A line that could not be read as a prompt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LineError {
+    pub line: usize,
+    /// The line's "id" when it could be read.
+    pub id: Option<serde_json::Value>,
+    pub message: String,
+}
+
+impl std::fmt::Display for LineError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "line {}: {}", self.line, self.message)
+    }
+}
+
+/// A JSONL line as written. Fields not listed here are ignored, so records may carry data of
+/// their own.
+#[derive(Deserialize)]
+struct Record {
+    #[serde(default)]
+    id: Option<serde_json::Value>,
+    prompt: Option<serde_json::Value>,
+    #[serde(default)]
+    max_new: Option<serde_json::Value>,
+    #[serde(default)]
+    temperature: Option<serde_json::Value>,
+    #[serde(default)]
+    seed: Option<serde_json::Value>,
+    #[serde(default)]
+    stop: Option<serde_json::Value>,
+}
+
+/// Split the input into prompts, in order. Blank lines are skipped.
+pub fn parse(input: &str, format: BatchFormat) -> Vec<Result<Entry, LineError>> {
+    let lines = input
+        .split('\n')
+        .enumerate()
+        .map(|(i, l)| (i + 1, l.strip_suffix('\r').unwrap_or(l)))
+        .filter(|(_, l)| !l.trim().is_empty());
+    let jsonl = match format {
+        BatchFormat::Jsonl => true,
+        BatchFormat::Text => false,
+        BatchFormat::Auto => input
+            .lines()
+            .find(|l| !l.trim().is_empty())
+            .is_some_and(|l| l.trim_start().starts_with('{')),
+    };
+    if !jsonl {
+        return lines
+            .map(|(line, l)| {
+                Ok(Entry {
+                    line,
+                    id: None,
+                    prompt: l.to_string(),
+                    max_new: None,
+                    temperature: None,
+                    seed: None,
+                    stop: None,
+                })
+            })
+            .collect();
+    }
+    lines.map(|(line, l)| parse_record(line, l)).collect()
+}
+
+fn parse_record(line: usize, text: &str) -> Result<Entry, LineError> {
+    let fail = |id: Option<serde_json::Value>, message: String| LineError { line, id, message };
+    let value: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| fail(None, format!("not valid JSON ({e})")))?;
+    if !value.is_object() {
+        return Err(fail(
+            None,
+            "expected a JSON object like {\"prompt\": \"...\"}".into(),
+        ));
+    }
+    let r: Record = serde_json::from_value(value).map_err(|e| fail(None, e.to_string()))?;
+    let id = match r.id {
+        None | Some(serde_json::Value::Null) => None,
+        Some(v @ (serde_json::Value::String(_) | serde_json::Value::Number(_))) => Some(v),
+        Some(_) => return Err(fail(None, "\"id\" must be a string or a number".into())),
+    };
+    let fail = |message: &str| fail(id.clone(), message.to_string());
+    let prompt = match r.prompt {
+        Some(serde_json::Value::String(p)) => p,
+        Some(_) => return Err(fail("\"prompt\" must be a string")),
+        None => return Err(fail("no \"prompt\" field")),
+    };
+    let max_new = match r.max_new {
+        None | Some(serde_json::Value::Null) => None,
+        Some(v) => match v.as_u64() {
+            Some(n) if n >= 1 => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+            _ => return Err(fail("\"max_new\" must be an integer of at least 1")),
+        },
+    };
+    let temperature = match r.temperature {
+        None | Some(serde_json::Value::Null) => None,
+        Some(v) => match v.as_f64() {
+            Some(t) if t.is_finite() && t >= 0.0 => Some(t),
+            _ => return Err(fail("\"temperature\" must be a number, 0 or more")),
+        },
+    };
+    let seed = match r.seed {
+        None | Some(serde_json::Value::Null) => None,
+        Some(v) => match v.as_u64() {
+            Some(s) => Some(s),
+            None => return Err(fail("\"seed\" must be a non-negative integer")),
+        },
+    };
+    let stop = match r.stop {
+        None | Some(serde_json::Value::Null) => None,
+        Some(serde_json::Value::String(s)) => Some(vec![s]),
+        Some(serde_json::Value::Array(items)) => {
+            let mut out = Vec::with_capacity(items.len());
+            for item in items {
+                match item {
+                    serde_json::Value::String(s) => out.push(s),
+                    _ => return Err(fail("\"stop\" must be a string or a list of strings")),
+                }
+            }
+            Some(out)
+        }
+        Some(_) => return Err(fail("\"stop\" must be a string or a list of strings")),
+    };
+    if stop
+        .as_ref()
+        .is_some_and(|s| s.iter().any(|s| s.is_empty()))
+    {
+        return Err(fail("a \"stop\" string is empty"));
+    }
+    Ok(Entry {
+        line,
+        id,
+        prompt,
+        max_new,
+        temperature,
+        seed,
+        stop,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_text_is_one_prompt_per_non_blank_line() {
+        let got = parse("first\r\n\n  \nsecond line\nthird", BatchFormat::Auto);
+        let got: Vec<(usize, String)> = got
+            .into_iter()
+            .map(|e| e.map(|e| (e.line, e.prompt)).unwrap())
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (1, "first".to_string()),
+                (4, "second line".into()),
+                (5, "third".into())
+            ]
+        );
+    }
+
+    #[test]
+    fn jsonl_fields_and_multi_line_prompts() {
+        let input = "\n{\"prompt\": \"a\\nb\", \"id\": \"x1\", \"max_new\": 5, \"temperature\": 0, \"seed\": 9, \"stop\": [\"\\n\\n\"], \"extra\": true}\n{\"prompt\": \"c\", \"id\": 7, \"stop\": \"END\"}\n";
+        let got = parse(input, BatchFormat::Auto);
+        assert_eq!(got.len(), 2);
+        let a = got[0].as_ref().unwrap();
+        assert_eq!(a.line, 2);
+        assert_eq!(a.prompt, "a\nb");
+        assert_eq!(a.id, Some(serde_json::json!("x1")));
+        assert_eq!(
+            (a.max_new, a.temperature, a.seed),
+            (Some(5), Some(0.0), Some(9))
+        );
+        assert_eq!(a.stop, Some(vec!["\n\n".to_string()]));
+        let c = got[1].as_ref().unwrap();
+        assert_eq!((c.line, c.id.clone()), (3, Some(serde_json::json!(7))));
+        assert_eq!(c.stop, Some(vec!["END".to_string()]));
+        assert_eq!(c.max_new, None);
+    }
+
+    #[test]
+    fn bad_lines_name_their_line_and_do_not_spoil_the_rest() {
+        let input = [
+            r#"{"prompt": "ok"}"#,
+            r#"{"prompt": "ok", "max_new": 0}"#,
+            r#"{"prompt": 3}"#,
+            r#"{"id": "no-prompt"}"#,
+            r#"{"prompt": "x""#,
+            r#"["prompt"]"#,
+            r#"{"prompt": "x", "temperature": -1}"#,
+            r#"{"prompt": "x", "stop": [1]}"#,
+            r#"{"prompt": "x", "seed": -4}"#,
+            r#"{"prompt": "x", "id": {"a": 1}}"#,
+            r#"{"prompt": "last"}"#,
+        ]
+        .join("\n");
+        let got = parse(&input, BatchFormat::Jsonl);
+        assert_eq!(got.len(), 11);
+        assert!(got[0].is_ok() && got[10].is_ok());
+        for (i, r) in got.iter().enumerate().take(10).skip(1) {
+            let e = r.as_ref().unwrap_err();
+            assert_eq!(e.line, i + 1);
+            assert!(
+                e.to_string().starts_with(&format!("line {}: ", i + 1)),
+                "{e}"
+            );
+        }
+        assert_eq!(
+            got[3].as_ref().unwrap_err().id,
+            Some(serde_json::json!("no-prompt")),
+            "the id of a bad line is kept when it can be read"
+        );
+        assert!(got[4]
+            .as_ref()
+            .unwrap_err()
+            .message
+            .contains("not valid JSON"));
+    }
+
+    #[test]
+    fn format_can_be_forced() {
+        let text = parse("{not json, but a prompt}", BatchFormat::Text);
+        assert_eq!(text[0].as_ref().unwrap().prompt, "{not json, but a prompt}");
+        assert!(parse("plain", BatchFormat::Jsonl)[0].is_err());
+        assert!(parse("", BatchFormat::Auto).is_empty());
+    }
+}
