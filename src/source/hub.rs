@@ -411,6 +411,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn one_bar_counts_every_file() {
+        // Sharded: the index's total first; a file larger than the total grows the bar.
+        let mut bar = Bar(ProgressBar::hidden());
+        bar.0.set_length(100);
+        bar.init(60, "a");
+        assert_eq!(bar.0.length(), Some(100));
+        bar.update(60);
+        bar.init(50, "b");
+        bar.update(50);
+        assert_eq!((bar.0.position(), bar.0.length()), (110, Some(110)));
+        // One file: its size is the bar's length.
+        let mut bar = Bar(ProgressBar::hidden());
+        bar.0.set_length(0);
+        bar.init(30, "model.safetensors");
+        assert_eq!(bar.0.length(), Some(30));
+    }
+
+    #[test]
     fn rejects_paths_that_leave_the_cache() {
         for bad in ["", "../x", "a/../../b", "/etc/passwd"] {
             assert!(check_relative("--model-file", bad).is_err(), "{bad}");
