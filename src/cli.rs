@@ -33,14 +33,21 @@ pub struct Args {
     #[arg(long, value_name = "PATH", conflicts_with = "prompt")]
     pub prompt_file: Option<PathBuf>,
 
-    /// Model: a known name (default smollm2-135m), a path to a .gguf file, or a Hugging Face
-    /// repo id (with --model-file).
+    /// Model: a known name (default smollm2-135m), a path to a .gguf file, a Hugging Face
+    /// checkpoint folder (config.json + safetensors), or a Hugging Face repo id: its safetensors
+    /// checkpoint, or with --model-file one .gguf file in it.
     #[arg(short, long)]
     pub model: Option<String>,
 
     /// File inside the Hugging Face repo given with --model.
     #[arg(long, value_name = "NAME.gguf")]
     pub model_file: Option<String>,
+
+    /// Type a Hugging Face checkpoint's weights are kept in for the matrix products (default:
+    /// f32 on the CPU, bf16 on CUDA, f16 on Metal). Only for checkpoints: a GGUF file's weights
+    /// keep the (quantized) types in the file, and --dtype with one is an error.
+    #[arg(long, value_enum)]
+    pub dtype: Option<WeightDtype>,
 
     /// Revision (branch, tag or commit) of the Hugging Face repo.
     #[arg(long)]
@@ -154,6 +161,23 @@ pub struct Args {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum WeightDtype {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl WeightDtype {
+    pub fn to_dtype(self) -> candle_core::DType {
+        match self {
+            WeightDtype::F32 => candle_core::DType::F32,
+            WeightDtype::F16 => candle_core::DType::F16,
+            WeightDtype::Bf16 => candle_core::DType::BF16,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum StatsFormat {
     Human,
     Json,
@@ -209,6 +233,8 @@ impl std::str::FromStr for DeviceChoice {
 #[derive(Debug, Clone)]
 pub struct Config {
     pub model: ModelSpec,
+    /// Type of a checkpoint's weights; `None`: the device's default.
+    pub dtype: Option<candle_core::DType>,
     pub tokenizer: Option<PathBuf>,
     pub offline: bool,
     pub prompt: PromptSource,
@@ -271,12 +297,24 @@ impl Args {
             (None, None) => PromptSource::Stdin,
         };
         let offline = self.offline || env_flag("HF_HUB_OFFLINE");
+        let model = source::parse_model_arg(
+            self.model.as_deref(),
+            self.model_file.as_deref(),
+            self.revision.as_deref(),
+        )?;
+        if let Some(dt) = self.dtype {
+            if !model.is_checkpoint() {
+                bail!(
+                    "--dtype {} applies to Hugging Face checkpoints (a folder with config.json, or \
+                     a hub repo without --model-file); GGUF weights keep the types in the file. \
+                     HINT: drop --dtype",
+                    dt.to_possible_value().map_or("?".into(), |v| v.get_name().to_string())
+                );
+            }
+        }
         Ok(Config {
-            model: source::parse_model_arg(
-                self.model.as_deref(),
-                self.model_file.as_deref(),
-                self.revision.as_deref(),
-            )?,
+            model,
+            dtype: self.dtype.map(WeightDtype::to_dtype),
             tokenizer: self.tokenizer,
             offline,
             prompt,
@@ -374,6 +412,21 @@ mod tests {
         ] {
             assert!(parse(bad).is_err(), "{bad:?} was accepted");
         }
+    }
+
+    #[test]
+    fn dtype_is_only_for_checkpoints() {
+        let cfg = parse(&["--model", "owner/name", "--dtype", "bf16"]).unwrap();
+        assert_eq!(cfg.dtype, Some(candle_core::DType::BF16));
+        assert_eq!(parse(&["--model", "o/n"]).unwrap().dtype, None);
+        for gguf in [
+            &["--dtype", "f16"][..],
+            &["--model", "o/n", "--model-file", "m.gguf", "--dtype", "f32"],
+        ] {
+            let err = parse(gguf).unwrap_err().to_string();
+            assert!(err.contains("--dtype") && err.contains("HINT"), "{err}");
+        }
+        assert!(parse(&["--model", "o/n", "--dtype", "f64"]).is_err());
     }
 
     #[test]

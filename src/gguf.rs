@@ -820,7 +820,7 @@ impl Model<'_> {
     }
 
     /// The llama family as gen's loader reads it (`model::llama::LlamaConfig` and
-    /// `Llama::from_gguf`), so a file that passes here does not fail there on shapes, and no
+    /// `Llama::from_checkpoint`), so a file that passes here does not fail there on shapes, and no
     /// size the loader allocates from (layers, context) comes unchecked from the metadata.
     fn check_llama(&self) -> Check<()> {
         let a = self.arch;

@@ -613,6 +613,23 @@ impl Tokenizer {
         &self.eos
     }
 
+    /// Also end generation at these ids (a checkpoint's `config.json` `eos_token_id`), after the
+    /// ones already known; the first becomes the end-of-sequence id if there was none.
+    pub fn with_eos_ids(mut self, ids: &[u32]) -> Result<Self> {
+        for &id in ids {
+            if id as usize >= self.texts.len() {
+                bail!(
+                    "end-of-sequence id {id} is outside the vocabulary of {} tokens",
+                    self.texts.len()
+                );
+            }
+            if !self.eos.contains(&id) {
+                self.eos.push(id);
+            }
+        }
+        Ok(self)
+    }
+
     /// The vocabulary entry for `id` as stored (`Ġworld`, `▁world`, `<0x0A>`), not decoded.
     pub fn token_text(&self, id: u32) -> Option<String> {
         self.texts.get(id as usize).cloned()

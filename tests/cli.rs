@@ -213,7 +213,15 @@ fn usage_errors_exit_2_with_one_line() {
         &["--prompt", "x", "--max-new", "0"],
         &["--prompt", "x", "--device", "tpu"],
         &["--prompt", "x", "--model", "/nonexistent/model.gguf"],
-        &["--prompt", "x", "--model", "SomeOrg/some-repo"],
+        &["--prompt", "x", "--dtype", "f16"],
+        &[
+            "--prompt",
+            "x",
+            "--model",
+            "SomeOrg/some-repo",
+            "--dtype",
+            "f8",
+        ],
     ] {
         let out = run(args, None);
         assert_eq!(
@@ -226,6 +234,26 @@ fn usage_errors_exit_2_with_one_line() {
     }
     let out = gen().args(["--no-such-flag"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
+}
+
+/// `owner/name` alone names the repo's safetensors checkpoint: not a usage error, a fetch (here
+/// offline, from an empty cache, so one line and exit 1).
+#[test]
+fn hub_repo_without_model_file_is_a_checkpoint_fetch() {
+    let home = tempdir("hub-ckpt");
+    let out = gen()
+        .args(["--prompt", "x", "--model", "SomeOrg/some-repo", "--offline"])
+        .env("HF_HOME", &home)
+        .env_remove("HF_HUB_CACHE")
+        .output()
+        .unwrap();
+    let line = one_error_line(&out);
+    assert_eq!(out.status.code(), Some(1), "{line}");
+    assert!(
+        line.contains("SomeOrg/some-repo") && line.contains("offline") && line.contains("HINT"),
+        "{line}"
+    );
+    let _ = std::fs::remove_dir_all(&home);
 }
 
 #[test]

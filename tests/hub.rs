@@ -4,6 +4,8 @@
 //! `/{owner}/{name}/resolve/{revision}/{file}`, honouring `Range` (hf-hub first asks for
 //! `bytes=0-0` to learn the size from `Content-Range`, with the `ETag` and `X-Repo-Commit`
 //! headers, then downloads with `bytes=N-`). Every request is logged for the assertions.
+mod common;
+
 use std::collections::HashMap;
 use std::fs;
 use std::io::{BufRead, BufReader, Write};
@@ -14,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use gen::source::hub::{fetch, HubConfig};
+use gen::source::hub::{fetch, fetch_checkpoint, HubConfig};
 use gen::source::{parse_model_arg, resolve, FetchOptions};
 use sha2::{Digest, Sha256};
 
@@ -621,4 +623,288 @@ fn child_resolve_hub() {
         path.display()
     );
     assert_eq!(fs::read(path).unwrap(), fs::read(expected).unwrap());
+}
+
+/// A llama config.json, as a hub repo of a safetensors checkpoint holds it.
+const LLAMA_CONFIG: &str = r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+    "tie_word_embeddings": true}"#;
+
+/// Requests for files of `repo`, by file name, in order.
+fn requested(hub: &Hub, repo: &str) -> Vec<String> {
+    let prefix = format!("/{repo}/resolve/");
+    hub.seen()
+        .iter()
+        .filter_map(|s| {
+            let rest = s.path.strip_prefix(&prefix)?;
+            Some(rest.split_once('/')?.1.to_string())
+        })
+        .collect()
+}
+
+#[test]
+fn checkpoint_is_fetched_whole_then_served_from_the_cache_offline() {
+    let weights = payload();
+    let hub = Hub::start(
+        vec![
+            ("owner/ckpt/config.json", LLAMA_CONFIG.as_bytes().to_vec()),
+            ("owner/ckpt/tokenizer.json", b"{\"tok\": 1}".to_vec()),
+            ("owner/ckpt/tokenizer_config.json", b"{}".to_vec()),
+            ("owner/ckpt/model.safetensors", weights.clone()),
+        ],
+        None,
+    );
+    let home = TempDir::new("ckpt");
+    let cfg = config(&hub.url(), &home);
+    let dir = fetch_checkpoint(&cfg, "owner/ckpt", None, &quiet()).unwrap();
+    assert_eq!(
+        dir,
+        home.0
+            .join("hub")
+            .join("models--owner--ckpt")
+            .join("snapshots")
+            .join(COMMIT)
+    );
+    assert_eq!(fs::read(dir.join("model.safetensors")).unwrap(), weights);
+    assert_eq!(
+        fs::read(dir.join("config.json")).unwrap(),
+        LLAMA_CONFIG.as_bytes()
+    );
+    assert_eq!(
+        fs::read(dir.join("tokenizer.json")).unwrap(),
+        b"{\"tok\": 1}"
+    );
+    assert!(dir.join("tokenizer_config.json").is_file());
+    // The optional chat_template.jinja was asked for and is simply absent.
+    assert!(!dir.join("chat_template.jinja").exists());
+    let files = requested(&hub, "owner/ckpt");
+    for f in [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "model.safetensors.index.json",
+        "model.safetensors",
+    ] {
+        assert!(files.iter().any(|r| r == f), "{f} not requested: {files:?}");
+    }
+    drop(hub);
+
+    // The server is gone: the cache answers, offline or not, without a request.
+    let offline = HubConfig {
+        offline: true,
+        ..cfg.clone()
+    };
+    assert_eq!(
+        fetch_checkpoint(&offline, "owner/ckpt", None, &quiet()).unwrap(),
+        dir
+    );
+    assert_eq!(
+        fetch_checkpoint(&cfg, "owner/ckpt", None, &quiet()).unwrap(),
+        dir
+    );
+}
+
+#[test]
+fn sharded_checkpoint_fetches_the_index_and_every_shard() {
+    let (a, b) = (payload(), payload().into_iter().rev().collect::<Vec<u8>>());
+    let index = r#"{"metadata": {"total_size": 400000}, "weight_map": {
+        "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+        "model.norm.weight": "model-00002-of-00002.safetensors",
+        "lm_head.weight": "model-00002-of-00002.safetensors"}}"#;
+    let hub = Hub::start(
+        vec![
+            ("owner/big/config.json", LLAMA_CONFIG.as_bytes().to_vec()),
+            ("owner/big/tokenizer.json", b"{}".to_vec()),
+            (
+                "owner/big/model.safetensors.index.json",
+                index.as_bytes().to_vec(),
+            ),
+            ("owner/big/model-00001-of-00002.safetensors", a.clone()),
+            ("owner/big/model-00002-of-00002.safetensors", b.clone()),
+        ],
+        None,
+    );
+    let home = TempDir::new("shards");
+    let cfg = config(&hub.url(), &home);
+    let dir = fetch_checkpoint(&cfg, "owner/big", Some("v2"), &quiet()).unwrap();
+    assert_eq!(
+        fs::read(dir.join("model-00001-of-00002.safetensors")).unwrap(),
+        a
+    );
+    assert_eq!(
+        fs::read(dir.join("model-00002-of-00002.safetensors")).unwrap(),
+        b
+    );
+    assert_eq!(
+        gen::model::checkpoint::weight_files(&dir).unwrap(),
+        [
+            dir.join("model-00001-of-00002.safetensors"),
+            dir.join("model-00002-of-00002.safetensors")
+        ]
+    );
+    let files = requested(&hub, "owner/big");
+    assert!(
+        !files.iter().any(|f| f == "model.safetensors"),
+        "the index names the weights: {files:?}"
+    );
+    assert!(hub
+        .seen()
+        .iter()
+        .all(|s| s.path.starts_with("/owner/big/resolve/v2/")));
+    drop(hub);
+
+    let offline = HubConfig {
+        offline: true,
+        ..cfg.clone()
+    };
+    assert_eq!(
+        fetch_checkpoint(&offline, "owner/big", Some("v2"), &quiet()).unwrap(),
+        dir
+    );
+    // A shard missing from the cache makes the checkpoint incomplete: offline, that is an error.
+    fs::remove_file(dir.join("model-00002-of-00002.safetensors")).unwrap();
+    let err = fetch_checkpoint(&offline, "owner/big", Some("v2"), &quiet())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("offline") && err.contains("HINT") && !err.contains('\n'),
+        "{err}"
+    );
+}
+
+#[test]
+fn repo_without_config_json_is_a_clear_error() {
+    let hub = Hub::start(vec![("owner/gguf/model.gguf", payload())], None);
+    let home = TempDir::new("noconfig");
+    let err = fetch_checkpoint(&config(&hub.url(), &home), "owner/gguf", None, &quiet())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("owner/gguf")
+            && err.contains("no config.json")
+            && err.contains("--model-file"),
+        "{err}"
+    );
+    assert!(!err.contains('\n'), "{err}");
+}
+
+#[test]
+fn unsupported_checkpoint_is_refused_before_its_weights_are_fetched() {
+    let config_json = LLAMA_CONFIG.replace("LlamaForCausalLM", "Qwen2ForCausalLM");
+    let hub = Hub::start(
+        vec![
+            ("owner/qwen/config.json", config_json.into_bytes()),
+            ("owner/qwen/tokenizer.json", b"{}".to_vec()),
+            ("owner/qwen/model.safetensors", payload()),
+        ],
+        None,
+    );
+    let home = TempDir::new("qwen");
+    let err = format!(
+        "{:#}",
+        fetch_checkpoint(&config(&hub.url(), &home), "owner/qwen", None, &quiet()).unwrap_err()
+    );
+    assert!(
+        err.contains("Qwen2ForCausalLM") && err.contains("not supported"),
+        "{err}"
+    );
+    assert_eq!(
+        requested(&hub, "owner/qwen"),
+        ["config.json", "config.json"]
+    );
+}
+
+#[test]
+fn checkpoint_offline_without_cache_is_a_clear_error() {
+    let home = TempDir::new("ckpt-offline");
+    let cfg = config(&closed_endpoint(), &home);
+    let opts = FetchOptions {
+        offline: true,
+        ..quiet()
+    };
+    let err = fetch_checkpoint(&cfg, "owner/ckpt", None, &opts)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("owner/ckpt") && err.contains("offline") && err.contains("HINT"),
+        "{err}"
+    );
+}
+
+/// The binary on a hub repo holding a real checkpoint (the default model converted to a bf16
+/// safetensors folder): it fetches it, generates what the local folder generates, and then
+/// does the same with the server gone, under HF_HUB_OFFLINE=1 and under --offline.
+#[test]
+fn gen_runs_a_hub_checkpoint_then_runs_it_offline() {
+    use common::hf::{converted, Layout};
+    let local = converted(
+        "single-bf16",
+        Layout {
+            shards: 1,
+            dtype: candle_core::DType::BF16,
+        },
+    );
+    let files: Vec<(String, Vec<u8>)> = fs::read_dir(&local)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_name() != "complete")
+        .map(|e| {
+            let name = format!("owner/smol/{}", e.file_name().to_string_lossy());
+            (name, fs::read(e.path()).unwrap())
+        })
+        .collect();
+    let hub = Hub::start(
+        files.iter().map(|(n, b)| (n.as_str(), b.clone())).collect(),
+        None,
+    );
+    drop(files);
+    let home = TempDir::new("gen-ckpt");
+    let gen = |model: &std::path::Path, endpoint: &str, extra: &[&str]| {
+        let out = common::gen()
+            .arg("--model")
+            .arg(model)
+            .args(["--prompt", "The capital of France is", "--temperature", "0"])
+            .args(["--max-new", "8", "--threads", "2", "--quiet"])
+            .args(extra)
+            .env("HF_HOME", &home.0)
+            .env("HF_ENDPOINT", endpoint)
+            .env_remove("HF_HUB_CACHE")
+            .env_remove("HF_TOKEN")
+            .env_remove("HF_TOKEN_PATH")
+            .output()
+            .unwrap();
+        let err = common::text(&out.stderr);
+        assert!(out.status.success() && err.is_empty(), "{err}");
+        common::text(&out.stdout)
+    };
+    let want = gen(&local, &closed_endpoint(), &[]);
+    assert!(want.starts_with(" Paris"), "{want:?}");
+    let repo = std::path::Path::new("owner/smol");
+    assert_eq!(gen(repo, &hub.url(), &[]), want);
+    assert!(requested(&hub, "owner/smol")
+        .iter()
+        .any(|f| f == "model.safetensors"));
+    drop(hub);
+
+    let closed = closed_endpoint();
+    let out = common::gen()
+        .args([
+            "--model",
+            "owner/smol",
+            "--prompt",
+            "Hi",
+            "--max-new",
+            "2",
+            "--quiet",
+        ])
+        .env("HF_HOME", &home.0)
+        .env("HF_ENDPOINT", &closed)
+        .env("HF_HUB_OFFLINE", "1")
+        .env_remove("HF_HUB_CACHE")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", common::text(&out.stderr));
+    assert_eq!(gen(repo, &closed, &["--offline"]), want);
 }

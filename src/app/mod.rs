@@ -55,7 +55,7 @@ impl Session {
         }
         let (device, device_name) = pick_device(cfg.device, cfg.threads)?;
         let load_start = Instant::now();
-        let loaded = model::load_gguf(&path, &device, cfg.tokenizer.as_deref())?;
+        let loaded = model::load(&path, &device, cfg.tokenizer.as_deref(), cfg.dtype)?;
         let load_s = load_start.elapsed().as_secs_f64();
         if interrupt::requested() {
             eprintln!("gen: interrupted");

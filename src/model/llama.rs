@@ -16,6 +16,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::{DType, Device, Tensor};
 
+use super::checkpoint::Checkpoint;
 use super::kv_cache::{KvStore, PagedKv, BLOCK_SIZE};
 use super::qlinear::{Projections, QLinear};
 use super::{LanguageModel, ModelInfo, SeqStep};
@@ -113,16 +114,11 @@ pub struct Llama {
 }
 
 impl Llama {
-    pub fn from_gguf<R: std::io::Read + std::io::Seek>(
-        content: &gguf_file::Content,
-        reader: &mut R,
-        name: String,
-        device: &Device,
-    ) -> Result<Self> {
-        let cfg = LlamaConfig::from_gguf(&content.metadata, "llama")?;
-        let mut tensor = |n: &str| -> Result<QTensor> {
-            content
-                .tensor(reader, n, device)
+    pub fn from_checkpoint(ckpt: &Checkpoint, device: &Device) -> Result<Self> {
+        let cfg = LlamaConfig::from_gguf(&ckpt.metadata, "llama")?;
+        let name = ckpt.name.clone();
+        let tensor = |n: &str| -> Result<QTensor> {
+            ckpt.tensor(n, device)
                 .with_context(|| format!("reading tensor {n}"))
         };
         let embedding = tensor("token_embd.weight")?;
@@ -147,7 +143,7 @@ impl Llama {
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let p = format!("blk.{i}");
-            let mut mm = |n: &str, rows: Option<usize>, cols: usize| -> Result<(QLinear, usize)> {
+            let mm = |n: &str, rows: Option<usize>, cols: usize| -> Result<(QLinear, usize)> {
                 let q = tensor(&format!("{p}.{n}.weight"))?;
                 let dims = q.shape().dims().to_vec();
                 if dims.len() != 2 || rows.is_some_and(|r| r != dims[0]) || dims[1] != cols {
@@ -179,7 +175,7 @@ impl Llama {
         }
         let out_norm = norm(tensor("output_norm.weight")?)?;
         // Tied embeddings (SmolLM2): the output layer is the embedding matrix itself.
-        let output = if content.tensor_infos.contains_key("output.weight") {
+        let output = if ckpt.has_tensor("output.weight") {
             let q = tensor("output.weight")?;
             if q.shape().dims() != [vocab_size, cfg.d_model] {
                 bail!(

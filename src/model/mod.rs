@@ -7,6 +7,7 @@
 //! of its steps, and each step attends only to its own sequence.
 
 pub mod attention;
+pub mod checkpoint;
 pub mod kv_cache;
 pub mod llama;
 pub mod qlinear;
@@ -131,6 +132,55 @@ pub struct Loaded {
 /// Families gen can run, by GGUF `general.architecture`.
 pub const SUPPORTED_ARCHS: &[&str] = &["llama"];
 
+/// Load a model onto `device`: a GGUF file, or a Hugging Face checkpoint folder (one with a
+/// `config.json`). `tokenizer_json` replaces the model's own tokenizer; `dtype` is the type a
+/// checkpoint's matrices are kept in (default [`default_dtype`]; GGUF weights keep their own).
+pub fn load(
+    path: &std::path::Path,
+    device: &candle_core::Device,
+    tokenizer_json: Option<&std::path::Path>,
+    dtype: Option<candle_core::DType>,
+) -> anyhow::Result<Loaded> {
+    if path.is_dir() {
+        let dtype = dtype.unwrap_or_else(|| default_dtype(device));
+        load_hf_dir(path, device, tokenizer_json, dtype)
+    } else {
+        if let Some(dt) = dtype {
+            anyhow::bail!(
+                "--dtype {dt:?} applies to Hugging Face checkpoints; {} is a GGUF file, whose \
+                 weights keep the types they were saved in. HINT: drop --dtype",
+                path.display()
+            );
+        }
+        load_gguf(path, device, tokenizer_json)
+    }
+}
+
+/// The type a checkpoint's matrices are kept in unless `--dtype` says: f32 on the CPU (the
+/// activations are f32 there, and candle's CPU f16/bf16 matrix products are slower), bf16 on
+/// CUDA (the type most checkpoints are published in, with f32's range), f16 on Metal.
+pub fn default_dtype(device: &candle_core::Device) -> candle_core::DType {
+    match device {
+        candle_core::Device::Cpu => candle_core::DType::F32,
+        candle_core::Device::Cuda(_) => candle_core::DType::BF16,
+        candle_core::Device::Metal(_) => candle_core::DType::F16,
+    }
+}
+
+/// The network of a checkpoint, by family.
+fn build_model(
+    ckpt: &checkpoint::Checkpoint,
+    device: &candle_core::Device,
+) -> anyhow::Result<Box<dyn LanguageModel>> {
+    match ckpt.arch.as_str() {
+        "llama" => Ok(Box::new(llama::Llama::from_checkpoint(ckpt, device)?)),
+        other => anyhow::bail!(
+            "architecture {other:?} is not supported (supported: {})",
+            SUPPORTED_ARCHS.join(", ")
+        ),
+    }
+}
+
 /// Load a GGUF file onto `device`, with its own tokenizer or the given tokenizer.json.
 pub fn load_gguf(
     path: &std::path::Path,
@@ -138,35 +188,18 @@ pub fn load_gguf(
     tokenizer_json: Option<&std::path::Path>,
 ) -> anyhow::Result<Loaded> {
     use anyhow::Context;
-    use candle_core::quantized::gguf_file;
 
     let shown = path.display();
-    let mut file =
-        std::fs::File::open(path).with_context(|| format!("cannot open model file {shown}"))?;
-    // candle's reader trusts every count and size in the file: check them all first.
-    crate::gguf::validate(&mut file, path)?;
-    let content = gguf_file::Content::read(&mut file)
-        .map_err(|e| anyhow::anyhow!("{shown} is not a readable GGUF file: {e}"))?;
-    let md = &content.metadata;
-    let arch = md
-        .get("general.architecture")
-        .and_then(|v| v.to_string().ok())
-        .cloned()
-        .with_context(|| format!("{shown}: metadata has no general.architecture"))?;
-    let name = path
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| arch.clone());
-    let model: Box<dyn LanguageModel> = match arch.as_str() {
-        "llama" => Box::new(
-            llama::Llama::from_gguf(&content, &mut file, name, device)
-                .with_context(|| format!("loading {shown}"))?,
-        ),
-        other => anyhow::bail!(
-            "{shown}: architecture {other:?} is not supported (supported: {})",
+    let ckpt = checkpoint::Checkpoint::open_gguf(path)?;
+    let md = &ckpt.metadata;
+    if !SUPPORTED_ARCHS.contains(&ckpt.arch.as_str()) {
+        anyhow::bail!(
+            "{shown}: architecture {:?} is not supported (supported: {})",
+            ckpt.arch,
             SUPPORTED_ARCHS.join(", ")
-        ),
-    };
+        );
+    }
+    let model = build_model(&ckpt, device).with_context(|| format!("loading {shown}"))?;
     let tokenizer = match tokenizer_json {
         Some(p) => crate::tokenizer::Tokenizer::from_file(p)?,
         None => crate::tokenizer::Tokenizer::from_gguf_metadata(md)
@@ -195,5 +228,71 @@ pub fn load_gguf(
         tokenizer,
         chat_template,
         add_bos,
+    })
+}
+
+/// Load a Hugging Face checkpoint folder: config.json, safetensors weights, tokenizer.json, and
+/// tokenizer_config.json (special tokens, chat template) when present.
+fn load_hf_dir(
+    dir: &std::path::Path,
+    device: &candle_core::Device,
+    tokenizer_json: Option<&std::path::Path>,
+    dtype: candle_core::DType,
+) -> anyhow::Result<Loaded> {
+    use anyhow::Context;
+    use checkpoint::{
+        HfTokenizerConfig, CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
+    };
+
+    let shown = dir.display();
+    let ckpt = checkpoint::Checkpoint::open_hf_dir(dir, dtype)?;
+    let model = build_model(&ckpt, device).with_context(|| format!("loading {shown}"))?;
+    let tokenizer_path = tokenizer_json
+        .map(std::path::Path::to_path_buf)
+        .unwrap_or_else(|| dir.join(TOKENIZER_FILE));
+    let tokenizer = crate::tokenizer::Tokenizer::from_file(&tokenizer_path)?
+        .with_eos_ids(&ckpt.eos_token_ids)
+        .with_context(|| format!("{shown}/config.json: eos_token_id"))?;
+    let config_path = dir.join(TOKENIZER_CONFIG_FILE);
+    let tok_cfg = match std::fs::read_to_string(&config_path) {
+        Ok(text) => {
+            HfTokenizerConfig::parse(&text).with_context(|| format!("{}", config_path.display()))?
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => HfTokenizerConfig::default(),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", config_path.display())),
+    };
+    // Newer checkpoints keep the template in a file of its own.
+    let template_path = dir.join(CHAT_TEMPLATE_FILE);
+    let template = match tok_cfg.chat_template {
+        Some(t) => Some(t),
+        None if template_path.is_file() => Some(
+            std::fs::read_to_string(&template_path)
+                .with_context(|| format!("cannot read {}", template_path.display()))?,
+        ),
+        None => None,
+    };
+    let token_text = |id: Option<u32>| {
+        id.and_then(|id| tokenizer.token_text(id))
+            .unwrap_or_default()
+    };
+    let chat_template = template.map(|src| {
+        crate::chat::ChatTemplate::new(
+            src,
+            tok_cfg
+                .bos_token
+                .clone()
+                .unwrap_or_else(|| token_text(tokenizer.bos_id())),
+            tok_cfg
+                .eos_token
+                .clone()
+                .unwrap_or_else(|| token_text(tokenizer.eos_ids().first().copied())),
+        )
+    });
+    Ok(Loaded {
+        model,
+        tokenizer,
+        chat_template,
+        // The tokenizer decided from add_bos_token or its post-processor; `encode` asks it.
+        add_bos: true,
     })
 }

@@ -14,7 +14,7 @@
 
 use anyhow::{bail, Result};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{Device, Module, Storage, Tensor};
+use candle_core::{DType, Device, Module, Storage, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
@@ -374,7 +374,7 @@ impl Projections {
         let fusable = parts.iter().all(|p| match p {
             // Tiles concatenate only when no part has padding rows.
             QLinear::Cpu(w) => matches!(w.layout, Layout::Rows(_)) || w.rows % 8 == 0,
-            QLinear::Candle(_) => false,
+            QLinear::Candle(_) | QLinear::Dense(_) => false,
         }) && parts.windows(2).all(|w| match (&w[0], &w[1]) {
             (QLinear::Cpu(a), QLinear::Cpu(b)) => {
                 a.ty == b.ty && a.cols == b.cols && a.kernel == b.kernel
@@ -387,7 +387,7 @@ impl Projections {
         let mut widths = Vec::new();
         let mut ws = parts.into_iter().map(|p| match p {
             QLinear::Cpu(w) => w,
-            QLinear::Candle(_) => unreachable!("checked above"),
+            QLinear::Candle(_) | QLinear::Dense(_) => unreachable!("checked above"),
         });
         let mut all = ws.next().expect("not empty");
         widths.push(all.rows);
@@ -431,10 +431,14 @@ impl Projections {
     }
 }
 
-/// A linear layer: our CPU kernels where they apply, candle's QMatMul elsewhere.
+/// A linear layer: our CPU kernels where they apply, a plain matrix for unquantized weights,
+/// candle's QMatMul elsewhere.
 pub enum QLinear {
     Cpu(CpuQWeight),
     Candle(QMatMul),
+    /// An f32, f16 or bf16 weight (N, K), kept in its own type: the input is converted to it
+    /// for the multiply and the output back to the input's type.
+    Dense(Tensor),
 }
 
 impl QLinear {
@@ -481,7 +485,19 @@ impl QLinear {
                     kernel,
                 }))
             }
-            _ => Ok(QLinear::Candle(QMatMul::from_qtensor(q)?)),
+            _ => {
+                // candle's QMatMul would widen f16 and bf16 weights to f32; keep their type.
+                let dense = match q.dtype() {
+                    GgmlDType::F32 => Some(DType::F32),
+                    GgmlDType::F16 => Some(DType::F16),
+                    GgmlDType::BF16 => Some(DType::BF16),
+                    _ => None,
+                };
+                match dense {
+                    Some(dt) => Ok(QLinear::Dense(q.dequantize(device)?.to_dtype(dt)?)),
+                    None => Ok(QLinear::Candle(QMatMul::from_qtensor(q)?)),
+                }
+            }
         }
     }
 
@@ -489,6 +505,10 @@ impl QLinear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             QLinear::Candle(m) => Ok(m.forward(x)?),
+            QLinear::Dense(w) => {
+                let y = x.to_dtype(w.dtype())?.broadcast_matmul(&w.t()?)?;
+                Ok(y.to_dtype(x.dtype())?)
+            }
             QLinear::Cpu(w) => {
                 let dims = x.dims().to_vec();
                 let k = *dims.last().unwrap_or(&0);

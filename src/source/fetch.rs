@@ -166,7 +166,7 @@ fn remove_if_present(path: &Path) -> Result<()> {
 }
 
 /// A bar on stderr, only when asked for and stderr is a terminal (stdout is for generated text).
-fn progress_bar(opts: &FetchOptions, len: u64, message: String) -> ProgressBar {
+pub(crate) fn progress_bar(opts: &FetchOptions, len: u64, message: String) -> ProgressBar {
     if !opts.progress || !io::stderr().is_terminal() {
         return ProgressBar::hidden();
     }

