@@ -133,6 +133,228 @@ impl OneHead<'_> {
     one_head_impl!(run_avx2, "avx2,fma");
 }
 
+/// Queries per task of the prefill kernel: each key is loaded once for this many queries.
+const QT: usize = 4;
+/// Keys per inner step of the score kernel (two 8-lane registers).
+const KT: usize = 16;
+
+/// Causal attention of a step's T new tokens (positions pos..pos+T) against its sequence's
+/// pages, on the CPU. q: (T, h*hd). Returns (T, h*hd).
+///
+/// Keys of each kv head are gathered once into a transposed (hd, L) copy, so the score kernel
+/// computes QT queries x 16 keys with broadcasts and fused multiply-adds and no horizontal
+/// sums; only the keys a query may see are scored (no mask, no wasted half); softmax uses a
+/// vectorised exp; nothing of size T x L is allocated.
+#[allow(clippy::too_many_arguments)]
+pub fn causal_prefill_attention(
+    q: &[f32],
+    blocks: &[u32],
+    pos: usize,
+    t: usize,
+    k_pool: &[f32],
+    v_pool: &[f32],
+    block: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+) -> Vec<f32> {
+    let hd = head_dim;
+    let l = pos + t;
+    let lp = l.div_ceil(KT) * KT; // keys padded to whole score steps
+    let g = heads / kv_heads;
+    let pool_blocks = k_pool.len() / (kv_heads * block * hd).max(1);
+    let avx2 = avx2_available() && hd % 8 == 0;
+    // Per kv head: keys transposed (hd, lp), zero past L; values (L, hd).
+    let gathered: Vec<(Vec<f32>, Vec<f32>)> = (0..kv_heads)
+        .into_par_iter()
+        .map(|j| {
+            let mut kt = vec![0f32; hd * lp];
+            let mut v = Vec::with_capacity(l * hd);
+            for p in 0..l {
+                let at = ((j * pool_blocks + blocks[p / block] as usize) * block + p % block) * hd;
+                for (d, x) in k_pool[at..at + hd].iter().enumerate() {
+                    kt[d * lp + p] = *x;
+                }
+                v.extend_from_slice(&v_pool[at..at + hd]);
+            }
+            (kt, v)
+        })
+        .collect();
+    let tiles = t.div_ceil(QT);
+    // Computed as (h, tiles * QT, hd), one task per (head, tile of queries).
+    let mut out_h = vec![0f32; heads * tiles * QT * hd];
+    out_h
+        .par_chunks_mut(QT * hd)
+        .enumerate()
+        .for_each(|(task, out)| {
+            let (i, tile) = (task / tiles, task % tiles);
+            let t0 = tile * QT;
+            let nq = (t - t0).min(QT);
+            let (kt, v) = &gathered[i / g];
+            let queries: Vec<&[f32]> = (0..nq)
+                .map(|qq| &q[((t0 + qq) * heads + i) * hd..((t0 + qq) * heads + i + 1) * hd])
+                .collect();
+            // Query qq sees keys 0..=pos+t0+qq.
+            let seen = |qq: usize| pos + t0 + qq + 1;
+            let width = seen(nq - 1).div_ceil(KT) * KT;
+            let mut scores = vec![0f32; QT * width];
+            match avx2 {
+                // SAFETY: AVX2 and FMA are present and hd is a multiple of 8.
+                #[cfg(target_arch = "x86_64")]
+                true => unsafe {
+                    x86::scores(&queries, kt, lp, width, scale, &mut scores);
+                    for (qq, o) in out.chunks_mut(hd).take(nq).enumerate() {
+                        let row = &mut scores[qq * width..qq * width + seen(qq)];
+                        let sum = x86::softmax_unnormalised(row);
+                        x86::weighted_sum(row, v, hd, 1.0 / sum, o);
+                    }
+                },
+                _ => {
+                    for (qq, o) in out.chunks_mut(hd).take(nq).enumerate() {
+                        let row = &mut scores[qq * width..qq * width + seen(qq)];
+                        for (p, s) in row.iter_mut().enumerate() {
+                            *s = (0..hd)
+                                .map(|d| queries[qq][d] * kt[d * lp + p])
+                                .sum::<f32>()
+                                * scale;
+                        }
+                        let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                        let mut sum = 0f32;
+                        for s in row.iter_mut() {
+                            *s = (*s - max).exp();
+                            sum += *s;
+                        }
+                        let inv = 1.0 / sum;
+                        for (p, w) in row.iter().enumerate() {
+                            for (o, x) in o.iter_mut().zip(&v[p * hd..(p + 1) * hd]) {
+                                *o += w * inv * x;
+                            }
+                        }
+                    }
+                }
+            }
+        });
+    let mut out = vec![0f32; t * heads * hd];
+    for i in 0..heads {
+        for tt in 0..t {
+            let from = (i * tiles * QT + tt) * hd;
+            out[(tt * heads + i) * hd..(tt * heads + i + 1) * hd]
+                .copy_from_slice(&out_h[from..from + hd]);
+        }
+    }
+    out
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// Scores of up to QT queries against keys 0..width (kt: (hd, lp) transposed keys), times
+    /// `scale`, into scores[qq * width + p]. width is a multiple of KT.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn scores(
+        queries: &[&[f32]],
+        kt: &[f32],
+        lp: usize,
+        width: usize,
+        scale: f32,
+        scores: &mut [f32],
+    ) {
+        let nq = queries.len();
+        let hd = queries[0].len();
+        let sv = _mm256_set1_ps(scale);
+        let mut p0 = 0;
+        while p0 < width {
+            let mut acc = [[_mm256_setzero_ps(); 2]; super::QT];
+            for d in 0..hd {
+                let k0 = _mm256_loadu_ps(kt.as_ptr().add(d * lp + p0));
+                let k1 = _mm256_loadu_ps(kt.as_ptr().add(d * lp + p0 + 8));
+                for (qq, acc) in acc.iter_mut().enumerate().take(nq) {
+                    let b = _mm256_set1_ps(*queries.get_unchecked(qq).get_unchecked(d));
+                    acc[0] = _mm256_fmadd_ps(b, k0, acc[0]);
+                    acc[1] = _mm256_fmadd_ps(b, k1, acc[1]);
+                }
+            }
+            for (qq, acc) in acc.iter().enumerate().take(nq) {
+                let at = scores.as_mut_ptr().add(qq * width + p0);
+                _mm256_storeu_ps(at, _mm256_mul_ps(acc[0], sv));
+                _mm256_storeu_ps(at.add(8), _mm256_mul_ps(acc[1], sv));
+            }
+            p0 += super::KT;
+        }
+    }
+
+    /// exp(x) for x <= 0 (softmax inputs less their max), to about 2 ulp: 2^n * p(r) with
+    /// x = n ln2 + r, |r| <= ln2/2, and p a degree-6 polynomial. Below -87 the result is 0.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn exp_nonpositive(x: __m256) -> __m256 {
+        let tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0), _CMP_LT_OQ);
+        let x = _mm256_max_ps(x, _mm256_set1_ps(-87.0));
+        let n = _mm256_round_ps(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+        );
+        // r = x - n ln2, with ln2 in two parts so r keeps its precision.
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_145_75), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428_606_8e-6), r);
+        let mut p = _mm256_set1_ps(1.0 / 720.0);
+        for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+            23,
+        ));
+        _mm256_andnot_ps(tiny, _mm256_mul_ps(p, pow2))
+    }
+
+    /// Replace row by exp(row - max(row)); returns the sum.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn softmax_unnormalised(row: &mut [f32]) -> f32 {
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+        let mv = _mm256_set1_ps(max);
+        let mut sum = _mm256_setzero_ps();
+        let mut chunks = row.chunks_exact_mut(8);
+        for c in &mut chunks {
+            let e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), mv));
+            _mm256_storeu_ps(c.as_mut_ptr(), e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        let mut buf = [0f32; 8];
+        _mm256_storeu_ps(buf.as_mut_ptr(), sum);
+        let mut total: f32 = buf.iter().sum();
+        for s in chunks.into_remainder() {
+            *s = (*s - max).exp();
+            total += *s;
+        }
+        total
+    }
+
+    /// o = inv * sum over p of w[p] * v[p] (v: rows of hd, a multiple of 8).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn weighted_sum(w: &[f32], v: &[f32], hd: usize, inv: f32, o: &mut [f32]) {
+        let mut c0 = 0;
+        while c0 < hd {
+            let lanes = ((hd - c0) / 8).min(8);
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for (p, &wp) in w.iter().enumerate() {
+                let b = _mm256_set1_ps(wp);
+                let row = v.as_ptr().add(p * hd + c0);
+                for (c, acc) in acc.iter_mut().enumerate().take(lanes) {
+                    *acc = _mm256_fmadd_ps(b, _mm256_loadu_ps(row.add(c * 8)), *acc);
+                }
+            }
+            let iv = _mm256_set1_ps(inv);
+            for (c, acc) in acc.iter().enumerate().take(lanes) {
+                _mm256_storeu_ps(o.as_mut_ptr().add(c0 + c * 8), _mm256_mul_ps(*acc, iv));
+            }
+            c0 += lanes * 8;
+        }
+    }
+}
+
 /// Dot product in 8 independent lanes, so the compiler can keep them in one vector register.
 #[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -257,6 +479,42 @@ mod tests {
             let want2 = reference(&q2, &k, &v, h, kv, l, l.div_ceil(2), hd, scale);
             for (a, b) in got.iter().zip(want1.iter().chain(&want2)) {
                 assert!((a - b).abs() < 1e-5, "h={h} kv={kv} l={l}: {a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn causal_prefill_matches_plain_attention_on_ragged_sizes() {
+        // (h, kv, pos, t, hd, block): hd 7 takes the portable path, the others the fast one.
+        for &(h, kv, pos, t, hd, block) in &[
+            (9, 3, 0, 37, 64, 16),
+            (9, 3, 21, 6, 64, 16),
+            (4, 1, 0, 1, 8, 4),
+            (4, 2, 5, 9, 256, 4),
+            (2, 2, 3, 5, 7, 2),
+        ] {
+            let l = pos + t;
+            let k = data(kv * l * hd, 2);
+            let v = data(kv * l * hd, 3);
+            let n_blocks = l.div_ceil(block);
+            let blocks: Vec<u32> = (0..n_blocks as u32).rev().map(|b| b * 2 + 1).collect();
+            let (kp, vp) = (
+                paged(&k, kv, l, hd, block, &blocks),
+                paged(&v, kv, l, hd, block, &blocks),
+            );
+            let q = data(t * h * hd, 5);
+            let scale = 1.0 / (hd as f32).sqrt();
+            let got =
+                causal_prefill_attention(&q, &blocks, pos, t, &kp, &vp, block, h, kv, hd, scale);
+            for tt in 0..t {
+                let qt = &q[tt * h * hd..(tt + 1) * h * hd];
+                let want = reference(qt, &k, &v, h, kv, l, pos + tt + 1, hd, scale);
+                for (a, b) in got[tt * h * hd..(tt + 1) * h * hd].iter().zip(&want) {
+                    assert!(
+                        (a - b).abs() < 1e-5,
+                        "h={h} kv={kv} pos={pos} t={t} hd={hd} token {tt}: {a} vs {b}"
+                    );
+                }
             }
         }
     }

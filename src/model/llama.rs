@@ -235,7 +235,8 @@ impl Llama {
         let mut gathered = Vec::with_capacity(batch.len());
         for step in batch {
             let t = step.tokens.len();
-            if cpu && t == 1 {
+            if cpu {
+                // Our kernels read the cache in place.
                 gathered.push(None);
                 continue;
             }
@@ -303,6 +304,22 @@ impl Llama {
                 for ((step, &at), gather) in batch.iter().zip(&starts).zip(&gathered) {
                     let t = step.tokens.len();
                     let Some((rows, on_device, mask)) = gather else {
+                        if t > 1 {
+                            let (k_pool, v_pool) = self.store.host(l).context("a host KV cache")?;
+                            let blocks = self.kv.blocks(step.seq);
+                            parts.push(prefill_attention_cpu(
+                                &q,
+                                at,
+                                step.pos,
+                                t,
+                                blocks,
+                                k_pool,
+                                v_pool,
+                                cfg,
+                                scale as f32,
+                            )?);
+                            continue;
+                        }
                         let f = fused.as_ref().expect("a CPU decode step");
                         let row = fused_rows.next().expect("one row per decode step");
                         parts.push(f.narrow(0, row, 1)?);
@@ -358,6 +375,42 @@ impl Llama {
         let last = candle_nn::ops::rms_norm(&last, &self.out_norm, cfg.rms_eps)?;
         Ok(self.output.forward(&last)?.to_dtype(DType::F32)?)
     }
+}
+
+/// A step's T queries (rows at..at+T of q: (N, h, hd)) against its sequence's pages, causal,
+/// on the CPU. Returns (T, h*hd).
+#[allow(clippy::too_many_arguments)]
+fn prefill_attention_cpu(
+    q: &Tensor,
+    at: usize,
+    pos: usize,
+    t: usize,
+    blocks: &[u32],
+    k: &[f32],
+    v: &[f32],
+    cfg: &LlamaConfig,
+    scale: f32,
+) -> Result<Tensor> {
+    let (qs, ql) = q.storage_and_layout();
+    let candle_core::Storage::Cpu(qc) = &*qs else {
+        bail!("the queries are not on the CPU");
+    };
+    let width = cfg.n_head * cfg.head_dim;
+    let q = &qc.as_slice::<f32>()?[ql.start_offset() + at * width..][..t * width];
+    let y = super::attention::causal_prefill_attention(
+        q,
+        blocks,
+        pos,
+        t,
+        k,
+        v,
+        BLOCK_SIZE,
+        cfg.n_head,
+        cfg.n_kv_head,
+        cfg.head_dim,
+        scale,
+    );
+    Ok(Tensor::from_vec(y, (t, width), &Device::Cpu)?)
 }
 
 /// One query token per step against its sequence's pages, on the CPU. q: (N, h, hd); pools:
