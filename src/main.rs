@@ -35,7 +35,14 @@ fn main() -> ExitCode {
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
     interrupt::install();
-    match app::run(&cfg) {
+    // Run on a worker of the thread pool that does the parallel work: each of the ~150 parallel
+    // regions of a decode step is then split between workers directly, instead of being handed
+    // over from this thread and waited for.
+    let result = match rayon::ThreadPoolBuilder::new().build() {
+        Ok(pool) => pool.install(|| app::run(&cfg)),
+        Err(_) => app::run(&cfg),
+    };
+    match result {
         Ok(app::Outcome::Done) => ExitCode::SUCCESS,
         Ok(app::Outcome::Interrupted) => ExitCode::from(interrupt::EXIT_INTERRUPTED as u8),
         Ok(app::Outcome::PromptsFailed { failed, total }) => {
