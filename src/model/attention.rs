@@ -46,7 +46,7 @@ pub fn paged_decode_attention(
             j: head / g,
             scale,
         };
-        match avx2 {
+        match avx2 && head_dim % 8 == 0 {
             // SAFETY: only when the CPU has AVX2 and FMA.
             #[cfg(target_arch = "x86_64")]
             true => unsafe { one.run_avx2(k_pool, v_pool, o) },
@@ -76,61 +76,88 @@ struct OneHead<'a> {
     scale: f32,
 }
 
-/// The same loops compiled twice: for any x86-64 (or other) CPU, and with AVX2 and FMA, where
-/// the compiler turns the 8-lane loops into 256-bit instructions.
-macro_rules! one_head_impl {
-    ($name:ident $(, $features:literal)?) => {
-        $(#[target_feature(enable = $features)])?
-        #[allow(unused_unsafe)]
-        unsafe fn $name(&self, k_pool: &[f32], v_pool: &[f32], o: &mut [f32]) {
-            let hd = self.q.len();
-            let mut scores = Vec::with_capacity(self.len);
-            let mut max = f32::NEG_INFINITY;
-            for (b, &id) in self.blocks.iter().enumerate() {
-                let first = b * self.block;
-                if first >= self.len {
-                    break;
-                }
-                for r in 0..(self.len - first).min(self.block) {
-                    let at = ((self.j * self.pool_blocks + id as usize) * self.block + r) * hd;
-                    let s = dot(self.q, &k_pool[at..at + hd]) * self.scale;
-                    max = max.max(s);
-                    scores.push(s);
-                }
+impl OneHead<'_> {
+    /// Start (in floats) of each cached block of this head with its number of filled rows.
+    fn runs(&self, hd: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.blocks
+            .iter()
+            .enumerate()
+            .take_while(|(b, _)| b * self.block < self.len)
+            .map(move |(b, &id)| {
+                let base = (self.j * self.pool_blocks + id as usize) * self.block * hd;
+                (base, (self.len - b * self.block).min(self.block))
+            })
+    }
+
+    /// Portable: plain loops.
+    fn run(&self, k_pool: &[f32], v_pool: &[f32], o: &mut [f32]) {
+        let hd = self.q.len();
+        let mut scores = Vec::with_capacity(self.len);
+        for (base, n) in self.runs(hd) {
+            for r in 0..n {
+                let at = base + r * hd;
+                scores.push(dot(self.q, &k_pool[at..at + hd]) * self.scale);
             }
-            let mut sum = 0f32;
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
-            let inv = 1.0 / sum;
-            let mut p = 0;
-            for (b, &id) in self.blocks.iter().enumerate() {
-                let first = b * self.block;
-                if first >= self.len {
-                    break;
-                }
-                for r in 0..(self.len - first).min(self.block) {
-                    let at = ((self.j * self.pool_blocks + id as usize) * self.block + r) * hd;
-                    let w = scores[p] * inv;
-                    p += 1;
-                    for (o, x) in o.iter_mut().zip(&v_pool[at..at + hd]) {
-                        *o += w * x;
-                    }
+        }
+        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+        let mut sum = 0f32;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        let inv = 1.0 / sum;
+        let mut p = 0;
+        for (base, n) in self.runs(hd) {
+            for r in 0..n {
+                let at = base + r * hd;
+                let w = scores[p] * inv;
+                p += 1;
+                for (o, x) in o.iter_mut().zip(&v_pool[at..at + hd]) {
+                    *o += w * x;
                 }
             }
         }
-    };
-}
-
-impl OneHead<'_> {
-    fn run(&self, k_pool: &[f32], v_pool: &[f32], o: &mut [f32]) {
-        // SAFETY: the portable instance needs no CPU features.
-        unsafe { self.run_portable(k_pool, v_pool, o) }
     }
-    one_head_impl!(run_portable);
+
+    /// AVX2: four keys' dot products at a time (independent chains, one horizontal sum for the
+    /// four), vectorised exp, and values summed in registers. hd must be a multiple of 8.
     #[cfg(target_arch = "x86_64")]
-    one_head_impl!(run_avx2, "avx2,fma");
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run_avx2(&self, k_pool: &[f32], v_pool: &[f32], o: &mut [f32]) {
+        let hd = self.q.len();
+        let mut scores = vec![0f32; self.len];
+        let mut p = 0;
+        for (base, n) in self.runs(hd) {
+            let mut r = 0;
+            while r + 4 <= n {
+                let at = base + r * hd;
+                let four = x86::dot4(self.q, &k_pool[at..at + 4 * hd]);
+                for (s, d) in scores[p..p + 4].iter_mut().zip(four) {
+                    *s = d * self.scale;
+                }
+                p += 4;
+                r += 4;
+            }
+            while r < n {
+                let at = base + r * hd;
+                scores[p] = dot(self.q, &k_pool[at..at + hd]) * self.scale;
+                p += 1;
+                r += 1;
+            }
+        }
+        let inv = 1.0 / x86::softmax_unnormalised(&mut scores);
+        let runs: Vec<(usize, usize)> = self.runs(hd).collect();
+        // 64 values (8 registers) at a time, then 8 at a time.
+        let mut c0 = 0;
+        while c0 + 64 <= hd {
+            x86::weighted_rows::<8>(&scores, &runs, hd, v_pool, c0, inv, &mut o[c0..]);
+            c0 += 64;
+        }
+        while c0 < hd {
+            x86::weighted_rows::<1>(&scores, &runs, hd, v_pool, c0, inv, &mut o[c0..]);
+            c0 += 8;
+        }
+    }
 }
 
 /// Queries per task of the prefill kernel: each key is loaded once for this many queries.
@@ -310,6 +337,63 @@ mod x86 {
         _mm256_andnot_ps(tiny, _mm256_mul_ps(p, pow2))
     }
 
+    /// The dot products of q with four consecutive rows of `keys` (4 * hd floats).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot4(q: &[f32], keys: &[f32]) -> [f32; 4] {
+        let hd = q.len();
+        debug_assert!(keys.len() >= 4 * hd && hd % 8 == 0);
+        let (pq, pk) = (q.as_ptr(), keys.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut d = 0;
+        while d < hd {
+            let qv = _mm256_loadu_ps(pq.add(d));
+            for (k, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm256_fmadd_ps(qv, _mm256_loadu_ps(pk.add(k * hd + d)), *acc);
+            }
+            d += 8;
+        }
+        let h01 = _mm256_hadd_ps(acc[0], acc[1]);
+        let h23 = _mm256_hadd_ps(acc[2], acc[3]);
+        let h = _mm256_hadd_ps(h01, h23);
+        let s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        let mut out = [0f32; 4];
+        _mm_storeu_ps(out.as_mut_ptr(), s);
+        out
+    }
+
+    /// o[..8 * LANES] = inv * sum over cached rows p of w[p] * v[row p][c0..c0 + 8 * LANES].
+    /// `runs`: (start in floats, rows) of each block; rows are hd floats apart.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn weighted_rows<const LANES: usize>(
+        w: &[f32],
+        runs: &[(usize, usize)],
+        hd: usize,
+        v: &[f32],
+        c0: usize,
+        inv: f32,
+        o: &mut [f32],
+    ) {
+        debug_assert!(o.len() >= 8 * LANES);
+        let mut acc = [_mm256_setzero_ps(); LANES];
+        let mut p = 0;
+        for &(base, n) in runs {
+            for r in 0..n {
+                let b = _mm256_set1_ps(*w.get_unchecked(p));
+                p += 1;
+                let row = v.as_ptr().add(base + r * hd + c0);
+                for (c, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm256_fmadd_ps(b, _mm256_loadu_ps(row.add(c * 8)), *acc);
+                }
+            }
+        }
+        let iv = _mm256_set1_ps(inv);
+        for (c, acc) in acc.iter().enumerate() {
+            _mm256_storeu_ps(o.as_mut_ptr().add(c * 8), _mm256_mul_ps(*acc, iv));
+        }
+    }
+
     /// Replace row by exp(row - max(row)); returns the sum.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn softmax_unnormalised(row: &mut [f32]) -> f32 {
@@ -448,6 +532,7 @@ mod tests {
             (9, 3, 1, 64, 16),
             (9, 3, 37, 64, 16),
             (4, 1, 10, 12, 4),
+            (4, 2, 23, 256, 4),
             (2, 2, 3, 7, 2),
         ] {
             let k = data(kv * l * hd, 2);
