@@ -306,8 +306,8 @@ impl CpuQWeight {
                         let real = (n_rows - g * 8).min(8);
                         let mut tt = 0;
                         while tt < t {
-                            let n = (t - tt).min(4);
-                            let mut y = [[0f32; 8]; 4];
+                            let n = (t - tt).min(self.tokens_per_tile());
+                            let mut y = [[0f32; 8]; 8];
                             self.tile_dot(tile, &act, tt, n, &mut y);
                             for (i, y) in y.iter().enumerate().take(n) {
                                 let at = (tt + i) * n_rows + g * 8;
@@ -326,26 +326,42 @@ impl CpuQWeight {
         out
     }
 
-    /// Tokens tt..tt+n (n <= 4) against one group of 8 rows.
+    /// Most tokens per call of the tile kernel: each unpacked weight block serves this many.
+    /// VNNI comes with AVX-512VL's 32 vector registers, room for 8 accumulators beside the 8
+    /// unpacked weight registers; AVX2 has 16.
+    fn tokens_per_tile(&self) -> usize {
+        match self.kernel {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Vnni => 8,
+            _ => 4,
+        }
+    }
+
+    /// Tokens tt..tt+n (n <= 8) against one group of 8 rows.
     #[inline]
-    fn tile_dot(&self, w: Tile<'_>, act: &Blocks, tt: usize, n: usize, y: &mut [[f32; 8]; 4]) {
-        let a = |i: usize| act.row(tt + i.min(n - 1));
-        let rows = [a(0), a(1), a(2), a(3)];
+    fn tile_dot(&self, w: Tile<'_>, act: &Blocks, tt: usize, n: usize, y: &mut [[f32; 8]; 8]) {
+        let rows: [Row<'_>; 8] = std::array::from_fn(|i| act.row(tt + i.min(n - 1)));
         // SAFETY (all unsafe calls below): a SIMD kernel is only chosen when the CPU reports
         // its features (Kernel::detect); tiles and activations hold the same block count.
         macro_rules! call {
-            ($m:ident, $f:ident) => {
-                match n {
-                    1 => y[..1].copy_from_slice(&unsafe { x86::$m::$f::<1>(w, [rows[0]]) }),
-                    2 => {
-                        y[..2].copy_from_slice(&unsafe { x86::$m::$f::<2>(w, [rows[0], rows[1]]) })
-                    }
-                    3 => y[..3].copy_from_slice(&unsafe {
-                        x86::$m::$f::<3>(w, [rows[0], rows[1], rows[2]])
-                    }),
-                    _ => *y = unsafe { x86::$m::$f::<4>(w, rows) },
+            ($m:ident, $f:ident) => {{
+                macro_rules! with {
+                    ($k:literal) => {{
+                        let r: [Row<'_>; $k] = std::array::from_fn(|i| rows[i]);
+                        y[..$k].copy_from_slice(&unsafe { x86::$m::$f::<$k>(w, r) });
+                    }};
                 }
-            };
+                match n {
+                    1 => with!(1),
+                    2 => with!(2),
+                    3 => with!(3),
+                    4 => with!(4),
+                    5 => with!(5),
+                    6 => with!(6),
+                    7 => with!(7),
+                    _ => with!(8),
+                }
+            }};
         }
         match (self.ty, self.kernel) {
             #[cfg(target_arch = "x86_64")]
