@@ -48,8 +48,13 @@ fn prompts(model: &Path, text: &str, count: usize) -> Vec<String> {
         })
         .collect();
     // A fixed shuffle: stride through the list with a step coprime to its length.
-    let step = (1..count).rev().find(|s| gcd(*s, count) == 1 && *s > count / 3).unwrap_or(1);
-    out = (0..count).map(|i| out[(i * step) % count].clone()).collect();
+    let step = (1..count)
+        .rev()
+        .find(|s| gcd(*s, count) == 1 && *s > count / 3)
+        .unwrap_or(1);
+    out = (0..count)
+        .map(|i| out[(i * step) % count].clone())
+        .collect();
     out
 }
 

@@ -31,9 +31,20 @@ pub fn paged_decode_attention(
     head_dim: usize,
     scale: f32,
 ) -> Vec<f32> {
+    let args = (block, heads, kv_heads, head_dim, scale);
+    decode_with(steps, k_pool, v_pool, args, avx2_available())
+}
+
+/// `paged_decode_attention` with the SIMD choice made by the caller (tests run both).
+fn decode_with(
+    steps: &[PagedQuery<'_>],
+    k_pool: &[f32],
+    v_pool: &[f32],
+    (block, heads, kv_heads, head_dim, scale): (usize, usize, usize, usize, f32),
+    avx2: bool,
+) -> Vec<f32> {
     let g = heads / kv_heads;
     let pool_blocks = k_pool.len() / (kv_heads * block * head_dim).max(1);
-    let avx2 = avx2_available();
     let mut out = vec![0f32; steps.len() * heads * head_dim];
     out.par_chunks_mut(head_dim).enumerate().for_each(|(i, o)| {
         let (step, head) = (&steps[i / heads], i % heads);
@@ -186,12 +197,28 @@ pub fn causal_prefill_attention(
     head_dim: usize,
     scale: f32,
 ) -> Vec<f32> {
+    let args = (block, heads, kv_heads, head_dim, scale);
+    prefill_with(q, blocks, pos, t, k_pool, v_pool, args, avx2_available())
+}
+
+/// `causal_prefill_attention` with the SIMD choice made by the caller (tests run both).
+#[allow(clippy::too_many_arguments)]
+fn prefill_with(
+    q: &[f32],
+    blocks: &[u32],
+    pos: usize,
+    t: usize,
+    k_pool: &[f32],
+    v_pool: &[f32],
+    (block, heads, kv_heads, head_dim, scale): (usize, usize, usize, usize, f32),
+    avx2: bool,
+) -> Vec<f32> {
     let hd = head_dim;
     let l = pos + t;
     let lp = l.div_ceil(KT) * KT; // keys padded to whole score steps
     let g = heads / kv_heads;
     let pool_blocks = k_pool.len() / (kv_heads * block * hd).max(1);
-    let avx2 = avx2_available() && hd % 8 == 0;
+    let avx2 = avx2 && hd % 8 == 0;
     // Per kv head: keys transposed (hd, lp), zero past L; values (L, hd).
     let gathered: Vec<(Vec<f32>, Vec<f32>)> = (0..kv_heads)
         .into_par_iter()
@@ -559,18 +586,24 @@ mod tests {
                     len: l.div_ceil(2),
                 },
             ];
-            let got = paged_decode_attention(&steps, &kp, &vp, block, h, kv, hd, scale);
-            let want1 = reference(&q1, &k, &v, h, kv, l, l, hd, scale);
-            let want2 = reference(&q2, &k, &v, h, kv, l, l.div_ceil(2), hd, scale);
-            for (a, b) in got.iter().zip(want1.iter().chain(&want2)) {
-                assert!((a - b).abs() < 1e-5, "h={h} kv={kv} l={l}: {a} vs {b}");
+            for avx2 in [false, avx2_available()] {
+                let got = decode_with(&steps, &kp, &vp, (block, h, kv, hd, scale), avx2);
+                let want1 = reference(&q1, &k, &v, h, kv, l, l, hd, scale);
+                let want2 = reference(&q2, &k, &v, h, kv, l, l.div_ceil(2), hd, scale);
+                for (a, b) in got.iter().zip(want1.iter().chain(&want2)) {
+                    assert!(
+                        (a - b).abs() < 1e-5,
+                        "avx2 {avx2} h={h} kv={kv} l={l}: {a} vs {b}"
+                    );
+                }
             }
         }
     }
 
     #[test]
     fn causal_prefill_matches_plain_attention_on_ragged_sizes() {
-        // (h, kv, pos, t, hd, block): hd 7 takes the portable path, the others the fast one.
+        // (h, kv, pos, t, hd, block), through the portable and the AVX2 code (which leaves hd 7
+        // to the portable one).
         for &(h, kv, pos, t, hd, block) in &[
             (9, 3, 0, 37, 64, 16),
             (9, 3, 21, 6, 64, 16),
