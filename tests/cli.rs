@@ -265,7 +265,9 @@ fn bad_input_is_one_line_and_exit_1() {
     let real = std::fs::read(common::smollm2()).unwrap();
     std::fs::write(&truncated, &real[..real.len() / 3]).unwrap();
 
-    let cases: Vec<(Vec<String>, Option<&[u8]>, &str)> = vec![
+    // (arguments, standard input, what the error line must mention)
+    type Case<'a> = (Vec<String>, Option<&'a [u8]>, &'a str);
+    let cases: Vec<Case> = vec![
         (vec![], Some(b"   \n"), "empty"),
         (vec![], Some(&[0x66, 0x6f, 0xff, 0xfe]), "UTF-8"),
         (

@@ -369,7 +369,7 @@ mod x86 {
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn dot4(q: &[f32], keys: &[f32]) -> [f32; 4] {
         let hd = q.len();
-        debug_assert!(keys.len() >= 4 * hd && hd % 8 == 0);
+        debug_assert!(keys.len() >= 4 * hd && hd.is_multiple_of(8));
         let (pq, pk) = (q.as_ptr(), keys.as_ptr());
         let mut acc = [_mm256_setzero_ps(); 4];
         let mut d = 0;
