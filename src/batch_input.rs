@@ -257,4 +257,41 @@ mod tests {
         assert!(parse("plain", BatchFormat::Jsonl)[0].is_err());
         assert!(parse("", BatchFormat::Auto).is_empty());
     }
+
+    /// What the fuzz target (fuzz/fuzz_targets/batch_input.rs) checks, on a few thousand
+    /// deterministic random inputs drawn from JSON-heavy text, so every `cargo test` covers it.
+    #[test]
+    fn random_inputs_give_one_result_per_line_in_order() {
+        let alphabet: Vec<&str> = vec![
+            "{", "}", "[", "]", "\"", ":", ",", "\n", "\r", " ", "\\", "prompt", "id", "max_new",
+            "temperature", "seed", "stop", "0", "-1", "1e999", "3.5", "null", "true", "x", "é",
+            "\u{0}", "\\u0000", "\\n",
+        ];
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for _ in 0..3000 {
+            let len = next() % 40;
+            let text: String = (0..len)
+                .map(|_| alphabet[(next() % alphabet.len() as u64) as usize])
+                .collect();
+            for format in [BatchFormat::Auto, BatchFormat::Text, BatchFormat::Jsonl] {
+                let got = parse(&text, format);
+                let non_blank = text.split('\n').filter(|l| !l.trim().is_empty()).count();
+                assert_eq!(got.len(), non_blank, "{text:?}");
+                let lines: Vec<usize> = got
+                    .iter()
+                    .map(|r| match r {
+                        Ok(e) => e.line,
+                        Err(e) => e.line,
+                    })
+                    .collect();
+                assert!(lines.windows(2).all(|w| w[0] < w[1]), "{text:?}");
+            }
+        }
+    }
 }
