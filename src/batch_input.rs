@@ -263,9 +263,34 @@ mod tests {
     #[test]
     fn random_inputs_give_one_result_per_line_in_order() {
         let alphabet: Vec<&str> = vec![
-            "{", "}", "[", "]", "\"", ":", ",", "\n", "\r", " ", "\\", "prompt", "id", "max_new",
-            "temperature", "seed", "stop", "0", "-1", "1e999", "3.5", "null", "true", "x", "é",
-            "\u{0}", "\\u0000", "\\n",
+            "{",
+            "}",
+            "[",
+            "]",
+            "\"",
+            ":",
+            ",",
+            "\n",
+            "\r",
+            " ",
+            "\\",
+            "prompt",
+            "id",
+            "max_new",
+            "temperature",
+            "seed",
+            "stop",
+            "0",
+            "-1",
+            "1e999",
+            "3.5",
+            "null",
+            "true",
+            "x",
+            "é",
+            "\u{0}",
+            "\\u0000",
+            "\\n",
         ];
         let mut state = 0x9E37_79B9_7F4A_7C15u64;
         let mut next = || {

@@ -414,4 +414,61 @@ mod tests {
         assert_eq!(kv.len(a), Some(16));
         assert!(!kv.reserve(7, 1), "not a live sequence");
     }
+
+    /// The device layout (tensors, `slice_set`, `index_select`: what a GPU runs) stores and
+    /// gathers exactly what the host layout does. Exercised here with CPU tensors.
+    #[test]
+    fn device_and_host_stores_agree() {
+        use candle_core::{Device, Tensor};
+        let (layers, kv, hd, blocks) = (2, 3, 8, 6);
+        let dev = Device::Cpu;
+        let mut host = KvStore::new(&dev, layers, kv, hd, blocks).unwrap();
+        let rows = blocks * kv * BLOCK_SIZE;
+        let zeros = || {
+            (0..layers)
+                .map(|_| Tensor::zeros((rows, hd), candle_core::DType::F32, &dev).unwrap())
+                .collect::<Vec<_>>()
+        };
+        let mut device = KvStore::Device {
+            k: zeros(),
+            v: zeros(),
+            kv_heads: kv,
+            head_dim: hd,
+        };
+        assert!(matches!(host, KvStore::Host { .. }));
+        assert_eq!((host.blocks(), device.blocks()), (blocks, blocks));
+        // A sequence in blocks 4, 1, 5: 40 tokens written in two steps, crossing blocks.
+        let slots: Vec<u32> = [4u32, 1, 5]
+            .iter()
+            .flat_map(|b| (0..16).map(move |r| b * 16 + r))
+            .take(40)
+            .collect();
+        let n = slots.len();
+        for (from, to) in [(0, 23), (23, n)] {
+            let m = to - from;
+            let k = Tensor::arange(0f32, (m * kv * hd) as f32, &dev)
+                .unwrap()
+                .reshape((m, kv * hd))
+                .unwrap();
+            let v = (k.clone() * -1.0).unwrap();
+            for store in [&mut host, &mut device] {
+                store.write(1, &k, &v, &slots[from..to]).unwrap();
+            }
+        }
+        let rows = host.gather_rows(&slots);
+        assert_eq!(rows, device.gather_rows(&slots));
+        let (hk, hv) = host.gather(1, &rows, None, &dev).unwrap();
+        let (dk, dv) = device.gather(1, &rows, None, &dev).unwrap();
+        assert_eq!(hk.dims(), &[kv, n, hd]);
+        for (a, b) in [(hk, dk), (hv, dv)] {
+            let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(a, b);
+        }
+        // Token 30 of the second write (index 7 of it), kv head 2, value 3 of its row.
+        let (k1, _) = host.host(1).unwrap();
+        let (blk, r) = (slots[30] as usize / 16, slots[30] as usize % 16);
+        let at = ((2 * blocks + blk) * 16 + r) * hd + 3;
+        assert_eq!(k1[at], ((30 - 23) * kv * hd + 2 * hd + 3) as f32);
+    }
 }
