@@ -6,6 +6,7 @@
 //! Shape legend: h = query heads, kv = key/value heads (h = g * kv; query head i reads kv head
 //! i / g), L = tokens in the cache, hd = head width.
 
+use half::f16;
 use rayon::prelude::*;
 
 /// One step's query token and where its sequence's keys and values are.
@@ -23,8 +24,8 @@ pub struct PagedQuery<'a> {
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention(
     steps: &[PagedQuery<'_>],
-    k_pool: &[f32],
-    v_pool: &[f32],
+    k_pool: &[f16],
+    v_pool: &[f16],
     block: usize,
     heads: usize,
     kv_heads: usize,
@@ -38,8 +39,8 @@ pub fn paged_decode_attention(
 /// `paged_decode_attention` with the SIMD choice made by the caller (tests run both).
 fn decode_with(
     steps: &[PagedQuery<'_>],
-    k_pool: &[f32],
-    v_pool: &[f32],
+    k_pool: &[f16],
+    v_pool: &[f16],
     (block, heads, kv_heads, head_dim, scale): (usize, usize, usize, usize, f32),
     avx2: bool,
 ) -> Vec<f32> {
@@ -70,7 +71,9 @@ fn decode_with(
 fn avx2_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     if std::env::var("GEN_KERNEL").map_or(true, |v| v != "scalar") {
-        return is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        return is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
     }
     false
 }
@@ -101,13 +104,13 @@ impl OneHead<'_> {
     }
 
     /// Portable: plain loops.
-    fn run(&self, k_pool: &[f32], v_pool: &[f32], o: &mut [f32]) {
+    fn run(&self, k_pool: &[f16], v_pool: &[f16], o: &mut [f32]) {
         let hd = self.q.len();
         let mut scores = Vec::with_capacity(self.len);
         for (base, n) in self.runs(hd) {
             for r in 0..n {
                 let at = base + r * hd;
-                scores.push(dot(self.q, &k_pool[at..at + hd]) * self.scale);
+                scores.push(dot_f16(self.q, &k_pool[at..at + hd]) * self.scale);
             }
         }
         let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
@@ -124,7 +127,7 @@ impl OneHead<'_> {
                 let w = scores[p] * inv;
                 p += 1;
                 for (o, x) in o.iter_mut().zip(&v_pool[at..at + hd]) {
-                    *o += w * x;
+                    *o += w * x.to_f32();
                 }
             }
         }
@@ -133,8 +136,8 @@ impl OneHead<'_> {
     /// AVX2: four keys' dot products at a time (independent chains, one horizontal sum for the
     /// four), vectorised exp, and values summed in registers. hd must be a multiple of 8.
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn run_avx2(&self, k_pool: &[f32], v_pool: &[f32], o: &mut [f32]) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn run_avx2(&self, k_pool: &[f16], v_pool: &[f16], o: &mut [f32]) {
         let hd = self.q.len();
         let mut scores = vec![0f32; self.len];
         let mut p = 0;
@@ -142,7 +145,7 @@ impl OneHead<'_> {
             let mut r = 0;
             while r + 4 <= n {
                 let at = base + r * hd;
-                let four = x86::dot4(self.q, &k_pool[at..at + 4 * hd]);
+                let four = x86::dot4(self.q, &k_pool[at..at + 4 * hd], 4);
                 for (s, d) in scores[p..p + 4].iter_mut().zip(four) {
                     *s = d * self.scale;
                 }
@@ -151,7 +154,7 @@ impl OneHead<'_> {
             }
             while r < n {
                 let at = base + r * hd;
-                scores[p] = dot(self.q, &k_pool[at..at + hd]) * self.scale;
+                scores[p] = x86::dot4(self.q, &k_pool[at..at + hd], 1)[0] * self.scale;
                 p += 1;
                 r += 1;
             }
@@ -189,8 +192,8 @@ pub fn causal_prefill_attention(
     blocks: &[u32],
     pos: usize,
     t: usize,
-    k_pool: &[f32],
-    v_pool: &[f32],
+    k_pool: &[f16],
+    v_pool: &[f16],
     block: usize,
     heads: usize,
     kv_heads: usize,
@@ -208,8 +211,8 @@ fn prefill_with(
     blocks: &[u32],
     pos: usize,
     t: usize,
-    k_pool: &[f32],
-    v_pool: &[f32],
+    k_pool: &[f16],
+    v_pool: &[f16],
     (block, heads, kv_heads, head_dim, scale): (usize, usize, usize, usize, f32),
     avx2: bool,
 ) -> Vec<f32> {
@@ -228,9 +231,9 @@ fn prefill_with(
             for p in 0..l {
                 let at = ((j * pool_blocks + blocks[p / block] as usize) * block + p % block) * hd;
                 for (d, x) in k_pool[at..at + hd].iter().enumerate() {
-                    kt[d * lp + p] = *x;
+                    kt[d * lp + p] = x.to_f32();
                 }
-                v.extend_from_slice(&v_pool[at..at + hd]);
+                v.extend(v_pool[at..at + hd].iter().map(|x| x.to_f32()));
             }
             (kt, v)
         })
@@ -364,19 +367,20 @@ mod x86 {
         _mm256_andnot_ps(tiny, _mm256_mul_ps(p, pow2))
     }
 
-    /// The dot products of q with four consecutive rows of `keys` (4 * hd floats).
+    /// The dot products of q with `n` (1 or 4) consecutive rows of `keys` (f16, n * hd).
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot4(q: &[f32], keys: &[f32]) -> [f32; 4] {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot4(q: &[f32], keys: &[half::f16], n: usize) -> [f32; 4] {
         let hd = q.len();
-        debug_assert!(keys.len() >= 4 * hd && hd.is_multiple_of(8));
-        let (pq, pk) = (q.as_ptr(), keys.as_ptr());
+        debug_assert!(keys.len() >= n * hd && hd.is_multiple_of(8) && (n == 1 || n == 4));
+        let (pq, pk) = (q.as_ptr(), keys.as_ptr() as *const u16);
         let mut acc = [_mm256_setzero_ps(); 4];
         let mut d = 0;
         while d < hd {
             let qv = _mm256_loadu_ps(pq.add(d));
-            for (k, acc) in acc.iter_mut().enumerate() {
-                *acc = _mm256_fmadd_ps(qv, _mm256_loadu_ps(pk.add(k * hd + d)), *acc);
+            for (k, acc) in acc.iter_mut().enumerate().take(n) {
+                let kv = _mm256_cvtph_ps(_mm_loadu_si128(pk.add(k * hd + d) as *const __m128i));
+                *acc = _mm256_fmadd_ps(qv, kv, *acc);
             }
             d += 8;
         }
@@ -392,12 +396,12 @@ mod x86 {
     /// o[..8 * LANES] = inv * sum over cached rows p of w[p] * v[row p][c0..c0 + 8 * LANES].
     /// `runs`: (start in floats, rows) of each block; rows are hd floats apart.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn weighted_rows<const LANES: usize>(
         w: &[f32],
         runs: &[(usize, usize)],
         hd: usize,
-        v: &[f32],
+        v: &[half::f16],
         c0: usize,
         inv: f32,
         o: &mut [f32],
@@ -409,9 +413,10 @@ mod x86 {
             for r in 0..n {
                 let b = _mm256_set1_ps(*w.get_unchecked(p));
                 p += 1;
-                let row = v.as_ptr().add(base + r * hd + c0);
+                let row = (v.as_ptr() as *const u16).add(base + r * hd + c0);
                 for (c, acc) in acc.iter_mut().enumerate() {
-                    *acc = _mm256_fmadd_ps(b, _mm256_loadu_ps(row.add(c * 8)), *acc);
+                    let x = _mm256_cvtph_ps(_mm_loadu_si128(row.add(c * 8) as *const __m128i));
+                    *acc = _mm256_fmadd_ps(b, x, *acc);
                 }
             }
         }
@@ -466,22 +471,9 @@ mod x86 {
     }
 }
 
-/// Dot product in 8 independent lanes, so the compiler can keep them in one vector register.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
-    }
-    s
+/// q . k with k in f16: the portable path.
+fn dot_f16(q: &[f32], k: &[f16]) -> f32 {
+    q.iter().zip(k).map(|(a, b)| a * b.to_f32()).sum()
 }
 
 #[cfg(test)]
@@ -531,7 +523,15 @@ mod tests {
         out
     }
 
-    /// Lay a contiguous (kv, L, hd) cache out in scattered blocks of `block` rows.
+    /// Values the f16 cache holds exactly, so the reference sees what the kernels see.
+    fn data16(n: usize, seed: u32) -> Vec<f32> {
+        data(n, seed)
+            .into_iter()
+            .map(|x| f16::from_f32(x).to_f32())
+            .collect()
+    }
+
+    /// Lay a contiguous (kv, L, hd) cache out in scattered blocks of `block` rows, in f16.
     fn paged(
         cache: &[f32],
         kv: usize,
@@ -539,15 +539,21 @@ mod tests {
         hd: usize,
         block: usize,
         blocks: &[u32],
-    ) -> Vec<f32> {
+    ) -> Vec<f16> {
         let p_blocks = *blocks.iter().max().unwrap() as usize + 1;
-        let mut pool = data(kv * p_blocks * block * hd, 77); // junk where no token lives
+        // Junk where no token lives.
+        let mut pool: Vec<f16> = data(kv * p_blocks * block * hd, 77)
+            .into_iter()
+            .map(f16::from_f32)
+            .collect();
         for p in 0..l {
             let (id, r) = (blocks[p / block] as usize, p % block);
             for j in 0..kv {
                 let src = &cache[(j * l + p) * hd..(j * l + p + 1) * hd];
                 let at = ((j * p_blocks + id) * block + r) * hd;
-                pool[at..at + hd].copy_from_slice(src);
+                for (d, x) in pool[at..at + hd].iter_mut().zip(src) {
+                    *d = f16::from_f32(*x);
+                }
             }
         }
         pool
@@ -562,8 +568,8 @@ mod tests {
             (4, 2, 23, 256, 4),
             (2, 2, 3, 7, 2),
         ] {
-            let k = data(kv * l * hd, 2);
-            let v = data(kv * l * hd, 3);
+            let k = data16(kv * l * hd, 2);
+            let v = data16(kv * l * hd, 3);
             let n_blocks = l.div_ceil(block);
             // Distinct, out of order, with gaps: as a pool hands them out after churn.
             let blocks: Vec<u32> = (0..n_blocks as u32).rev().map(|b| b * 2 + 1).collect();
@@ -612,8 +618,8 @@ mod tests {
             (2, 2, 3, 5, 7, 2),
         ] {
             let l = pos + t;
-            let k = data(kv * l * hd, 2);
-            let v = data(kv * l * hd, 3);
+            let k = data16(kv * l * hd, 2);
+            let v = data16(kv * l * hd, 3);
             let n_blocks = l.div_ceil(block);
             let blocks: Vec<u32> = (0..n_blocks as u32).rev().map(|b| b * 2 + 1).collect();
             let (kp, vp) = (

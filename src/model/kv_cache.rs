@@ -7,6 +7,9 @@
 //! a (blocks * BLOCK_SIZE, kv * hd) matrix of keys and one of values, where row `slot(seq, pos)`
 //! holds token `pos` of sequence `seq`.
 
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
 use super::SeqId;
 
 /// Tokens per block.
@@ -156,9 +159,10 @@ impl PagedKv {
 /// devices, tensors of (P * kv * BLOCK_SIZE, hd) rows written with `slice_set` and read with
 /// `index_select`.
 pub enum KvStore {
+    /// f16 values, as llama.cpp keeps them: half the bytes for attention to read.
     Host {
-        k: Vec<Vec<f32>>,
-        v: Vec<Vec<f32>>,
+        k: Vec<Vec<f16>>,
+        v: Vec<Vec<f16>>,
         kv_heads: usize,
         head_dim: usize,
     },
@@ -190,7 +194,11 @@ impl KvStore {
         let rows = blocks * kv_heads * BLOCK_SIZE;
         if device.is_cpu() {
             // Zeroed allocations: the OS hands out pages only as tokens land on them.
-            let mk = || (0..layers).map(|_| vec![0f32; rows * head_dim]).collect();
+            let mk = || {
+                (0..layers)
+                    .map(|_| vec![f16::ZERO; rows * head_dim])
+                    .collect()
+            };
             return Ok(KvStore::Host {
                 k: mk(),
                 v: mk(),
@@ -242,7 +250,7 @@ impl KvStore {
                         for j in 0..kv {
                             let to = ((j * p + blk) * BLOCK_SIZE + r) * hd;
                             let from = (i * kv + j) * hd;
-                            dst[to..to + hd].copy_from_slice(&src[from..from + hd]);
+                            dst[to..to + hd].convert_from_f32_slice(&src[from..from + hd]);
                         }
                     }
                 }
@@ -329,11 +337,11 @@ impl KvStore {
         match self {
             KvStore::Host { k, v, head_dim, .. } => {
                 let hd = *head_dim;
-                let take = |pool: &[f32]| {
-                    let mut out = Vec::with_capacity(rows.len() * hd);
-                    for &r in rows {
+                let take = |pool: &[f16]| {
+                    let mut out = vec![0f32; rows.len() * hd];
+                    for (o, &r) in out.chunks_exact_mut(hd).zip(rows) {
                         let at = r as usize * hd;
-                        out.extend_from_slice(&pool[at..at + hd]);
+                        pool[at..at + hd].convert_to_f32_slice(o);
                     }
                     candle_core::Tensor::from_vec(out, (kv, l, hd), device)
                 };
@@ -354,7 +362,7 @@ impl KvStore {
     }
 
     /// The CPU storage of one layer, for the fused decode kernel.
-    pub fn host(&self, layer: usize) -> Option<(&[f32], &[f32])> {
+    pub fn host(&self, layer: usize) -> Option<(&[f16], &[f16])> {
         match self {
             KvStore::Host { k, v, .. } => Some((&k[layer], &v[layer])),
             KvStore::Device { .. } => None,
@@ -469,6 +477,6 @@ mod tests {
         let (k1, _) = host.host(1).unwrap();
         let (blk, r) = (slots[30] as usize / 16, slots[30] as usize % 16);
         let at = ((2 * blocks + blk) * 16 + r) * hd + 3;
-        assert_eq!(k1[at], ((30 - 23) * kv * hd + 2 * hd + 3) as f32);
+        assert_eq!(k1[at].to_f32(), ((30 - 23) * kv * hd + 2 * hd + 3) as f32);
     }
 }

@@ -386,8 +386,8 @@ fn prefill_attention_cpu(
     pos: usize,
     t: usize,
     blocks: &[u32],
-    k: &[f32],
-    v: &[f32],
+    k: &[half::f16],
+    v: &[half::f16],
     cfg: &LlamaConfig,
     scale: f32,
 ) -> Result<Tensor> {
@@ -418,8 +418,8 @@ fn prefill_attention_cpu(
 /// (steps, h*hd).
 fn decode_attention_cpu(
     q: &Tensor,
-    k: &[f32],
-    v: &[f32],
+    k: &[half::f16],
+    v: &[half::f16],
     steps: &[(usize, &[u32], usize)],
     cfg: &LlamaConfig,
     scale: f32,
@@ -529,7 +529,9 @@ impl LanguageModel for Llama {
     }
 
     fn kv_bytes_per_token(&self) -> usize {
-        2 * self.cfg.n_layer * self.cfg.n_kv_head * self.cfg.head_dim * std::mem::size_of::<f32>()
+        // f16 in the host cache, f32 on other devices (see KvStore).
+        let bytes = if self.device.is_cpu() { 2 } else { 4 };
+        2 * self.cfg.n_layer * self.cfg.n_kv_head * self.cfg.head_dim * bytes
     }
 
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<Tensor> {
