@@ -16,6 +16,8 @@ pub struct PagedQuery<'a> {
     pub blocks: &'a [u32],
     /// Tokens in the cache, the query's own included.
     pub len: usize,
+    /// First position attended: 0, or `len - window` under a sliding window.
+    pub from: usize,
 }
 
 /// Every step's query against its own sequence: pools are (kv, P, block, hd). Returns
@@ -41,6 +43,7 @@ pub fn paged_decode_attention(
             q: &step.q[head * head_dim..(head + 1) * head_dim],
             blocks: step.blocks,
             len: step.len,
+            from: step.from,
             block,
             pool_blocks,
             j: head / g,
@@ -69,6 +72,7 @@ struct OneHead<'a> {
     q: &'a [f32],
     blocks: &'a [u32],
     len: usize,
+    from: usize,
     block: usize,
     /// Blocks in the pool, and the kv head this query head reads.
     pool_blocks: usize,
@@ -84,14 +88,14 @@ macro_rules! one_head_impl {
         #[allow(unused_unsafe)]
         unsafe fn $name(&self, k_pool: &[f32], v_pool: &[f32], o: &mut [f32]) {
             let hd = self.q.len();
-            let mut scores = Vec::with_capacity(self.len);
+            let mut scores = Vec::with_capacity(self.len - self.from.min(self.len));
             let mut max = f32::NEG_INFINITY;
             for (b, &id) in self.blocks.iter().enumerate() {
                 let first = b * self.block;
                 if first >= self.len {
                     break;
                 }
-                for r in 0..(self.len - first).min(self.block) {
+                for r in self.from.saturating_sub(first)..(self.len - first).min(self.block) {
                     let at = ((self.j * self.pool_blocks + id as usize) * self.block + r) * hd;
                     let s = dot(self.q, &k_pool[at..at + hd]) * self.scale;
                     max = max.max(s);
@@ -110,7 +114,7 @@ macro_rules! one_head_impl {
                 if first >= self.len {
                     break;
                 }
-                for r in 0..(self.len - first).min(self.block) {
+                for r in self.from.saturating_sub(first)..(self.len - first).min(self.block) {
                     let at = ((self.j * self.pool_blocks + id as usize) * self.block + r) * hd;
                     let w = scores[p] * inv;
                     p += 1;
@@ -245,11 +249,13 @@ mod tests {
                     q: &q1,
                     blocks: &blocks,
                     len: l,
+                    from: 0,
                 },
                 PagedQuery {
                     q: &q2,
                     blocks: &blocks,
                     len: l.div_ceil(2),
+                    from: 0,
                 },
             ];
             let got = paged_decode_attention(&steps, &kp, &vp, block, h, kv, hd, scale);
@@ -258,6 +264,57 @@ mod tests {
             for (a, b) in got.iter().zip(want1.iter().chain(&want2)) {
                 assert!((a - b).abs() < 1e-5, "h={h} kv={kv} l={l}: {a} vs {b}");
             }
+        }
+    }
+
+    /// A sliding window: only positions from..len count, whichever block they start in.
+    #[test]
+    fn a_window_attends_to_the_last_positions_only() {
+        let (h, kv, l, hd, block) = (4, 2, 37, 8, 4);
+        let k = data(kv * l * hd, 2);
+        let v = data(kv * l * hd, 3);
+        let blocks: Vec<u32> = (0..l.div_ceil(block) as u32).rev().collect();
+        let (kp, vp) = (
+            paged(&k, kv, l, hd, block, &blocks),
+            paged(&v, kv, l, hd, block, &blocks),
+        );
+        let q = data(h * hd, 5);
+        // The window's keys and values alone, as a contiguous cache of w rows.
+        let tail = |c: &[f32], from: usize| -> Vec<f32> {
+            (0..kv)
+                .flat_map(|j| c[(j * l + from) * hd..(j * l + l) * hd].to_vec())
+                .collect()
+        };
+        for from in [1, 6, 8, 36] {
+            let steps = [PagedQuery {
+                q: &q,
+                blocks: &blocks,
+                len: l,
+                from,
+            }];
+            let got = paged_decode_attention(&steps, &kp, &vp, block, h, kv, hd, 0.3);
+            let w = l - from;
+            let want = reference(&q, &tail(&k, from), &tail(&v, from), h, kv, w, w, hd, 0.3);
+            for (a, b) in got.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-5, "from {from}: {a} vs {b}");
+            }
+            let all = paged_decode_attention(
+                &[PagedQuery {
+                    from: 0,
+                    ..steps[0]
+                }],
+                &kp,
+                &vp,
+                block,
+                h,
+                kv,
+                hd,
+                0.3,
+            );
+            assert!(
+                all.iter().zip(&got).any(|(a, b)| (a - b).abs() > 1e-3),
+                "from {from}"
+            );
         }
     }
 }

@@ -730,7 +730,7 @@ mod tests {
         assert_eq!(cfg.eos_token_ids, [2]);
         assert!(cfg.tie_word_embeddings);
         let md = cfg.gguf_metadata("smol");
-        let llama = crate::model::llama::LlamaConfig::from_gguf(&md, "llama").unwrap();
+        let llama = crate::model::decoder::DecoderConfig::from_gguf(&md, "llama").unwrap();
         assert_eq!(
             (
                 llama.n_layer,
@@ -756,7 +756,7 @@ mod tests {
         assert_eq!(cfg.eos_token_ids, [128001, 128008]);
         let cfg = HfConfig::parse(&with("head_dim", "128")).unwrap();
         let md = cfg.gguf_metadata("x");
-        let llama = crate::model::llama::LlamaConfig::from_gguf(&md, "llama").unwrap();
+        let llama = crate::model::decoder::DecoderConfig::from_gguf(&md, "llama").unwrap();
         assert_eq!(llama.head_dim, 128);
         let cfg = HfConfig::parse(&with("sliding_window", "4096")).unwrap();
         assert_eq!(cfg.context_length, 4096);
