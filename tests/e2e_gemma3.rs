@@ -39,10 +39,15 @@ fn references() -> Vec<Reference> {
 
 /// Largest logit gap at which gen may pick another token than llama.cpp (a near-tie): both
 /// quantize activations to 8 bits before the K-quant matrix products, and a different float
-/// summation order can flip a rounding.
+/// summation order can flip a rounding. Measured: 118 of 120 steps identical, the two others
+/// near-ties.
 const NEAR_TIE: f32 = 0.5;
-/// Largest difference allowed between gen's logit of llama.cpp's token and llama.cpp's own.
-const LOGIT_TOLERANCE: f32 = 0.5;
+/// Largest difference allowed between gen's logit of llama.cpp's token and llama.cpp's own
+/// (logits here run from about -15 to 30). Measured: 0.99 at most on the short prompts (llama.cpp
+/// also keeps its KV cache in f16 and tabulates GELU in f16), 0.30 on the 1,108-token prompt;
+/// with the sliding window switched off, that prompt differs by up to 11.8 and only 5 of its 24
+/// choices match, so this bound does catch a wrong window.
+const LOGIT_TOLERANCE: f32 = 1.25;
 
 /// Teacher-forced: feed llama.cpp's tokens one by one; at every step gen's best token must be
 /// llama.cpp's (or within NEAR_TIE of it) and its logit for llama.cpp's token within
