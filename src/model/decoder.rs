@@ -500,9 +500,8 @@ impl Decoder {
         // reaches its keys. Steps attended through candle's matrix multiplies (all of them off
         // the CPU; prompt chunks on it) get the cache rows they may see, and a mask.
         let mut views: Vec<Vec<StepKeys>> = Vec::with_capacity(self.windows.len());
-        // The fused CPU kernel's view of each one-token step: its row among the N, its block
-        // table, tokens in the cache, first position it may see.
-        let mut fused: Vec<Vec<(usize, &[u32], usize, usize)>> = Vec::new();
+        // The fused CPU kernel's one-token steps, per window.
+        let mut fused: Vec<Vec<DecodeStep<'_>>> = Vec::new();
         for &window in &self.windows {
             let mut keys = Vec::with_capacity(batch.len());
             let mut decode = Vec::new();
@@ -678,6 +677,10 @@ impl Decoder {
     }
 }
 
+/// A one-token step as the fused CPU kernel sees it: its row among the N, its block table,
+/// tokens in the cache, the first position it may see.
+type DecodeStep<'a> = (usize, &'a [u32], usize, usize);
+
 /// The index of `v` in `list`, added if new.
 fn index_of<T: PartialEq>(list: &mut Vec<T>, v: T) -> usize {
     match list.iter().position(|x| *x == v) {
@@ -697,7 +700,7 @@ fn decode_attention_cpu(
     q: &Tensor,
     k: &[f32],
     v: &[f32],
-    steps: &[(usize, &[u32], usize, usize)],
+    steps: &[DecodeStep<'_>],
     cfg: &DecoderConfig,
     scale: f32,
 ) -> Result<Tensor> {
