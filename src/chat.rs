@@ -131,4 +131,75 @@ mod tests {
         assert!(t(recursive).render(&one_shot(None, "x"), true).is_err());
         assert!(t("{% for %}").render(&one_shot(None, "x"), true).is_err());
     }
+
+    /// Gemma 3's template (google/gemma-3-270m-it's tokenizer_config.json): the system message
+    /// is folded into the first user turn, the assistant is called "model", turns close with
+    /// `<end_of_turn>` (which gen stops at, see `Tokenizer::eos_ids`).
+    const GEMMA3: &str = r#"{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '
+
+' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '
+
+' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '
+' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>
+' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model
+'}}
+{%- endif -%}
+"#;
+
+    #[test]
+    fn gemma3_folds_the_system_message_into_the_first_user_turn() {
+        let t = ChatTemplate::new(GEMMA3.into(), "<bos>".into(), "<eos>".into());
+        let out = t
+            .render(&one_shot(Some("Answer in French."), " Hi there \n"), true)
+            .unwrap();
+        assert_eq!(
+            out,
+            "<bos><start_of_turn>user\nAnswer in French.\n\nHi there<end_of_turn>\n<start_of_turn>model\n"
+        );
+        let out = t.render(&one_shot(None, "Hi"), false).unwrap();
+        assert_eq!(out, "<bos><start_of_turn>user\nHi<end_of_turn>\n");
+        // Two user turns in a row break the template's own rule, as an error.
+        let mut two = one_shot(None, "a");
+        two.extend(one_shot(None, "b"));
+        let err = t.render(&two, true).unwrap_err();
+        assert!(format!("{err:#}").contains("must alternate"), "{err:#}");
+    }
 }

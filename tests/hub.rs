@@ -792,26 +792,26 @@ fn repo_without_config_json_is_a_clear_error() {
 
 #[test]
 fn unsupported_checkpoint_is_refused_before_its_weights_are_fetched() {
-    let config_json = LLAMA_CONFIG.replace("LlamaForCausalLM", "Qwen2ForCausalLM");
+    let config_json = LLAMA_CONFIG.replace("LlamaForCausalLM", "GPT2LMHeadModel");
     let hub = Hub::start(
         vec![
-            ("owner/qwen/config.json", config_json.into_bytes()),
-            ("owner/qwen/tokenizer.json", b"{}".to_vec()),
-            ("owner/qwen/model.safetensors", payload()),
+            ("owner/gpt2/config.json", config_json.into_bytes()),
+            ("owner/gpt2/tokenizer.json", b"{}".to_vec()),
+            ("owner/gpt2/model.safetensors", payload()),
         ],
         None,
     );
-    let home = TempDir::new("qwen");
+    let home = TempDir::new("gpt2");
     let err = format!(
         "{:#}",
-        fetch_checkpoint(&config(&hub.url(), &home), "owner/qwen", None, &quiet()).unwrap_err()
+        fetch_checkpoint(&config(&hub.url(), &home), "owner/gpt2", None, &quiet()).unwrap_err()
     );
     assert!(
-        err.contains("Qwen2ForCausalLM") && err.contains("not supported"),
+        err.contains("GPT2LMHeadModel") && err.contains("not supported"),
         "{err}"
     );
     assert_eq!(
-        requested(&hub, "owner/qwen"),
+        requested(&hub, "owner/gpt2"),
         ["config.json", "config.json"]
     );
 }

@@ -349,15 +349,16 @@ fn with_config(tag: &str, config: &str) -> PathBuf {
 fn unsupported_families_and_broken_folders_are_one_clear_line() {
     let config: serde_json::Value =
         serde_json::from_slice(&std::fs::read(single().join("config.json")).unwrap()).unwrap();
-    let mut qwen = config.clone();
-    qwen["architectures"] = serde_json::json!(["Qwen2ForCausalLM"]);
-    qwen["model_type"] = "qwen2".into();
-    let dir = with_config("qwen", &qwen.to_string());
+    let mut gpt2 = config.clone();
+    gpt2["architectures"] = serde_json::json!(["GPT2LMHeadModel"]);
+    gpt2["model_type"] = "gpt2".into();
+    let dir = with_config("gpt2", &gpt2.to_string());
     let line = one_error_line(&run(&dir, "hi", &[]));
     assert!(
-        line.contains("Qwen2ForCausalLM")
+        line.contains("GPT2LMHeadModel")
             && line.contains("not supported")
-            && line.contains("LlamaForCausalLM"),
+            && line.contains("LlamaForCausalLM")
+            && line.contains("Gemma3ForCausalLM"),
         "{line}"
     );
 

@@ -17,6 +17,8 @@ pub struct PagedQuery<'a> {
     pub blocks: &'a [u32],
     /// Tokens in the cache, the query's own included.
     pub len: usize,
+    /// First position attended: 0, or `len - window` under a sliding window.
+    pub from: usize,
 }
 
 /// Every step's query against its own sequence: pools are (kv, P, block, hd). Returns
@@ -53,6 +55,7 @@ fn decode_with(
             q: &step.q[head * head_dim..(head + 1) * head_dim],
             blocks: step.blocks,
             len: step.len,
+            from: step.from.min(step.len),
             block,
             pool_blocks,
             j: head / g,
@@ -83,6 +86,7 @@ struct OneHead<'a> {
     q: &'a [f32],
     blocks: &'a [u32],
     len: usize,
+    from: usize,
     block: usize,
     /// Blocks in the pool, and the kv head this query head reads.
     pool_blocks: usize,
@@ -91,22 +95,26 @@ struct OneHead<'a> {
 }
 
 impl OneHead<'_> {
-    /// Start (in floats) of each cached block of this head with its number of filled rows.
+    /// Per cached block of this head, from position `from` on: where its first attended row
+    /// starts (in values) and how many rows it has.
     fn runs(&self, hd: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
         self.blocks
             .iter()
             .enumerate()
             .take_while(|(b, _)| b * self.block < self.len)
+            .filter(|(b, _)| (b + 1) * self.block > self.from)
             .map(move |(b, &id)| {
-                let base = (self.j * self.pool_blocks + id as usize) * self.block * hd;
-                (base, (self.len - b * self.block).min(self.block))
+                let first = b * self.block;
+                let skip = self.from.saturating_sub(first);
+                let base = ((self.j * self.pool_blocks + id as usize) * self.block + skip) * hd;
+                (base, (self.len - first).min(self.block) - skip)
             })
     }
 
     /// Portable: plain loops.
     fn run(&self, k_pool: &[f16], v_pool: &[f16], o: &mut [f32]) {
         let hd = self.q.len();
-        let mut scores = Vec::with_capacity(self.len);
+        let mut scores = Vec::with_capacity(self.len - self.from);
         for (base, n) in self.runs(hd) {
             for r in 0..n {
                 let at = base + r * hd;
@@ -139,7 +147,7 @@ impl OneHead<'_> {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn run_avx2(&self, k_pool: &[f16], v_pool: &[f16], o: &mut [f32]) {
         let hd = self.q.len();
-        let mut scores = vec![0f32; self.len];
+        let mut scores = vec![0f32; self.len - self.from];
         let mut p = 0;
         for (base, n) in self.runs(hd) {
             let mut r = 0;
@@ -192,6 +200,7 @@ pub fn causal_prefill_attention(
     blocks: &[u32],
     pos: usize,
     t: usize,
+    window: Option<usize>,
     k_pool: &[f16],
     v_pool: &[f16],
     block: usize,
@@ -201,7 +210,15 @@ pub fn causal_prefill_attention(
     scale: f32,
 ) -> Vec<f32> {
     let args = (block, heads, kv_heads, head_dim, scale);
-    prefill_with(q, blocks, pos, t, k_pool, v_pool, args, avx2_available())
+    prefill_with(
+        q,
+        blocks,
+        (pos, t, window),
+        k_pool,
+        v_pool,
+        args,
+        avx2_available(),
+    )
 }
 
 /// `causal_prefill_attention` with the SIMD choice made by the caller (tests run both).
@@ -209,8 +226,7 @@ pub fn causal_prefill_attention(
 fn prefill_with(
     q: &[f32],
     blocks: &[u32],
-    pos: usize,
-    t: usize,
+    (pos, t, window): (usize, usize, Option<usize>),
     k_pool: &[f16],
     v_pool: &[f16],
     (block, heads, kv_heads, head_dim, scale): (usize, usize, usize, usize, f32),
@@ -218,7 +234,8 @@ fn prefill_with(
 ) -> Vec<f32> {
     let hd = head_dim;
     let l = pos + t;
-    let lp = l.div_ceil(KT) * KT; // keys padded to whole score steps
+    // Keys padded so a score step starting at any key stays inside.
+    let lp = l.div_ceil(KT) * KT + KT;
     let g = heads / kv_heads;
     let pool_blocks = k_pool.len() / (kv_heads * block * hd).max(1);
     let avx2 = avx2 && hd % 8 == 0;
@@ -252,27 +269,33 @@ fn prefill_with(
             let queries: Vec<&[f32]> = (0..nq)
                 .map(|qq| &q[((t0 + qq) * heads + i) * hd..((t0 + qq) * heads + i + 1) * hd])
                 .collect();
-            // Query qq sees keys 0..=pos+t0+qq.
+            // Query qq sees keys first(qq)..seen(qq): from the start of the context, or of its
+            // sliding window (keys less than `window` positions back), to itself.
             let seen = |qq: usize| pos + t0 + qq + 1;
-            let width = seen(nq - 1).div_ceil(KT) * KT;
+            let first = |qq: usize| window.map_or(0, |w| seen(qq).saturating_sub(w));
+            // Scores of the tile's keys first(0)..seen(last), one row per query.
+            let k0 = first(0);
+            let width = (seen(nq - 1) - k0).div_ceil(KT) * KT;
             let mut scores = vec![0f32; QT * width];
             match avx2 {
-                // SAFETY: AVX2 and FMA are present and hd is a multiple of 8.
+                // SAFETY: AVX2, FMA and F16C are present and hd is a multiple of 8.
                 #[cfg(target_arch = "x86_64")]
                 true => unsafe {
-                    x86::scores(&queries, kt, lp, width, scale, &mut scores);
+                    x86::scores(&queries, kt, lp, k0, width, scale, &mut scores);
                     for (qq, o) in out.chunks_mut(hd).take(nq).enumerate() {
-                        let row = &mut scores[qq * width..qq * width + seen(qq)];
+                        let row =
+                            &mut scores[qq * width + first(qq) - k0..qq * width + seen(qq) - k0];
                         let sum = x86::softmax_unnormalised(row);
-                        x86::weighted_sum(row, v, hd, 1.0 / sum, o);
+                        x86::weighted_sum(row, &v[first(qq) * hd..], hd, 1.0 / sum, o);
                     }
                 },
                 _ => {
                     for (qq, o) in out.chunks_mut(hd).take(nq).enumerate() {
-                        let row = &mut scores[qq * width..qq * width + seen(qq)];
+                        let from = first(qq);
+                        let row = &mut scores[qq * width + from - k0..qq * width + seen(qq) - k0];
                         for (p, s) in row.iter_mut().enumerate() {
                             *s = (0..hd)
-                                .map(|d| queries[qq][d] * kt[d * lp + p])
+                                .map(|d| queries[qq][d] * kt[d * lp + from + p])
                                 .sum::<f32>()
                                 * scale;
                         }
@@ -284,7 +307,8 @@ fn prefill_with(
                         }
                         let inv = 1.0 / sum;
                         for (p, w) in row.iter().enumerate() {
-                            for (o, x) in o.iter_mut().zip(&v[p * hd..(p + 1) * hd]) {
+                            let at = (from + p) * hd;
+                            for (o, x) in o.iter_mut().zip(&v[at..at + hd]) {
                                 *o += w * inv * x;
                             }
                         }
@@ -307,13 +331,14 @@ fn prefill_with(
 mod x86 {
     use std::arch::x86_64::*;
 
-    /// Scores of up to QT queries against keys 0..width (kt: (hd, lp) transposed keys), times
+    /// Scores of up to QT queries against keys k0..k0 + width (kt: (hd, lp) transposed keys), times
     /// `scale`, into scores[qq * width + p]. width is a multiple of KT.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn scores(
         queries: &[&[f32]],
         kt: &[f32],
         lp: usize,
+        k0: usize,
         width: usize,
         scale: f32,
         scores: &mut [f32],
@@ -325,12 +350,12 @@ mod x86 {
         while p0 < width {
             let mut acc = [[_mm256_setzero_ps(); 2]; super::QT];
             for d in 0..hd {
-                let k0 = _mm256_loadu_ps(kt.as_ptr().add(d * lp + p0));
-                let k1 = _mm256_loadu_ps(kt.as_ptr().add(d * lp + p0 + 8));
+                let k0v = _mm256_loadu_ps(kt.as_ptr().add(d * lp + k0 + p0));
+                let k1v = _mm256_loadu_ps(kt.as_ptr().add(d * lp + k0 + p0 + 8));
                 for (qq, acc) in acc.iter_mut().enumerate().take(nq) {
                     let b = _mm256_set1_ps(*queries.get_unchecked(qq).get_unchecked(d));
-                    acc[0] = _mm256_fmadd_ps(b, k0, acc[0]);
-                    acc[1] = _mm256_fmadd_ps(b, k1, acc[1]);
+                    acc[0] = _mm256_fmadd_ps(b, k0v, acc[0]);
+                    acc[1] = _mm256_fmadd_ps(b, k1v, acc[1]);
                 }
             }
             for (qq, acc) in acc.iter().enumerate().take(nq) {
@@ -585,11 +610,13 @@ mod tests {
                     q: &q1,
                     blocks: &blocks,
                     len: l,
+                    from: 0,
                 },
                 PagedQuery {
                     q: &q2,
                     blocks: &blocks,
                     len: l.div_ceil(2),
+                    from: 0,
                 },
             ];
             for avx2 in [false, avx2_available()] {
@@ -608,14 +635,17 @@ mod tests {
 
     #[test]
     fn causal_prefill_matches_plain_attention_on_ragged_sizes() {
-        // (h, kv, pos, t, hd, block), through the portable and the AVX2 code (which leaves hd 7
-        // to the portable one).
-        for &(h, kv, pos, t, hd, block) in &[
-            (9, 3, 0, 37, 64, 16),
-            (9, 3, 21, 6, 64, 16),
-            (4, 1, 0, 1, 8, 4),
-            (4, 2, 5, 9, 256, 4),
-            (2, 2, 3, 5, 7, 2),
+        // (h, kv, pos, t, hd, block, window), through the portable and the AVX2 code (which
+        // leaves hd 7 to the portable one).
+        for &(h, kv, pos, t, hd, block, window) in &[
+            (9, 3, 0, 37, 64, 16, None),
+            (9, 3, 21, 6, 64, 16, None),
+            (4, 1, 0, 1, 8, 4, None),
+            (4, 2, 5, 9, 256, 4, None),
+            (2, 2, 3, 5, 7, 2, None),
+            (4, 2, 0, 45, 8, 4, Some(5)),
+            (4, 2, 30, 19, 64, 16, Some(17)),
+            (2, 1, 2, 9, 7, 2, Some(3)),
         ] {
             let l = pos + t;
             let k = data16(kv * l * hd, 2);
@@ -628,18 +658,82 @@ mod tests {
             );
             let q = data(t * h * hd, 5);
             let scale = 1.0 / (hd as f32).sqrt();
-            let got =
-                causal_prefill_attention(&q, &blocks, pos, t, &kp, &vp, block, h, kv, hd, scale);
-            for tt in 0..t {
-                let qt = &q[tt * h * hd..(tt + 1) * h * hd];
-                let want = reference(qt, &k, &v, h, kv, l, pos + tt + 1, hd, scale);
-                for (a, b) in got[tt * h * hd..(tt + 1) * h * hd].iter().zip(&want) {
-                    assert!(
-                        (a - b).abs() < 1e-5,
-                        "h={h} kv={kv} pos={pos} t={t} hd={hd} token {tt}: {a} vs {b}"
-                    );
+            // Keys from..to of each kv head, as a contiguous cache.
+            let span = |c: &[f32], from: usize, to: usize| -> Vec<f32> {
+                (0..kv)
+                    .flat_map(|j| c[(j * l + from) * hd..(j * l + to) * hd].to_vec())
+                    .collect()
+            };
+            for avx2 in [false, avx2_available()] {
+                let args = (block, h, kv, hd, scale);
+                let got = prefill_with(&q, &blocks, (pos, t, window), &kp, &vp, args, avx2);
+                for tt in 0..t {
+                    let to = pos + tt + 1;
+                    let from = window.map_or(0, |w| to.saturating_sub(w));
+                    let n = to - from;
+                    let qt = &q[tt * h * hd..(tt + 1) * h * hd];
+                    let (ks, vs) = (span(&k, from, to), span(&v, from, to));
+                    let want = reference(qt, &ks, &vs, h, kv, n, n, hd, scale);
+                    for (a, b) in got[tt * h * hd..(tt + 1) * h * hd].iter().zip(&want) {
+                        assert!(
+                            (a - b).abs() < 1e-5,
+                            "avx2 {avx2} h={h} kv={kv} pos={pos} t={t} hd={hd} window {window:?} \
+                             token {tt}: {a} vs {b}"
+                        );
+                    }
                 }
             }
+        }
+    }
+
+    /// A sliding window: only positions from..len count, whichever block they start in.
+    #[test]
+    fn a_window_attends_to_the_last_positions_only() {
+        let (h, kv, l, hd, block) = (4, 2, 37, 8, 4);
+        let k = data16(kv * l * hd, 2);
+        let v = data16(kv * l * hd, 3);
+        let blocks: Vec<u32> = (0..l.div_ceil(block) as u32).rev().collect();
+        let (kp, vp) = (
+            paged(&k, kv, l, hd, block, &blocks),
+            paged(&v, kv, l, hd, block, &blocks),
+        );
+        let q = data(h * hd, 5);
+        // The window's keys and values alone, as a contiguous cache of w rows.
+        let tail = |c: &[f32], from: usize| -> Vec<f32> {
+            (0..kv)
+                .flat_map(|j| c[(j * l + from) * hd..(j * l + l) * hd].to_vec())
+                .collect()
+        };
+        for from in [1, 6, 8, 36] {
+            let steps = [PagedQuery {
+                q: &q,
+                blocks: &blocks,
+                len: l,
+                from,
+            }];
+            let got = paged_decode_attention(&steps, &kp, &vp, block, h, kv, hd, 0.3);
+            let w = l - from;
+            let want = reference(&q, &tail(&k, from), &tail(&v, from), h, kv, w, w, hd, 0.3);
+            for (a, b) in got.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-5, "from {from}: {a} vs {b}");
+            }
+            let all = paged_decode_attention(
+                &[PagedQuery {
+                    from: 0,
+                    ..steps[0]
+                }],
+                &kp,
+                &vp,
+                block,
+                h,
+                kv,
+                hd,
+                0.3,
+            );
+            assert!(
+                all.iter().zip(&got).any(|(a, b)| (a - b).abs() > 1e-3),
+                "from {from}"
+            );
         }
     }
 }

@@ -26,6 +26,10 @@ use serde_json::Value;
 pub const SUPPORTED_HF_ARCHS: &[(&str, &str, &str)] = &[
     ("LlamaForCausalLM", "llama", "llama"),
     ("MistralForCausalLM", "mistral", "llama"),
+    ("Qwen2ForCausalLM", "qwen2", "qwen2"),
+    ("Qwen3ForCausalLM", "qwen3", "qwen3"),
+    ("Phi3ForCausalLM", "phi3", "phi3"),
+    ("Gemma3ForCausalLM", "gemma3_text", "gemma3"),
 ];
 
 /// Files of a Hugging Face checkpoint folder.
@@ -68,6 +72,7 @@ struct Safetensors {
     dtype: DType,
     n_head: usize,
     n_kv_head: usize,
+    family: &'static str,
 }
 
 impl Checkpoint {
@@ -127,11 +132,12 @@ impl Checkpoint {
             if hf.ends_with(".rotary_emb.inv_freq") {
                 continue; // a buffer older checkpoints saved; the forward pass computes it
             }
-            let Some(gguf) = gguf_name(&hf) else {
+            let Some(gguf) = gguf_name(&hf, cfg.family) else {
                 bail!(
-                    "{}: tensor {hf:?} is not one of the llama weights gen knows (biases and \
-                     other extras are not supported)",
-                    dir.display()
+                    "{}: tensor {hf:?} is not one of the {} weights gen knows (extras such as \
+                     biases the family does not have are not supported)",
+                    dir.display(),
+                    cfg.family
                 );
             };
             if !matches!(
@@ -169,6 +175,7 @@ impl Checkpoint {
                 dtype,
                 n_head: cfg.num_attention_heads,
                 n_kv_head: cfg.num_key_value_heads,
+                family: cfg.family,
             }),
         })
     }
@@ -199,11 +206,20 @@ impl Safetensors {
             .get(name)
             .with_context(|| format!("the checkpoint has no tensor {name}"))?;
         let mut t = self.files.load(hf, &Device::Cpu)?;
-        if name.ends_with(".attn_q.weight") {
-            t = hf_rows_to_interleaved(&t, self.n_head).with_context(|| format!("tensor {hf}"))?;
-        } else if name.ends_with(".attn_k.weight") {
-            t = hf_rows_to_interleaved(&t, self.n_kv_head)
-                .with_context(|| format!("tensor {hf}"))?;
+        // Only llama GGUFs pair neighbouring dimensions in rope; the other families rotate
+        // halves, as Hugging Face does, and keep its row order.
+        let heads = match name {
+            _ if self.family != "llama" => None,
+            n if n.ends_with(".attn_q.weight") => Some(self.n_head),
+            n if n.ends_with(".attn_k.weight") => Some(self.n_kv_head),
+            _ => None,
+        };
+        if let Some(heads) = heads {
+            t = hf_rows_to_interleaved(&t, heads).with_context(|| format!("tensor {hf}"))?;
+        }
+        // Gemma's RMS norms scale by 1 + w; llama.cpp's converter stores 1 + w, as gen reads it.
+        if self.family == "gemma3" && name.ends_with("norm.weight") {
+            t = (t.to_dtype(DType::F32)? + 1.0)?;
         }
         let (dtype, ggml) = match (t.rank(), self.dtype) {
             (2, DType::F16) => (DType::F16, GgmlDType::F16),
@@ -326,8 +342,9 @@ pub fn shard_names(index_json: &str) -> Result<Vec<String>> {
     Ok(shards)
 }
 
-/// The GGUF name of a Hugging Face llama tensor, or `None` for a name gen does not use.
-pub fn gguf_name(hf: &str) -> Option<String> {
+/// The GGUF name of a Hugging Face tensor of `family` (a GGUF architecture name), or `None`
+/// for a name gen does not use.
+pub fn gguf_name(hf: &str, family: &str) -> Option<String> {
     match hf {
         "model.embed_tokens.weight" => return Some("token_embd.weight".into()),
         "model.norm.weight" => return Some("output_norm.weight".into()),
@@ -339,19 +356,31 @@ pub fn gguf_name(hf: &str) -> Option<String> {
     if i.to_string() != layer {
         return None; // "01", "+1": not a name a real checkpoint has
     }
+    let gemma = family == "gemma3";
     let part = match rest {
-        "input_layernorm.weight" => "attn_norm",
-        "self_attn.q_proj.weight" => "attn_q",
-        "self_attn.k_proj.weight" => "attn_k",
-        "self_attn.v_proj.weight" => "attn_v",
-        "self_attn.o_proj.weight" => "attn_output",
-        "post_attention_layernorm.weight" => "ffn_norm",
-        "mlp.gate_proj.weight" => "ffn_gate",
-        "mlp.up_proj.weight" => "ffn_up",
-        "mlp.down_proj.weight" => "ffn_down",
+        "input_layernorm.weight" => "attn_norm.weight",
+        "self_attn.q_proj.weight" => "attn_q.weight",
+        "self_attn.k_proj.weight" => "attn_k.weight",
+        "self_attn.v_proj.weight" => "attn_v.weight",
+        "self_attn.o_proj.weight" => "attn_output.weight",
+        "mlp.gate_proj.weight" => "ffn_gate.weight",
+        "mlp.up_proj.weight" => "ffn_up.weight",
+        "mlp.down_proj.weight" => "ffn_down.weight",
+        // Gemma norms before and after each block; the others only before.
+        "post_attention_layernorm.weight" if gemma => "post_attention_norm.weight",
+        "post_attention_layernorm.weight" => "ffn_norm.weight",
+        "pre_feedforward_layernorm.weight" if gemma => "ffn_norm.weight",
+        "post_feedforward_layernorm.weight" if gemma => "post_ffw_norm.weight",
+        "self_attn.q_proj.bias" if family == "qwen2" => "attn_q.bias",
+        "self_attn.k_proj.bias" if family == "qwen2" => "attn_k.bias",
+        "self_attn.v_proj.bias" if family == "qwen2" => "attn_v.bias",
+        "self_attn.q_norm.weight" if gemma || family == "qwen3" => "attn_q_norm.weight",
+        "self_attn.k_norm.weight" if gemma || family == "qwen3" => "attn_k_norm.weight",
+        "self_attn.qkv_proj.weight" if family == "phi3" => "attn_qkv.weight",
+        "mlp.gate_up_proj.weight" if family == "phi3" => "ffn_up.weight",
         _ => return None,
     };
-    Some(format!("blk.{i}.{part}.weight"))
+    Some(format!("blk.{i}.{part}"))
 }
 
 /// Reorder the rows of a Hugging Face q or k projection (heads*hd, d) into GGUF order.
@@ -373,10 +402,10 @@ pub fn hf_rows_to_interleaved(w: &Tensor, heads: usize) -> Result<Tensor> {
         .reshape((rows, cols))?)
 }
 
-/// The fields of a llama-family `config.json` gen uses.
+/// The fields of a `config.json` gen uses.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HfConfig {
-    /// Family gen runs it with (`llama`).
+    /// Family gen runs it with (`llama`, `gemma3`, ...).
     pub family: &'static str,
     pub hidden_size: usize,
     pub intermediate_size: usize,
@@ -391,6 +420,12 @@ pub struct HfConfig {
     pub rope_theta: f64,
     pub tie_word_embeddings: bool,
     pub eos_token_ids: Vec<u32>,
+    /// Sliding window of the layers that have one (Gemma 3's local layers, Phi-3's).
+    pub sliding_window: Option<usize>,
+    /// Rope base of Gemma 3's local layers (`rope_local_base_freq`).
+    pub rope_local_base: Option<f64>,
+    /// Factor on q·k (Gemma 3: `query_pre_attn_scalar`^-1/2).
+    pub attention_scale: Option<f64>,
 }
 
 impl HfConfig {
@@ -429,14 +464,26 @@ impl HfConfig {
                 Some(x) => bail!("{key} should be true or false, found {x}"),
             }
         };
+        let gemma = family == "gemma3";
+        let act_wanted = if gemma { "gelu_pytorch_tanh" } else { "silu" };
         if let Some(act) = v.get("hidden_act").or_else(|| v.get("hidden_activation")) {
-            if act.as_str() != Some("silu") {
-                bail!("hidden_act {act} is not supported (gen's llama runs silu)");
+            if act.as_str() != Some(act_wanted) {
+                bail!("hidden_act {act} is not supported (gen's {family} runs {act_wanted})");
             }
         }
         for key in ["attention_bias", "mlp_bias"] {
             if flag(key, false)? {
-                bail!("{key}: true is not supported (gen's llama has no biases)");
+                bail!("{key}: true is not supported (gen's {family} has no such biases)");
+            }
+        }
+        for key in ["final_logit_softcapping", "attn_logit_softcapping"] {
+            if !matches!(v.get(key), None | Some(Value::Null)) {
+                bail!("{key} is set: logit soft-capping is not supported");
+            }
+        }
+        if let Some(f) = v.get("partial_rotary_factor") {
+            if f.as_f64() != Some(1.0) {
+                bail!("partial_rotary_factor {f} is not supported (gen rotates whole heads)");
             }
         }
         match v.get("rope_scaling") {
@@ -454,8 +501,46 @@ impl HfConfig {
         let num_attention_heads = need("num_attention_heads")?;
         let num_key_value_heads = uint("num_key_value_heads")?.unwrap_or(num_attention_heads);
         let mut context_length = need("max_position_embeddings")?;
-        if let Some(window) = uint("sliding_window")? {
-            context_length = context_length.min(window);
+        let num_hidden_layers = need("num_hidden_layers")?;
+        let mut sliding_window = None;
+        let window = uint("sliding_window")?;
+        match family {
+            // gen runs llama-family models without a window (as llama.cpp does), so only up to
+            // its width is that the same model.
+            "llama" => {
+                if let Some(w) = window {
+                    context_length = context_length.min(w);
+                }
+            }
+            "qwen2" | "qwen3" => {
+                if flag("use_sliding_window", false)? {
+                    bail!("use_sliding_window: true is not supported for {family}");
+                }
+            }
+            "gemma3" => {
+                sliding_window = window;
+                // Five local layers, then one global (gen's decoder; llama.cpp's too).
+                let expected: Vec<&str> = (0..num_hidden_layers)
+                    .map(|l| match (window, l % 6 < 5) {
+                        (Some(_), true) => "sliding_attention",
+                        _ => "full_attention",
+                    })
+                    .collect();
+                if let Some(types) = v.get("layer_types").filter(|t| !t.is_null()) {
+                    let given: Option<Vec<&str>> = types
+                        .as_array()
+                        .map(|a| a.iter().filter_map(Value::as_str).collect());
+                    if given.as_deref() != Some(expected.as_slice()) {
+                        bail!("layer_types {} is not Gemma 3's five local layers then one global, which is what gen runs", short(types));
+                    }
+                }
+                if let Some(p) = v.get("sliding_window_pattern").filter(|p| !p.is_null()) {
+                    if p.as_u64() != Some(6) {
+                        bail!("sliding_window_pattern {p} is not supported (gen runs 6)");
+                    }
+                }
+            }
+            _ => sliding_window = window,
         }
         let eos_token_ids = match v.get("eos_token_id") {
             None | Some(Value::Null) => Vec::new(),
@@ -466,19 +551,30 @@ impl HfConfig {
             family,
             hidden_size: need("hidden_size")?,
             intermediate_size: need("intermediate_size")?,
-            num_hidden_layers: need("num_hidden_layers")?,
+            num_hidden_layers,
             num_attention_heads,
             num_key_value_heads,
             head_dim: uint("head_dim")?,
             context_length,
             rms_norm_eps: float("rms_norm_eps", 1e-6)?,
             rope_theta: float("rope_theta", 10_000.0)?,
-            tie_word_embeddings: flag("tie_word_embeddings", false)?,
+            // Gemma's configs leave it out: tied is their default.
+            tie_word_embeddings: flag("tie_word_embeddings", gemma)?,
             eos_token_ids,
+            sliding_window,
+            rope_local_base: gemma
+                .then(|| float("rope_local_base_freq", 10_000.0))
+                .transpose()?,
+            attention_scale: v
+                .get("query_pre_attn_scalar")
+                .filter(|_| gemma)
+                .map(|_| float("query_pre_attn_scalar", 1.0).map(|q| 1.0 / q.sqrt()))
+                .transpose()?,
         })
     }
 
-    /// The GGUF metadata a llama GGUF converted from this checkpoint would carry.
+    /// The GGUF metadata a GGUF converted from this checkpoint would carry (plus, for Gemma 3,
+    /// `rope.freq_base_swa` and `attention.scale`, which llama.cpp hard-codes).
     pub fn gguf_metadata(&self, name: &str) -> HashMap<String, gguf_file::Value> {
         use gguf_file::Value as V;
         let a = self.family;
@@ -512,6 +608,15 @@ impl HfConfig {
         ]);
         if let Some(hd) = self.head_dim {
             md.insert(format!("{a}.attention.key_length"), u(hd));
+        }
+        if let Some(w) = self.sliding_window {
+            md.insert(format!("{a}.attention.sliding_window"), u(w));
+        }
+        if let Some(base) = self.rope_local_base {
+            md.insert(format!("{a}.rope.freq_base_swa"), V::F32(base as f32));
+        }
+        if let Some(scale) = self.attention_scale {
+            md.insert(format!("{a}.attention.scale"), V::F32(scale as f32));
         }
         md
     }
@@ -690,7 +795,7 @@ mod tests {
             ),
         ];
         for (hf, gguf) in cases {
-            assert_eq!(gguf_name(hf).as_deref(), Some(gguf), "{hf}");
+            assert_eq!(gguf_name(hf, "llama").as_deref(), Some(gguf), "{hf}");
         }
         for other in [
             "model.layers.0.self_attn.q_proj.bias",
@@ -700,7 +805,7 @@ mod tests {
             "model.embed_tokens",
             "transformer.wte.weight",
         ] {
-            assert_eq!(gguf_name(other), None, "{other}");
+            assert_eq!(gguf_name(other, "llama"), None, "{other}");
         }
     }
 
@@ -730,7 +835,7 @@ mod tests {
         assert_eq!(cfg.eos_token_ids, [2]);
         assert!(cfg.tie_word_embeddings);
         let md = cfg.gguf_metadata("smol");
-        let llama = crate::model::llama::LlamaConfig::from_gguf(&md, "llama").unwrap();
+        let llama = crate::model::decoder::DecoderConfig::from_gguf(&md, "llama").unwrap();
         assert_eq!(
             (
                 llama.n_layer,
@@ -756,7 +861,7 @@ mod tests {
         assert_eq!(cfg.eos_token_ids, [128001, 128008]);
         let cfg = HfConfig::parse(&with("head_dim", "128")).unwrap();
         let md = cfg.gguf_metadata("x");
-        let llama = crate::model::llama::LlamaConfig::from_gguf(&md, "llama").unwrap();
+        let llama = crate::model::decoder::DecoderConfig::from_gguf(&md, "llama").unwrap();
         assert_eq!(llama.head_dim, 128);
         let cfg = HfConfig::parse(&with("sliding_window", "4096")).unwrap();
         assert_eq!(cfg.context_length, 4096);
@@ -841,14 +946,134 @@ mod tests {
     }
 
     #[test]
+    fn family_tensors_map_to_their_gguf_names() {
+        for (hf, family, gguf) in [
+            (
+                "model.layers.3.post_attention_layernorm.weight",
+                "gemma3",
+                Some("blk.3.post_attention_norm.weight"),
+            ),
+            (
+                "model.layers.3.pre_feedforward_layernorm.weight",
+                "gemma3",
+                Some("blk.3.ffn_norm.weight"),
+            ),
+            (
+                "model.layers.3.post_feedforward_layernorm.weight",
+                "gemma3",
+                Some("blk.3.post_ffw_norm.weight"),
+            ),
+            (
+                "model.layers.3.self_attn.q_norm.weight",
+                "gemma3",
+                Some("blk.3.attn_q_norm.weight"),
+            ),
+            (
+                "model.layers.3.self_attn.k_norm.weight",
+                "qwen3",
+                Some("blk.3.attn_k_norm.weight"),
+            ),
+            (
+                "model.layers.3.self_attn.v_proj.bias",
+                "qwen2",
+                Some("blk.3.attn_v.bias"),
+            ),
+            (
+                "model.layers.3.self_attn.qkv_proj.weight",
+                "phi3",
+                Some("blk.3.attn_qkv.weight"),
+            ),
+            (
+                "model.layers.3.mlp.gate_up_proj.weight",
+                "phi3",
+                Some("blk.3.ffn_up.weight"),
+            ),
+            // What a family does not have is not mapped (and so refused when present).
+            (
+                "model.layers.3.pre_feedforward_layernorm.weight",
+                "llama",
+                None,
+            ),
+            ("model.layers.3.self_attn.q_proj.bias", "qwen3", None),
+            ("model.layers.3.self_attn.q_norm.weight", "qwen2", None),
+            ("model.layers.3.self_attn.qkv_proj.weight", "llama", None),
+        ] {
+            assert_eq!(gguf_name(hf, family).as_deref(), gguf, "{hf} in {family}");
+        }
+    }
+
+    #[test]
+    fn gemma3_config_carries_window_local_rope_base_and_scale() {
+        let text = r#"{
+            "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+            "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,
+            "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+            "max_position_embeddings": 32768, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+            "rope_local_base_freq": 10000.0, "sliding_window": 512, "query_pre_attn_scalar": 256,
+            "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": null,
+            "attn_logit_softcapping": null, "rope_scaling": null, "eos_token_id": [1, 106]
+        }"#;
+        let cfg = HfConfig::parse(text).unwrap();
+        assert_eq!(cfg.family, "gemma3");
+        assert!(cfg.tie_word_embeddings, "Gemma ties by default");
+        let md = cfg.gguf_metadata("g");
+        let dc = crate::model::decoder::DecoderConfig::from_gguf(&md, "gemma3").unwrap();
+        assert_eq!((dc.head_dim, dc.context_len), (256, 32768));
+        assert_eq!(dc.layer_window(0), Some(512));
+        assert_eq!(dc.layer_window(5), None);
+        assert_eq!(
+            (dc.layer_rope_base(0), dc.layer_rope_base(5)),
+            (10_000.0, 1e6)
+        );
+        assert!((dc.attn_scale - 1.0 / 16.0).abs() < 1e-9);
+
+        let mut v: Value = serde_json::from_str(text).unwrap();
+        v["final_logit_softcapping"] = 30.0.into();
+        let err = HfConfig::parse(&v.to_string()).unwrap_err().to_string();
+        assert!(err.contains("final_logit_softcapping"), "{err}");
+        let mut v: Value = serde_json::from_str(text).unwrap();
+        v["hidden_activation"] = "silu".into();
+        assert!(HfConfig::parse(&v.to_string()).is_err());
+        let mut v: Value = serde_json::from_str(text).unwrap();
+        v["layer_types"] = serde_json::json!(vec!["full_attention"; 18]);
+        let err = HfConfig::parse(&v.to_string()).unwrap_err().to_string();
+        assert!(err.contains("layer_types"), "{err}");
+    }
+
+    #[test]
+    fn phi3_long_rope_and_qwen_sliding_windows_are_refused() {
+        let phi = with("architectures", r#"["Phi3ForCausalLM"]"#);
+        let mut v: Value = serde_json::from_str(&phi).unwrap();
+        v["rope_scaling"] =
+            serde_json::json!({"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]});
+        let err = HfConfig::parse(&v.to_string()).unwrap_err().to_string();
+        assert!(
+            err.contains("rope_scaling") && err.contains("longrope"),
+            "{err}"
+        );
+        let mut v: Value =
+            serde_json::from_str(&with("architectures", r#"["Qwen2ForCausalLM"]"#)).unwrap();
+        v["use_sliding_window"] = true.into();
+        v["sliding_window"] = 4096.into();
+        assert!(HfConfig::parse(&v.to_string()).is_err());
+        v["use_sliding_window"] = false.into();
+        let cfg = HfConfig::parse(&v.to_string()).unwrap();
+        assert_eq!(
+            (cfg.family, cfg.context_length, cfg.sliding_window),
+            ("qwen2", 8192, None)
+        );
+    }
+
+    #[test]
     fn unsupported_families_are_named_with_the_supported_list() {
-        let err = HfConfig::parse(&with("architectures", r#"["Qwen2ForCausalLM"]"#))
+        let err = HfConfig::parse(&with("architectures", r#"["GPT2LMHeadModel"]"#))
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("\"Qwen2ForCausalLM\" is not supported")
-                && err.contains("LlamaForCausalLM, MistralForCausalLM")
-                && err.contains("families llama"),
+            err.contains("\"GPT2LMHeadModel\" is not supported")
+                && err.contains("LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM")
+                && err.contains("Gemma3ForCausalLM")
+                && err.contains("families llama, qwen2, qwen3, phi3, gemma3"),
             "{err}"
         );
         let text = with("architectures", "<absent>").replace("\"llama\"", "\"gpt2\"");

@@ -8,8 +8,8 @@
 
 pub mod attention;
 pub mod checkpoint;
+pub mod decoder;
 pub mod kv_cache;
-pub mod llama;
 pub mod qlinear;
 
 use candle_core::Tensor;
@@ -30,7 +30,7 @@ pub struct SeqStep<'a> {
 /// What the rest of the program needs to know about a loaded model.
 #[derive(Debug, Clone)]
 pub struct ModelInfo {
-    /// Architecture family, e.g. `llama`.
+    /// Architecture family, e.g. `llama`, `gemma3`.
     pub arch: String,
     /// Human name from the file (`general.name`), or the file name.
     pub name: String,
@@ -129,8 +129,8 @@ pub struct Loaded {
     pub add_bos: bool,
 }
 
-/// Families gen can run, by GGUF `general.architecture`.
-pub const SUPPORTED_ARCHS: &[&str] = &["llama"];
+/// Families gen can run, by GGUF `general.architecture` (see [`decoder::Family`]).
+pub const SUPPORTED_ARCHS: &[&str] = &["llama", "qwen2", "qwen3", "phi3", "gemma3"];
 
 /// Load a model onto `device`: a GGUF file, or a Hugging Face checkpoint folder (one with a
 /// `config.json`). `tokenizer_json` replaces the model's own tokenizer; `dtype` is the type a
@@ -167,18 +167,12 @@ pub fn default_dtype(device: &candle_core::Device) -> candle_core::DType {
     }
 }
 
-/// The network of a checkpoint, by family.
-fn build_model(
+/// The network of a checkpoint: every supported family runs through the one decoder.
+pub fn build_model(
     ckpt: &checkpoint::Checkpoint,
     device: &candle_core::Device,
 ) -> anyhow::Result<Box<dyn LanguageModel>> {
-    match ckpt.arch.as_str() {
-        "llama" => Ok(Box::new(llama::Llama::from_checkpoint(ckpt, device)?)),
-        other => anyhow::bail!(
-            "architecture {other:?} is not supported (supported: {})",
-            SUPPORTED_ARCHS.join(", ")
-        ),
-    }
+    Ok(Box::new(decoder::Decoder::from_checkpoint(ckpt, device)?))
 }
 
 /// Load a GGUF file onto `device`, with its own tokenizer or the given tokenizer.json.
@@ -295,4 +289,16 @@ fn load_hf_dir(
         // The tokenizer decided from add_bos_token or its post-processor; `encode` asks it.
         add_bos: true,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn supported_archs_are_the_decoder_families() {
+        let families: Vec<&str> = super::decoder::Family::ALL
+            .iter()
+            .map(|f| f.arch())
+            .collect();
+        assert_eq!(families, super::SUPPORTED_ARCHS);
+    }
 }
