@@ -291,6 +291,10 @@ pub struct Decoder {
     info: ModelInfo,
     cfg: DecoderConfig,
     device: Device,
+    /// Attention through our CPU kernels over the f16 host cache; false off the CPU, or with
+    /// GEN_ATTENTION=candle, which runs the device path (gathered keys, candle's matrix
+    /// products, an f32 cache) on the CPU so tests can check what a GPU runs.
+    host_kernels: bool,
     embedding: QTensor, // (V, d)
     layers: Vec<Layer>,
     out_norm: Tensor, // (d)
@@ -461,6 +465,8 @@ impl Decoder {
             info,
             cfg,
             device: device.clone(),
+            host_kernels: device.is_cpu()
+                && std::env::var("GEN_ATTENTION").map_or(true, |v| v != "candle"),
             embedding,
             layers,
             out_norm,
@@ -484,7 +490,7 @@ impl Decoder {
         let (h, kv, hd) = (cfg.n_head, cfg.n_kv_head, cfg.head_dim);
         let g = h / kv;
         let dev = &self.device;
-        let cpu = dev.is_cpu();
+        let cpu = self.host_kernels;
 
         // Per token: id, position, and the cache row it is written to.
         let mut ids = Vec::with_capacity(n);
@@ -872,6 +878,7 @@ impl LanguageModel for Decoder {
         self.store = KvStore::empty(); // the old pool goes before the new one is made
         self.store = KvStore::new(
             &self.device,
+            self.host_kernels,
             self.cfg.n_layer,
             self.cfg.n_kv_head,
             self.cfg.head_dim,
@@ -883,7 +890,7 @@ impl LanguageModel for Decoder {
 
     fn kv_bytes_per_token(&self) -> usize {
         // f16 in the host cache, f32 on other devices (see KvStore).
-        let bytes = if self.device.is_cpu() { 2 } else { 4 };
+        let bytes = if self.host_kernels { 2 } else { 4 };
         2 * self.cfg.n_layer * self.cfg.n_kv_head * self.cfg.head_dim * bytes
     }
 

@@ -184,15 +184,17 @@ impl KvStore {
         }
     }
 
+    /// `host`: the host layout (needs a CPU device); otherwise tensors on `device`.
     pub fn new(
         device: &candle_core::Device,
+        host: bool,
         layers: usize,
         kv_heads: usize,
         head_dim: usize,
         blocks: usize,
     ) -> candle_core::Result<Self> {
         let rows = blocks * kv_heads * BLOCK_SIZE;
-        if device.is_cpu() {
+        if host && device.is_cpu() {
             // Zeroed allocations: the OS hands out pages only as tokens land on them.
             let mk = || {
                 (0..layers)
@@ -430,19 +432,9 @@ mod tests {
         use candle_core::{Device, Tensor};
         let (layers, kv, hd, blocks) = (2, 3, 8, 6);
         let dev = Device::Cpu;
-        let mut host = KvStore::new(&dev, layers, kv, hd, blocks).unwrap();
-        let rows = blocks * kv * BLOCK_SIZE;
-        let zeros = || {
-            (0..layers)
-                .map(|_| Tensor::zeros((rows, hd), candle_core::DType::F32, &dev).unwrap())
-                .collect::<Vec<_>>()
-        };
-        let mut device = KvStore::Device {
-            k: zeros(),
-            v: zeros(),
-            kv_heads: kv,
-            head_dim: hd,
-        };
+        let mut host = KvStore::new(&dev, true, layers, kv, hd, blocks).unwrap();
+        assert!(matches!(device, KvStore::Device { .. }));
+        let mut device = KvStore::new(&dev, false, layers, kv, hd, blocks).unwrap();
         assert!(matches!(host, KvStore::Host { .. }));
         assert_eq!((host.blocks(), device.blocks()), (blocks, blocks));
         // A sequence in blocks 4, 1, 5: 40 tokens written in two steps, crossing blocks.
