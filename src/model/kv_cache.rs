@@ -433,9 +433,9 @@ mod tests {
         let (layers, kv, hd, blocks) = (2, 3, 8, 6);
         let dev = Device::Cpu;
         let mut host = KvStore::new(&dev, true, layers, kv, hd, blocks).unwrap();
-        assert!(matches!(device, KvStore::Device { .. }));
         let mut device = KvStore::new(&dev, false, layers, kv, hd, blocks).unwrap();
         assert!(matches!(host, KvStore::Host { .. }));
+        assert!(matches!(device, KvStore::Device { .. }));
         assert_eq!((host.blocks(), device.blocks()), (blocks, blocks));
         // A sequence in blocks 4, 1, 5: 40 tokens written in two steps, crossing blocks.
         let slots: Vec<u32> = [4u32, 1, 5]
