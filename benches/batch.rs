@@ -9,28 +9,15 @@
 //! GEN_BENCH_MAX_NEW (128), GEN_BENCH_SIZES (1,4,8,16), GEN_BENCH_MODEL (default model).
 //! Not a test: nothing here asserts a speed.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use candle_core::Device;
+use common::{env_or, median};
 use gen::source::{self, FetchOptions, ModelSpec};
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
-}
 
 /// `count` prompts cut from the benchmark text, lengths spread evenly over 20..=400 tokens and
 /// shuffled (a fixed permutation) so short and long ones alternate.

@@ -9,9 +9,12 @@
 //! GEN_PEER (default ../shared/bench/peer-llama-cpp; set to "none" to skip the peer).
 //! Not a test: nothing here asserts a speed.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+use common::{env_or, median};
 use gen::source::{self, FetchOptions, ModelSpec};
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -20,26 +23,6 @@ struct Sample {
     prefill_tok_s: f64,
     decode_tok_s: f64,
     prompt_tokens: f64,
-}
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }
 
 fn summarise(samples: &[Sample]) -> Sample {

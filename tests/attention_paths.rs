@@ -62,11 +62,8 @@ fn logits(model: &mut dyn LanguageModel, refs: &[Reference]) -> Vec<Vec<f32>> {
 
 #[test]
 fn the_device_attention_path_agrees_with_the_cpu_kernels() {
-    let refs: Vec<Reference> = include_str!("../assets/llama-cpp-greedy-smollm2.jsonl")
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let refs: Vec<Reference> =
+        common::jsonl(include_str!("../assets/llama-cpp-greedy-smollm2.jsonl"));
     let path = common::smollm2();
     let mut host = load_gguf(&path, &Device::Cpu, None).unwrap();
     let want = logits(host.model.as_mut(), &refs);

@@ -6,16 +6,9 @@
 mod common;
 
 use candle_core::Device;
-use gen::generate::{generate, Flow, Limits, StopReason, TokenSink};
+use gen::generate::{generate, Limits, StopReason};
 use gen::model::{load_gguf, SeqStep};
 use gen::sampler::{Sampler, SamplingParams};
-
-struct Discard;
-impl TokenSink for Discard {
-    fn on_token(&mut self, _: u32) -> anyhow::Result<Flow> {
-        Ok(Flow::Continue)
-    }
-}
 
 #[derive(serde::Deserialize)]
 struct Reference {
@@ -25,11 +18,7 @@ struct Reference {
 }
 
 fn references() -> Vec<Reference> {
-    include_str!("../assets/llama-cpp-greedy-smollm2.jsonl")
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+    common::jsonl(include_str!("../assets/llama-cpp-greedy-smollm2.jsonl"))
 }
 
 /// Largest logit gap at which gen may pick a different token than llama.cpp. Both engines
@@ -127,7 +116,7 @@ fn greedy_generation_starts_exactly_like_llama_cpp() {
             &mut sampler,
             &eos,
             &limits,
-            &mut Discard,
+            &mut common::Discard,
         )
         .unwrap();
         // llama.cpp's reference keeps the EOS it stopped at; gen neither prints nor keeps it.

@@ -10,16 +10,9 @@
 mod common;
 
 use candle_core::Device;
-use gen::generate::{generate, Flow, Limits, TokenSink};
+use gen::generate::{generate, Limits};
 use gen::model::{load_gguf, SeqStep};
 use gen::sampler::{Sampler, SamplingParams};
-
-struct Discard;
-impl TokenSink for Discard {
-    fn on_token(&mut self, _: u32) -> anyhow::Result<Flow> {
-        Ok(Flow::Continue)
-    }
-}
 
 #[derive(serde::Deserialize)]
 struct Reference {
@@ -30,11 +23,7 @@ struct Reference {
 }
 
 fn references() -> Vec<Reference> {
-    include_str!("../assets/llama-cpp-greedy-gemma3.jsonl")
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+    common::jsonl(include_str!("../assets/llama-cpp-greedy-gemma3.jsonl"))
 }
 
 /// Largest logit gap at which gen may pick another token than llama.cpp (a near-tie): both
@@ -145,7 +134,7 @@ fn greedy_generation_starts_exactly_like_llama_cpp() {
             &mut sampler,
             &eos,
             &limits,
-            &mut Discard,
+            &mut common::Discard,
         )
         .unwrap();
         let text = loaded.tokenizer.decode(&g.tokens).unwrap();

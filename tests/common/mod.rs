@@ -46,3 +46,20 @@ pub fn one_error_line(out: &Output) -> String {
     assert!(lines[0].starts_with("gen: error: "), "{err}");
     lines[0].to_string()
 }
+
+/// A token sink that keeps nothing (the tests read the returned `Generation`).
+pub struct Discard;
+
+impl gen::generate::TokenSink for Discard {
+    fn on_token(&mut self, _: u32) -> anyhow::Result<gen::generate::Flow> {
+        Ok(gen::generate::Flow::Continue)
+    }
+}
+
+/// The records of a JSON Lines asset, blank lines skipped.
+pub fn jsonl<T: serde::de::DeserializeOwned>(text: &str) -> Vec<T> {
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad asset line {l:?}: {e}")))
+        .collect()
+}
