@@ -7,7 +7,7 @@ mod common;
 
 use candle_core::Device;
 use gen::generate::{generate, Limits, StopReason};
-use gen::model::{load_gguf, SeqStep};
+use gen::model::load_gguf;
 use gen::sampler::{Sampler, SamplingParams};
 
 #[derive(serde::Deserialize)]
@@ -40,32 +40,9 @@ fn greedy_choices_agree_with_llama_cpp_at_every_step() {
     for r in references() {
         let prompt = loaded.tokenizer.encode(&r.prompt, false).unwrap();
         assert_eq!(prompt, r.prompt_ids, "prompt ids for {:?}", r.prompt);
-        let need = prompt.len() + r.ids.len();
-        loaded
-            .model
-            .reserve_pool(gen::model::kv_cache::blocks_for(need))
-            .unwrap();
-        let seq = loaded.model.new_sequence();
-        assert!(loaded.model.reserve(seq, need));
-        let mut input = prompt.clone();
-        let mut pos = 0;
-        for (i, &want) in r.ids.iter().enumerate() {
-            let logits = loaded
-                .model
-                .forward(&[SeqStep {
-                    seq,
-                    tokens: &input,
-                    pos,
-                }])
-                .unwrap();
-            pos += input.len();
-            let row = logits.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            let best = row
-                .iter()
-                .enumerate()
-                .max_by(|a, b| a.1.total_cmp(b.1))
-                .unwrap()
-                .0 as u32;
+        let rows = common::teacher_forced(loaded.model.as_mut(), &prompt, &r.ids);
+        for (i, (&want, row)) in r.ids.iter().zip(&rows).enumerate() {
+            let best = common::argmax(row);
             steps += 1;
             if best == want {
                 exact += 1;
@@ -80,9 +57,7 @@ fn greedy_choices_agree_with_llama_cpp_at_every_step() {
                     ));
                 }
             }
-            input = vec![want];
         }
-        loaded.model.free_sequence(seq);
     }
     eprintln!("{exact} of {steps} greedy steps identical to llama.cpp");
     assert!(

@@ -63,3 +63,42 @@ pub fn jsonl<T: serde::de::DeserializeOwned>(text: &str) -> Vec<T> {
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad asset line {l:?}: {e}")))
         .collect()
 }
+
+/// Teacher-forced logits: the prompt in one pass, then each of `ids` fed back in turn, as a
+/// reference run chose them. Row i holds the logits from which token `ids[i]` was chosen.
+pub fn teacher_forced(
+    model: &mut dyn gen::model::LanguageModel,
+    prompt: &[u32],
+    ids: &[u32],
+) -> Vec<Vec<f32>> {
+    let need = prompt.len() + ids.len();
+    model
+        .reserve_pool(gen::model::kv_cache::blocks_for(need))
+        .unwrap();
+    let seq = model.new_sequence();
+    assert!(model.reserve(seq, need));
+    let mut rows = Vec::with_capacity(ids.len());
+    let mut input = prompt.to_vec();
+    let mut pos = 0;
+    for &id in ids {
+        let step = gen::model::SeqStep {
+            seq,
+            tokens: &input,
+            pos,
+        };
+        let logits = model.forward(&[step]).unwrap();
+        rows.push(logits.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        pos += input.len();
+        input = vec![id];
+    }
+    model.free_sequence(seq);
+    rows
+}
+
+/// The index of the largest value.
+pub fn argmax(row: &[f32]) -> u32 {
+    row.iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map_or(0, |(i, _)| i as u32)
+}
