@@ -60,12 +60,7 @@ impl Report {
     }
 
     pub fn write_human(&self, w: &mut dyn Write) -> std::io::Result<()> {
-        writeln!(w)?;
-        writeln!(
-            w,
-            "model          {} on {} (loaded in {:.2} s)",
-            self.model, self.device, self.load_s
-        )?;
+        write_model_line(w, &self.model, &self.device, self.load_s)?;
         writeln!(
             w,
             "tokens         {} prompt, {} generated, stop: {}",
@@ -163,12 +158,7 @@ impl BatchReport {
     }
 
     pub fn write_human(&self, w: &mut dyn Write) -> std::io::Result<()> {
-        writeln!(w)?;
-        writeln!(
-            w,
-            "model          {} on {} (loaded in {:.2} s)",
-            self.model, self.device, self.load_s
-        )?;
+        write_model_line(w, &self.model, &self.device, self.load_s)?;
         writeln!(
             w,
             "prompts        {} ({} failed), up to {} per pass",
@@ -208,4 +198,18 @@ impl BatchReport {
         serde_json::to_writer(&mut *w, self)?;
         writeln!(w)
     }
+}
+
+/// The report's first lines, the same for one prompt and for a batch.
+fn write_model_line(
+    w: &mut dyn Write,
+    model: &str,
+    device: &str,
+    load_s: f64,
+) -> std::io::Result<()> {
+    writeln!(w)?;
+    writeln!(
+        w,
+        "model          {model} on {device} (loaded in {load_s:.2} s)"
+    )
 }
