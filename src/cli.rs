@@ -15,11 +15,13 @@ Examples:
   gen --prompt \"Once upon a time\" --max-new 200
   echo \"Write a haiku about rust\" | gen --chat --temperature 0.7
   gen --prompt-file question.txt --stop \"\\n\\n\" --stats json 2>stats.json
+  gen --batch prompts.jsonl --temperature 0 > replies.jsonl
   gen --model ./my-model.gguf --prompt \"Hello\"
   gen --model TheOrg/Some-GGUF --model-file some.Q4_0.gguf --prompt \"Hello\"
 
-stdout carries only the generated text; the report goes to stderr.
-Exit status: 0 done, 1 error, 2 bad usage, 130 interrupted (Ctrl-C).";
+stdout carries only the generated text (with --batch, one JSON line per prompt); the report goes
+to stderr.
+Exit status: 0 done, 1 error (with --batch: any prompt failed), 2 bad usage, 130 interrupted (Ctrl-C).";
 
 /// Generate text from a local language model, one token per forward pass.
 #[derive(Debug, Parser)]
