@@ -71,14 +71,19 @@ fn decode_with(
     out
 }
 
+/// Whether the AVX2 attention code may run: decided once per process, since every layer of
+/// every pass asks (reading GEN_KERNEL each time took a lock and an allocation).
 fn avx2_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    if std::env::var("GEN_KERNEL").map_or(true, |v| v != "scalar") {
-        return is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c");
-    }
-    false
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        if std::env::var("GEN_KERNEL").map_or(true, |v| v != "scalar") {
+            return is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c");
+        }
+        false
+    })
 }
 
 /// One query head against its kv head's cached rows.
