@@ -6,7 +6,9 @@
 //!     cargo bench --bench batch
 //!
 //! Environment: GEN_BENCH_RUNS (1), GEN_BENCH_THREADS (2), GEN_BENCH_PROMPTS (64),
-//! GEN_BENCH_MAX_NEW (128), GEN_BENCH_SIZES (1,4,8,16), GEN_BENCH_MODEL (default model).
+//! GEN_BENCH_MAX_NEW (128), GEN_BENCH_SIZES (1,4,8,16), GEN_BENCH_MODEL (default model),
+//! GEN_BENCH_SKIP_LOOP (set: skip the one-process-per-prompt runs, for quick batch-only
+//! measurements), GEN_BENCH_KEEP (set: keep the prompt files and print where they are).
 //! Not a test: nothing here asserts a speed.
 
 mod common;
@@ -113,7 +115,12 @@ fn main() {
 
     // One process per prompt, one after the other.
     let mut loop_s = Vec::new();
-    for r in 0..runs {
+    let loop_runs = if std::env::var_os("GEN_BENCH_SKIP_LOOP").is_some() {
+        0
+    } else {
+        runs
+    };
+    for r in 0..loop_runs {
         let start = Instant::now();
         for f in &files {
             let st = gen_cmd(&model, threads, max_new)
@@ -160,7 +167,11 @@ fn main() {
         }
         rows.push((b, median(wall), median(passes), median(peak)));
     }
-    let _ = std::fs::remove_dir_all(&dir);
+    if std::env::var_os("GEN_BENCH_KEEP").is_some() {
+        eprintln!("bench: prompts kept in {}", dir.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     println!(
         "{count} prompts ({prompt_tokens:.0} prompt tokens in all), {max_new} new tokens each, \

@@ -5,7 +5,28 @@ use std::process::ExitCode;
 use clap::Parser;
 use gen::{app, cli, interrupt};
 
+/// A forward pass allocates and frees buffers of a few MB (activations of a prompt chunk or a
+/// batch) dozens of times per layer. With glibc's defaults each thread allocates from its own
+/// arena, buffers above a moving threshold get their own mapping, and freed memory at the top of
+/// a heap goes back to the kernel: the next pass then page-faults the same memory in again, which
+/// took a fifth of the time of a batch run (1.3M faults for 16 prompts; 0.1M with this). Keep
+/// one arena, serve buffers up to 32 MiB from it, and never trim: memory is held at its peak
+/// until the process ends, which for a generation run is what it would need again anyway.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn tune_allocator() {
+    // SAFETY: mallopt only changes allocator parameters; called before any other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn tune_allocator() {}
+
 fn main() -> ExitCode {
+    tune_allocator();
     let args = match cli::Args::try_parse() {
         Ok(args) => args,
         Err(e) if !e.use_stderr() => {
