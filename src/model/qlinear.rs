@@ -78,8 +78,6 @@ struct Blocks {
     offset: Vec<f32>,
     /// Quants, `per_block` bytes a block: 16 (two nibbles a byte) for Q4_1, 32 for Q8.
     qs: Vec<u8>,
-    /// Q8_0 activations: sum(q) of every block, for the tiled kernels' bias correction.
-    isum: Vec<i32>,
     per_block: usize,
     /// Blocks in a row: K / 32.
     row_blocks: usize,
@@ -91,7 +89,6 @@ struct Row<'a> {
     scale: &'a [f32],
     offset: &'a [f32],
     qs: &'a [u8],
-    isum: &'a [i32],
 }
 
 impl Blocks {
@@ -105,11 +102,6 @@ impl Blocks {
                 &self.offset[b0..b1]
             },
             qs: &self.qs[b0 * self.per_block..b1 * self.per_block],
-            isum: if self.isum.is_empty() {
-                &[]
-            } else {
-                &self.isum[b0..b1]
-            },
         }
     }
 
@@ -124,7 +116,6 @@ impl Blocks {
             scale: Vec::with_capacity(n),
             offset: Vec::with_capacity(if ty == WeightType::Q4_1 { n } else { 0 }),
             qs: Vec::with_capacity(n * per_block),
-            isum: Vec::new(),
             per_block,
             row_blocks,
         };
@@ -260,16 +251,27 @@ impl Out {
 impl CpuQWeight {
     /// x: T rows of K values, row-major. Returns T rows of N values.
     pub fn matmul(&self, x: &[f32], t: usize) -> Vec<f32> {
+        self.matmul_parts(x, t, &[self.rows])
+            .pop()
+            .expect("one part")
+    }
+
+    /// The product split by output columns: `widths` (summing to N) cut each token's N outputs
+    /// into consecutive parts, returned as T rows of widths[i] values each. Fused projections
+    /// (q, k, v) come out as separate buffers this way, with no copy after the product.
+    pub fn matmul_parts(&self, x: &[f32], t: usize, widths: &[usize]) -> Vec<Vec<f32>> {
         let (n_rows, k) = (self.rows, self.cols);
         debug_assert_eq!(x.len(), t * k);
-        // Quantize every input row once; every weight row reuses them.
-        let act = match self.ty {
-            WeightType::Q4_1 => quantize_q8_1(x, k),
-            WeightType::Q8_0 => quantize_q8_0(x, k),
-        };
-        let mut out = vec![0f32; t * n_rows];
+        debug_assert_eq!(widths.iter().sum::<usize>(), n_rows);
+        let mut outs: Vec<Vec<f32>> = widths.iter().map(|&w| vec![0f32; t * w]).collect();
+        if t == 0 {
+            return outs;
+        }
+        let with_sums = self.ty == WeightType::Q4_1;
         match &self.layout {
             Layout::Rows(blocks) => {
+                // Quantize every input row once; every weight row reuses them.
+                let act = quantize_rows(x, k, with_sums);
                 // Computed as (N, T), in parallel over chunks of weight rows, then transposed.
                 let mut out_nt = vec![0f32; n_rows * t];
                 let chunk_rows = (n_rows / (rayon::current_num_threads() * 8)).clamp(16, 512);
@@ -287,14 +289,27 @@ impl CpuQWeight {
                             }
                         }
                     });
-                for n in 0..n_rows {
-                    for tt in 0..t {
-                        out[tt * n_rows + n] = out_nt[n * t + tt];
+                let mut row0 = 0;
+                for (o, &w) in outs.iter_mut().zip(widths) {
+                    for n in 0..w {
+                        for tt in 0..t {
+                            o[tt * w + n] = out_nt[(row0 + n) * t + tt];
+                        }
                     }
+                    row0 += w;
                 }
             }
             Layout::Tiles(tiles) => {
-                let ptr = Out(out.as_mut_ptr());
+                let act = ActTiles::quantize(x, k, t, with_sums, self.kernel);
+                // Per part: its first row group, its width, where its output starts.
+                let mut parts = Vec::with_capacity(widths.len());
+                let mut first = 0;
+                for (o, &w) in outs.iter_mut().zip(widths) {
+                    parts.push((first, w, Out(o.as_mut_ptr())));
+                    first += w.div_ceil(8);
+                }
+                debug_assert_eq!(first, tiles.groups);
+                let per_call = self.tokens_per_tile();
                 let chunk = (tiles.groups / (rayon::current_num_threads() * 4)).max(1);
                 let group_ranges: Vec<(usize, usize)> = (0..tiles.groups)
                     .step_by(chunk)
@@ -302,28 +317,39 @@ impl CpuQWeight {
                     .collect();
                 group_ranges.into_par_iter().for_each(|(g0, g1)| {
                     for g in g0..g1 {
+                        let p = parts.partition_point(|part| part.0 <= g) - 1;
+                        let (pg, w, out) = parts[p];
+                        let col = (g - pg) * 8;
+                        let real = (w - col).min(8);
                         let tile = tiles.tile(g);
-                        let real = (n_rows - g * 8).min(8);
-                        let mut tt = 0;
-                        while tt < t {
-                            let n = (t - tt).min(self.tokens_per_tile());
-                            let mut y = [[0f32; 8]; 8];
-                            self.tile_dot(tile, &act, tt, n, &mut y);
-                            for (i, y) in y.iter().enumerate().take(n) {
-                                let at = (tt + i) * n_rows + g * 8;
-                                // SAFETY: row group g's columns of each token's row are
-                                // written by this thread only, and are within `out`.
+                        for c in 0..act.chunks {
+                            let in_chunk = (t - c * TOKENS).min(TOKENS);
+                            let mut i0 = 0;
+                            while i0 < in_chunk {
+                                let n = (in_chunk - i0).min(per_call);
+                                let token = c * TOKENS + i0;
+                                // SAFETY: token + n <= T and col + real <= w, so every row
+                                // written is inside this part's T x w buffer; row group g's
+                                // columns are written by this task only.
                                 unsafe {
-                                    std::ptr::copy_nonoverlapping(y.as_ptr(), ptr.at(at), real)
+                                    self.tile_dot(
+                                        tile,
+                                        &act,
+                                        token,
+                                        n,
+                                        out.at(token * w + col),
+                                        w,
+                                        real,
+                                    )
                                 };
+                                i0 += n;
                             }
-                            tt += n;
                         }
                     }
                 });
             }
         }
-        out
+        outs
     }
 
     /// Most tokens per call of the tile kernel: each unpacked weight block serves this many.
@@ -337,18 +363,32 @@ impl CpuQWeight {
         }
     }
 
-    /// Tokens tt..tt+n (n <= 8) against one group of 8 rows.
+    /// Tokens token..token + n (n <= 8, all in one chunk of `act`) against one group of 8
+    /// rows, written to out + i * stride (the first `real` of the 8 rows).
+    ///
+    /// # Safety
+    /// `out` must be valid for writes of `real` floats at out + i * stride for i < n.
     #[inline]
-    fn tile_dot(&self, w: Tile<'_>, act: &Blocks, tt: usize, n: usize, y: &mut [[f32; 8]; 8]) {
-        let rows: [Row<'_>; 8] = std::array::from_fn(|i| act.row(tt + i.min(n - 1)));
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile_dot(
+        &self,
+        w: Tile<'_>,
+        act: &ActTiles,
+        token: usize,
+        n: usize,
+        out: *mut f32,
+        stride: usize,
+        real: usize,
+    ) {
+        debug_assert!(n >= 1 && token % TOKENS + n <= TOKENS && act.nb == self.cols / QK);
+        let a = act.chunk(token);
         // SAFETY (all unsafe calls below): a SIMD kernel is only chosen when the CPU reports
         // its features (Kernel::detect); tiles and activations hold the same block count.
         macro_rules! call {
             ($m:ident, $f:ident) => {{
                 macro_rules! with {
                     ($k:literal) => {{
-                        let r: [Row<'_>; $k] = std::array::from_fn(|i| rows[i]);
-                        y[..$k].copy_from_slice(&unsafe { x86::$m::$f::<$k>(w, r) });
+                        unsafe { x86::$m::$f::<$k>(w, a, out, stride, real) }
                     }};
                 }
                 match n {
@@ -373,6 +413,95 @@ impl CpuQWeight {
             #[cfg(target_arch = "x86_64")]
             (WeightType::Q8_0, Kernel::Vnni) => call!(vnni, tile_q8_0),
             _ => unreachable!("tiles are only built for SIMD kernels"),
+        }
+    }
+}
+
+/// Tokens per chunk of `ActTiles`.
+const TOKENS: usize = 8;
+
+/// Activations quantized for the tile kernels: tokens in chunks of 8 and, within a chunk, per
+/// block, the 8 tokens' 32 quants side by side (256 bytes), and their 8 scales (and Q8_1 sums,
+/// or Q8_0 integer sums) side by side: one kernel call walks one contiguous run per block.
+/// The last chunk's padding tokens are zero.
+struct ActTiles {
+    qs: Vec<u8>,
+    scale: Vec<f32>,
+    /// Q8_1: s = d * sum(q). Empty for Q8_0.
+    offset: Vec<f32>,
+    /// Q8_0: sum(q). Empty for Q8_1.
+    isum: Vec<i32>,
+    /// Blocks in a token's row.
+    nb: usize,
+    chunks: usize,
+}
+
+/// Where one token's run of a chunk starts: block b of token i of the call is at
+/// qs + b * 256 + i * 32 and scale (offset, isum) + b * 8 + i.
+#[derive(Clone, Copy)]
+struct ActChunk {
+    qs: *const u8,
+    scale: *const f32,
+    offset: *const f32,
+    isum: *const i32,
+}
+
+impl ActTiles {
+    /// T rows of K values into Q8_1 (`with_sums`) or Q8_0 blocks, rounded exactly as
+    /// `quantize_rows` (and llama.cpp) do.
+    fn quantize(x: &[f32], k: usize, t: usize, with_sums: bool, kernel: Kernel) -> Self {
+        let nb = k / QK;
+        let chunks = t.div_ceil(TOKENS);
+        let slots = chunks * nb * TOKENS;
+        let mut a = ActTiles {
+            qs: vec![0; slots * QK],
+            scale: vec![0.0; slots],
+            offset: if with_sums {
+                vec![0.0; slots]
+            } else {
+                Vec::new()
+            },
+            isum: if with_sums {
+                Vec::new()
+            } else {
+                vec![0; slots]
+            },
+            nb,
+            chunks,
+        };
+        for (tok, row) in x.chunks_exact(k).take(t).enumerate() {
+            let (c, i) = (tok / TOKENS, tok % TOKENS);
+            for (b, blk) in row.chunks_exact(QK).enumerate() {
+                let at = (c * nb + b) * TOKENS + i;
+                let q = &mut a.qs[at * QK..at * QK + QK];
+                let (d, sum) = match kernel {
+                    // SAFETY: a SIMD kernel is only chosen on CPUs with AVX2.
+                    #[cfg(target_arch = "x86_64")]
+                    Kernel::Avx2 | Kernel::Vnni => unsafe { x86::quantize_block(blk, q) },
+                    _ => quantize_block(blk, q),
+                };
+                a.scale[at] = through_f16(d);
+                if with_sums {
+                    a.offset[at] = through_f16(d * sum as f32);
+                } else {
+                    a.isum[at] = sum;
+                }
+            }
+        }
+        a
+    }
+
+    /// The run of `token` (its chunk, from its place in the chunk on).
+    fn chunk(&self, token: usize) -> ActChunk {
+        let (c, i) = (token / TOKENS, token % TOKENS);
+        debug_assert!(c < self.chunks);
+        let at = c * self.nb * TOKENS + i;
+        // wrapping_add: the empty one of offset/isum is never read.
+        ActChunk {
+            qs: self.qs.as_ptr().wrapping_add(at * QK),
+            scale: self.scale.as_ptr().wrapping_add(at),
+            offset: self.offset.as_ptr().wrapping_add(at),
+            isum: self.isum.as_ptr().wrapping_add(at),
         }
     }
 }
@@ -430,19 +559,7 @@ impl Projections {
     pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
         match self {
             Projections::Separate(ps) => ps.iter().map(|p| p.forward(x)).collect(),
-            Projections::Fused { linear, widths } => {
-                let y = linear.forward(x)?;
-                let last = y.rank() - 1;
-                let mut at = 0;
-                widths
-                    .iter()
-                    .map(|&w| {
-                        let part = y.narrow(last, at, w)?.contiguous()?;
-                        at += w;
-                        Ok(part)
-                    })
-                    .collect()
-            }
+            Projections::Fused { linear, widths } => linear.forward_parts(x, widths),
         }
     }
 }
@@ -525,31 +642,58 @@ impl QLinear {
                 let y = x.to_dtype(w.dtype())?.broadcast_matmul(&w.t()?)?;
                 Ok(y.to_dtype(x.dtype())?)
             }
-            QLinear::Cpu(w) => {
-                let dims = x.dims().to_vec();
-                let k = *dims.last().unwrap_or(&0);
-                if k != w.cols {
-                    bail!(
-                        "linear layer expects width {}, got input of shape {dims:?}",
-                        w.cols
-                    );
-                }
-                let t = x.elem_count() / k.max(1);
-                let x = x.to_dtype(candle_core::DType::F32)?.contiguous()?;
-                let y = {
-                    let (storage, layout) = x.storage_and_layout();
-                    let Storage::Cpu(cpu) = &*storage else {
-                        bail!("expected a CPU tensor")
-                    };
-                    let all = cpu.as_slice::<f32>()?;
-                    let start = layout.start_offset();
-                    w.matmul(&all[start..start + t * k], t)
-                };
-                let mut out_dims = dims;
-                *out_dims.last_mut().unwrap() = w.rows;
-                Ok(Tensor::from_vec(y, out_dims, &Device::Cpu)?)
+            QLinear::Cpu(w) => Ok(Self::cpu_parts(w, x, &[w.rows])?.pop().expect("one part")),
+        }
+    }
+
+    /// x: (..., K) -> one (..., widths[i]) per part of the output columns (widths sum to N).
+    pub fn forward_parts(&self, x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>> {
+        match self {
+            QLinear::Cpu(w) => Self::cpu_parts(w, x, widths),
+            _ => {
+                let y = self.forward(x)?;
+                let last = y.rank() - 1;
+                let mut at = 0;
+                widths
+                    .iter()
+                    .map(|&w| {
+                        let part = y.narrow(last, at, w)?.contiguous()?;
+                        at += w;
+                        Ok(part)
+                    })
+                    .collect()
             }
         }
+    }
+
+    fn cpu_parts(w: &CpuQWeight, x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>> {
+        let dims = x.dims().to_vec();
+        let k = *dims.last().unwrap_or(&0);
+        if k != w.cols {
+            bail!(
+                "linear layer expects width {}, got input of shape {dims:?}",
+                w.cols
+            );
+        }
+        let t = x.elem_count() / k.max(1);
+        let x = x.to_dtype(candle_core::DType::F32)?.contiguous()?;
+        let ys = {
+            let (storage, layout) = x.storage_and_layout();
+            let Storage::Cpu(cpu) = &*storage else {
+                bail!("expected a CPU tensor")
+            };
+            let all = cpu.as_slice::<f32>()?;
+            let start = layout.start_offset();
+            w.matmul_parts(&all[start..start + t * k], t, widths)
+        };
+        ys.into_iter()
+            .zip(widths)
+            .map(|(y, &width)| {
+                let mut out_dims = dims.clone();
+                *out_dims.last_mut().unwrap() = width;
+                Ok(Tensor::from_vec(y, out_dims, &Device::Cpu)?)
+            })
+            .collect()
     }
 }
 
@@ -571,46 +715,42 @@ fn round_half_even(v: f32) -> f32 {
     (v + MAGIC) - MAGIC
 }
 
+/// Rows of K values into Q8_1 blocks (`with_sums`: s = d * sum(q) computed in f32, then rounded
+/// to f16 once, as llama.cpp does) or Q8_0 blocks, for the scalar kernels. d is kept at f16
+/// precision.
 fn quantize_rows(x: &[f32], k: usize, with_sums: bool) -> Blocks {
     let n = x.len() / QK;
     let mut b = Blocks {
         scale: Vec::with_capacity(n),
         offset: Vec::with_capacity(if with_sums { n } else { 0 }),
         qs: vec![0u8; n * QK],
-        isum: Vec::with_capacity(if with_sums { 0 } else { n }),
         per_block: QK,
         row_blocks: k / QK,
     };
     for (blk, q) in x.chunks_exact(QK).zip(b.qs.chunks_exact_mut(QK)) {
-        let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-        let mut sum = 0i32;
-        for (v, q) in blk.iter().zip(q.iter_mut()) {
-            let qi = round_half_even(v * id) as i8;
-            *q = qi as u8;
-            sum += qi as i32;
-        }
+        let (d, sum) = quantize_block(blk, q);
         b.scale.push(through_f16(d));
         if with_sums {
             b.offset.push(through_f16(d * sum as f32));
-        } else {
-            b.isum.push(sum);
         }
     }
     b
 }
 
-/// Quantize rows of K values into Q8_1 blocks, as llama.cpp does: d = amax / 127 (kept at f16
-/// precision), q = round-half-even(x * 127 / amax), s = d * sum(q) computed in f32 and then
-/// rounded to f16 once.
-fn quantize_q8_1(x: &[f32], k: usize) -> Blocks {
-    quantize_rows(x, k, true)
-}
-
-/// Quantize rows of K values into Q8_0 blocks: d = amax / 127 (f16), q = round(x * 127 / amax).
-fn quantize_q8_0(x: &[f32], k: usize) -> Blocks {
-    quantize_rows(x, k, false)
+/// One block of 32 values to 8 bits, as llama.cpp does: d = amax / 127, q = round-half-even(x *
+/// 127 / amax). Returns d (before any f16 rounding) and sum(q).
+#[inline]
+fn quantize_block(blk: &[f32], q: &mut [u8]) -> (f32, i32) {
+    let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+    let mut sum = 0i32;
+    for (v, q) in blk.iter().zip(q.iter_mut()) {
+        let qi = round_half_even(v * id) as i8;
+        *q = qi as u8;
+        sum += qi as i32;
+    }
+    (d, sum)
 }
 
 /// Q4_1 weights against Q8_1 activations: sum over blocks of d_w*d_a*sum(q_w*q_a) + m_w*s_a.
@@ -649,20 +789,25 @@ fn dot_q8_0_q8_0_scalar(w: Row<'_>, a: Row<'_>) -> f32 {
 macro_rules! x86_kernels {
     ($name:ident, $features:literal, $dot_u4:ident, $prep_i8:ident, $dot_i8:ident, $bias:expr) => {
         pub mod $name {
-            use super::super::{Row, Tile};
+            use super::super::{ActChunk, Tile};
             use std::arch::x86_64::*;
 
-            /// N activation rows (Q8_1) against a tile of 8 Q4_1 rows: [token][row].
+            /// N tokens' activations (Q8_1) against a tile of 8 Q4_1 rows, written to
+            /// out + i * stride for token i (the first `real` rows).
             ///
             /// # Safety
-            /// The CPU must support the features; the rows hold as many blocks as the tile.
+            /// The CPU must support the features; `a` holds N tokens of as many blocks as the
+            /// tile; `out` is valid for those writes.
             #[target_feature(enable = $features)]
-            pub unsafe fn tile_q4_1<const N: usize>(w: Tile<'_>, a: [Row<'_>; N]) -> [[f32; 8]; N] {
+            pub unsafe fn tile_q4_1<const N: usize>(
+                w: Tile<'_>,
+                a: ActChunk,
+                out: *mut f32,
+                stride: usize,
+                real: usize,
+            ) {
                 let nb = w.d.len() / 8;
                 debug_assert!(w.qs.len() >= nb * 128 && w.m.len() >= nb * 8);
-                debug_assert!(a
-                    .iter()
-                    .all(|a| a.qs.len() >= nb * 32 && a.scale.len() >= nb));
                 let mask = _mm256_set1_epi8(0x0F);
                 let mut acc = [_mm256_setzero_ps(); N];
                 for b in 0..nb {
@@ -675,9 +820,10 @@ macro_rules! x86_kernels {
                     }
                     let dw = _mm256_loadu_ps(w.d.as_ptr().add(b * 8));
                     let mw = _mm256_loadu_ps(w.m.as_ptr().add(b * 8));
-                    for i in 0..N {
-                        let ai = a.get_unchecked(i);
-                        let q = ai.qs.as_ptr().add(b * 32) as *const i32;
+                    let qb = a.qs.add(b * 256);
+                    let (sb, ob) = (a.scale.add(b * 8), a.offset.add(b * 8));
+                    for (i, acc) in acc.iter_mut().enumerate() {
+                        let q = qb.add(i * 32) as *const i32;
                         // Two independent chains of multiply-adds.
                         let mut s0 = _mm256_setzero_si256();
                         let mut s1 = _mm256_setzero_si256();
@@ -694,33 +840,29 @@ macro_rules! x86_kernels {
                             );
                         }
                         let s = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
-                        let d = _mm256_mul_ps(dw, _mm256_set1_ps(*ai.scale.get_unchecked(b)));
-                        acc[i] = _mm256_fmadd_ps(s, d, acc[i]);
-                        acc[i] = _mm256_fmadd_ps(
-                            mw,
-                            _mm256_set1_ps(*ai.offset.get_unchecked(b)),
-                            acc[i],
-                        );
+                        let d = _mm256_mul_ps(dw, _mm256_set1_ps(*sb.add(i)));
+                        *acc = _mm256_fmadd_ps(s, d, *acc);
+                        *acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(*ob.add(i)), *acc);
                     }
                 }
-                let mut out = [[0f32; 8]; N];
-                for i in 0..N {
-                    _mm256_storeu_ps(out[i].as_mut_ptr(), acc[i]);
-                }
-                out
+                store(&acc, out, stride, real);
             }
 
-            /// N activation rows (Q8_0) against a tile of 8 Q8_0 rows: [token][row].
+            /// N tokens' activations (Q8_0) against a tile of 8 Q8_0 rows, written as
+            /// `tile_q4_1` writes.
             ///
             /// # Safety
-            /// The CPU must support the features; the rows hold as many blocks as the tile.
+            /// As for `tile_q4_1`.
             #[target_feature(enable = $features)]
-            pub unsafe fn tile_q8_0<const N: usize>(w: Tile<'_>, a: [Row<'_>; N]) -> [[f32; 8]; N] {
+            pub unsafe fn tile_q8_0<const N: usize>(
+                w: Tile<'_>,
+                a: ActChunk,
+                out: *mut f32,
+                stride: usize,
+                real: usize,
+            ) {
                 let nb = w.d.len() / 8;
                 debug_assert!(w.qs.len() >= nb * 256);
-                debug_assert!(a
-                    .iter()
-                    .all(|a| a.qs.len() >= nb * 32 && a.isum.len() >= nb));
                 let mut acc = [_mm256_setzero_ps(); N];
                 for b in 0..nb {
                     let base = w.qs.as_ptr().add(b * 256);
@@ -730,9 +872,10 @@ macro_rules! x86_kernels {
                             super::$prep_i8(_mm256_loadu_si256(base.add(c * 32) as *const __m256i));
                     }
                     let dw = _mm256_loadu_ps(w.d.as_ptr().add(b * 8));
-                    for i in 0..N {
-                        let ai = a.get_unchecked(i);
-                        let q = ai.qs.as_ptr().add(b * 32) as *const i32;
+                    let qb = a.qs.add(b * 256);
+                    let (sb, ib) = (a.scale.add(b * 8), a.isum.add(b * 8));
+                    for (i, acc) in acc.iter_mut().enumerate() {
+                        let q = qb.add(i * 32) as *const i32;
                         let mut s0 = _mm256_setzero_si256();
                         let mut s1 = _mm256_setzero_si256();
                         for g in (0..8).step_by(2) {
@@ -748,19 +891,34 @@ macro_rules! x86_kernels {
                             );
                         }
                         let s = _mm256_add_epi32(s0, s1);
-                        let s = _mm256_sub_epi32(
-                            s,
-                            _mm256_set1_epi32($bias * *ai.isum.get_unchecked(b)),
-                        );
-                        let d = _mm256_mul_ps(dw, _mm256_set1_ps(*ai.scale.get_unchecked(b)));
-                        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[i]);
+                        let s = _mm256_sub_epi32(s, _mm256_set1_epi32($bias * *ib.add(i)));
+                        let d = _mm256_mul_ps(dw, _mm256_set1_ps(*sb.add(i)));
+                        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, *acc);
                     }
                 }
-                let mut out = [[0f32; 8]; N];
-                for i in 0..N {
-                    _mm256_storeu_ps(out[i].as_mut_ptr(), acc[i]);
+                store(&acc, out, stride, real);
+            }
+
+            /// Token i's 8 sums to out + i * stride, the first `real` of them.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn store<const N: usize>(
+                acc: &[__m256; N],
+                out: *mut f32,
+                stride: usize,
+                real: usize,
+            ) {
+                if real == 8 {
+                    for (i, acc) in acc.iter().enumerate() {
+                        _mm256_storeu_ps(out.add(i * stride), *acc);
+                    }
+                } else {
+                    let mut buf = [0f32; 8];
+                    for (i, acc) in acc.iter().enumerate() {
+                        _mm256_storeu_ps(buf.as_mut_ptr(), *acc);
+                        std::ptr::copy_nonoverlapping(buf.as_ptr(), out.add(i * stride), real);
+                    }
                 }
-                out
             }
         }
     };
@@ -812,6 +970,52 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
     unsafe fn dot_i8_vnni(acc: __m256i, w_biased: __m256i, a: __m256i) -> __m256i {
         _mm256_dpbusd_epi32(acc, w_biased, a)
+    }
+
+    /// `super::quantize_block` with AVX2, bit for bit: the same amax, the same products
+    /// rounded half to even, the same integer sum.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; blk and q hold 32 values.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn quantize_block(blk: &[f32], q: &mut [u8]) -> (f32, i32) {
+        assert!(blk.len() >= 32 && q.len() >= 32);
+        let p = blk.as_ptr();
+        let v = [
+            _mm256_loadu_ps(p),
+            _mm256_loadu_ps(p.add(8)),
+            _mm256_loadu_ps(p.add(16)),
+            _mm256_loadu_ps(p.add(24)),
+        ];
+        let sign = _mm256_set1_ps(-0.0);
+        let mut m = _mm256_andnot_ps(sign, v[0]);
+        for x in &v[1..] {
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, *x));
+        }
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+        let amax = _mm_cvtss_f32(m);
+        let d = amax / 127.0;
+        let id = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+        let r = v.map(|x| {
+            _mm256_cvtps_epi32(_mm256_round_ps(
+                _mm256_mul_ps(x, id),
+                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+            ))
+        });
+        // i32 -> i8 in two packing steps; the packs work within 128-bit lanes, so the 4-byte
+        // groups come out as 0 2 4 6 1 3 5 7 and one permute puts them back in order.
+        let lo = _mm256_packs_epi32(r[0], r[1]);
+        let hi = _mm256_packs_epi32(r[2], r[3]);
+        let bytes = _mm256_packs_epi16(lo, hi);
+        let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, bytes);
+        let s = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+        let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        (d, _mm_cvtsi128_si32(s))
     }
 
     x86_kernels!(avx2, "avx2,fma", dot_u4_avx2, keep_i8, dot_i8_avx2, 0);
@@ -968,11 +1172,38 @@ mod tests {
         // 32 values at the top of the range: sum(q) = 32 * 127 = 4064, which f16 cannot hold
         // exactly; s must be f16(d * 4064), not f16(f16(4064) * f16(d)).
         let x = vec![1.2345f32; 32];
-        let b = quantize_q8_1(&x, 32);
+        let b = quantize_rows(&x, 32, true);
         let d = 1.2345f32 / 127.0;
         assert_eq!(b.offset[0], f16::from_f32(d * 4064.0).to_f32());
         assert_eq!(b.scale[0], f16::from_f32(d).to_f32());
         assert!(b.qs.iter().all(|&q| q as i8 == 127));
+    }
+
+    /// The AVX2 quantizer gives the scalar one's bytes, scale and sum exactly, ties and zero
+    /// blocks included.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn simd_quantization_equals_scalar() {
+        if !is_x86_feature_detected!("avx2") || !is_x86_feature_detected!("fma") {
+            return;
+        }
+        let mut blocks: Vec<Vec<f32>> = (0..200).map(|i| data(32, 11 + i)).collect();
+        blocks.push(vec![0.0; 32]);
+        // amax 127 makes the factor exactly 1: every other value is a tie, k + 0.5.
+        blocks.push(
+            (0..32)
+                .map(|i| if i == 0 { 127.0 } else { i as f32 - 15.5 })
+                .collect(),
+        );
+        blocks.push((0..32).map(|i| if i == 3 { -1e-30 } else { 0.0 }).collect());
+        for (i, blk) in blocks.iter().enumerate() {
+            let (mut a, mut b) = ([0u8; 32], [0u8; 32]);
+            let want = quantize_block(blk, &mut a);
+            // SAFETY: checked above.
+            let got = unsafe { x86::quantize_block(blk, &mut b) };
+            assert_eq!(got, want, "block {i}");
+            assert_eq!(a, b, "block {i}");
+        }
     }
 
     #[test]
@@ -985,35 +1216,52 @@ mod tests {
         assert_eq!(round_half_even(-3.5), -4.0);
     }
 
+    /// Fused projections write each part's columns straight into its own buffer: every
+    /// kernel, token counts within one chunk and across several (AVX2 splits a chunk of 8
+    /// tokens in two calls), give each part exactly what its separate layer gives.
     #[test]
     fn fused_projections_equal_separate_ones() {
         let k = 64;
-        let mk = |n: usize, seed: u64| {
-            let w = Tensor::from_vec(data(n * k, seed), (n, k), &Device::Cpu).unwrap();
-            QLinear::new(
-                QTensor::quantize(&w, GgmlDType::Q4_1).unwrap(),
-                &Device::Cpu,
-            )
-            .unwrap()
-        };
-        let x = Tensor::from_vec(data(3 * k, 5), (3, k), &Device::Cpu).unwrap();
-        let separate: Vec<Vec<f32>> = [(32, 1), (8, 2), (8, 3)]
-            .iter()
-            .map(|&(n, s)| {
-                mk(n, s)
-                    .forward(&x)
+        for kernel in kernels() {
+            for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+                let mk = |n: usize, seed: u64| {
+                    let w = Tensor::from_vec(data(n * k, seed), (n, k), &Device::Cpu).unwrap();
+                    QLinear::with_kernel(
+                        QTensor::quantize(&w, dtype).unwrap(),
+                        &Device::Cpu,
+                        kernel,
+                    )
                     .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap()
-            })
-            .collect();
-        let fused = Projections::new(vec![mk(32, 1), mk(8, 2), mk(8, 3)]);
-        assert!(matches!(fused, Projections::Fused { .. }));
-        let outs = fused.forward(&x).unwrap();
-        for (o, s) in outs.iter().zip(&separate) {
-            assert_eq!(&o.flatten_all().unwrap().to_vec1::<f32>().unwrap(), s);
+                };
+                let shapes = [(32, 1), (8, 2), (16, 3)];
+                for t in [1, 3, 8, 17] {
+                    let x = Tensor::from_vec(data(t * k, 5), (t, k), &Device::Cpu).unwrap();
+                    let separate: Vec<Vec<f32>> = shapes
+                        .iter()
+                        .map(|&(n, s)| {
+                            mk(n, s)
+                                .forward(&x)
+                                .unwrap()
+                                .flatten_all()
+                                .unwrap()
+                                .to_vec1()
+                                .unwrap()
+                        })
+                        .collect();
+                    let fused = Projections::new(shapes.iter().map(|&(n, s)| mk(n, s)).collect());
+                    assert!(matches!(fused, Projections::Fused { .. }));
+                    let outs = fused.forward(&x).unwrap();
+                    assert_eq!(outs.len(), 3);
+                    for ((o, s), &(n, _)) in outs.iter().zip(&separate).zip(&shapes) {
+                        assert_eq!(o.dims(), &[t, n]);
+                        assert_eq!(
+                            &o.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                            s,
+                            "{kernel:?} {dtype:?} t={t} n={n}"
+                        );
+                    }
+                }
+            }
         }
     }
 
