@@ -678,11 +678,12 @@ impl Decoder {
                 .forward(&xn)?
                 .try_into()
                 .expect("two projections");
-            let gate = match cfg.family.activation() {
-                Activation::Silu => candle_nn::ops::silu(&gate)?,
-                Activation::GeluTanh => gate.gelu()?,
+            let act = match cfg.family.activation() {
+                Activation::Silu if cpu => super::host::silu_mul(&gate, &up)?,
+                Activation::Silu => (candle_nn::ops::silu(&gate)? * up)?,
+                Activation::GeluTanh => (gate.gelu()? * up)?,
             };
-            let mut o = layer.w_down.forward(&(gate * up)?)?;
+            let mut o = layer.w_down.forward(&act)?;
             if let Some(w) = &layer.post_ffn_norm {
                 o = candle_nn::ops::rms_norm(&o, w, cfg.rms_eps)?;
             }

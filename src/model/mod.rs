@@ -9,6 +9,7 @@
 pub mod attention;
 pub mod checkpoint;
 pub mod decoder;
+pub mod host;
 pub mod kv_cache;
 pub mod qlinear;
 
