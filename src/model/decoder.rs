@@ -551,6 +551,20 @@ impl Decoder {
             .map(|&base| rope_tables(hd, base, &positions, dev)) // (N, hd/2) each
             .collect::<Result<Vec<_>>>()?;
 
+        // The same tables as host slices, for the CPU path's rope.
+        let host_ropes = if cpu {
+            ropes
+                .iter()
+                .map(|(c, s)| {
+                    Ok((
+                        c.flatten_all()?.to_vec1::<f32>()?,
+                        s.flatten_all()?.to_vec1::<f32>()?,
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            Vec::new()
+        };
         let ids = Tensor::new(ids.as_slice(), dev)?;
         let mut x = self.embedding.embedding(&ids)?; // (N, d)
         if cfg.family.scales_embeddings() {
@@ -569,30 +583,47 @@ impl Decoder {
                 k = k.broadcast_add(bk)?;
                 v = v.broadcast_add(bv)?;
             }
-            let heads_first = |t: Tensor, heads: usize| -> Result<Tensor> {
-                Ok(t.reshape((n, heads, hd))?
-                    .transpose(0, 1)?
-                    .contiguous()?
-                    .unsqueeze(0)?)
+            let (q, k) = if cpu {
+                // Token-major all the way: (N, heads, hd) is what the projections give and
+                // what the attention kernels and the cache take.
+                let (mut q, mut k) = (q.reshape((n, h, hd))?, k.reshape((n, kv, hd))?);
+                if let Some((qn, kn)) = &layer.qk_norm {
+                    q = candle_nn::ops::rms_norm(&q, qn, cfg.rms_eps)?;
+                    k = candle_nn::ops::rms_norm(&k, kn, cfg.rms_eps)?;
+                }
+                let (cos, sin) = &host_ropes[layer.rope];
+                let interleaved = matches!(cfg.family.rope(), Rope::Interleaved);
+                (
+                    super::host::rope(&q, cos, sin, interleaved)?,
+                    super::host::rope(&k, cos, sin, interleaved)?.reshape((n, kv * hd))?,
+                )
+            } else {
+                let heads_first = |t: Tensor, heads: usize| -> Result<Tensor> {
+                    Ok(t.reshape((n, heads, hd))?
+                        .transpose(0, 1)?
+                        .contiguous()?
+                        .unsqueeze(0)?)
+                };
+                let (mut q, mut k) = (heads_first(q, h)?, heads_first(k, kv)?); // (1, h|kv, N, hd)
+                if let Some((qn, kn)) = &layer.qk_norm {
+                    q = candle_nn::ops::rms_norm(&q, qn, cfg.rms_eps)?;
+                    k = candle_nn::ops::rms_norm(&k, kn, cfg.rms_eps)?;
+                }
+                let (cos, sin) = &ropes[layer.rope];
+                let (q, k) = match cfg.family.rope() {
+                    Rope::Interleaved => (
+                        candle_nn::rotary_emb::rope_i(&q, cos, sin)?,
+                        candle_nn::rotary_emb::rope_i(&k, cos, sin)?,
+                    ),
+                    Rope::Halves => (
+                        candle_nn::rotary_emb::rope(&q, cos, sin)?,
+                        candle_nn::rotary_emb::rope(&k, cos, sin)?,
+                    ),
+                };
+                let q = q.squeeze(0)?.transpose(0, 1)?.contiguous()?; // (N, h, hd)
+                let k = k.squeeze(0)?.transpose(0, 1)?.reshape((n, kv * hd))?; // (N, kv*hd)
+                (q, k)
             };
-            let (mut q, mut k) = (heads_first(q, h)?, heads_first(k, kv)?); // (1, h|kv, N, hd)
-            if let Some((qn, kn)) = &layer.qk_norm {
-                q = candle_nn::ops::rms_norm(&q, qn, cfg.rms_eps)?;
-                k = candle_nn::ops::rms_norm(&k, kn, cfg.rms_eps)?;
-            }
-            let (cos, sin) = &ropes[layer.rope];
-            let (q, k) = match cfg.family.rope() {
-                Rope::Interleaved => (
-                    candle_nn::rotary_emb::rope_i(&q, cos, sin)?,
-                    candle_nn::rotary_emb::rope_i(&k, cos, sin)?,
-                ),
-                Rope::Halves => (
-                    candle_nn::rotary_emb::rope(&q, cos, sin)?,
-                    candle_nn::rotary_emb::rope(&k, cos, sin)?,
-                ),
-            };
-            let q = q.squeeze(0)?.transpose(0, 1)?.contiguous()?; // (N, h, hd)
-            let k = k.squeeze(0)?.transpose(0, 1)?.reshape((n, kv * hd))?; // (N, kv*hd)
             self.store.write(l, &k, &v, &slots)?;
 
             let decode = &fused[layer.view];

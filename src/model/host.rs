@@ -1,7 +1,8 @@
 //! Element-wise steps of the CPU forward pass done in place of candle's ops: fused, vectorised,
-//! and without candle's per-op thread hand-offs. The first is the gated activation of the
+//! and without candle's per-op thread hand-offs or layout copies. The gated activation of the
 //! feed-forward block, silu(gate) * up, where candle computes silu with a scalar libm exp per
-//! value and then multiplies in a second pass.
+//! value and then multiplies in a second pass; and rotary embeddings applied in the token-major
+//! layout the projections produce, where candle's want heads first (two transposing copies).
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Storage, Tensor};
@@ -27,6 +28,43 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
             _ => silu_mul_scalar(g, u, o),
         });
     Ok(Tensor::from_vec(out, gate.dims(), &Device::Cpu)?)
+}
+
+/// Rotary position embedding of x: (N, heads, hd), token n rotated by its row of cos and sin
+/// (N, hd / 2 each). `interleaved`: pairs (2i, 2i + 1) (GGUF llama layout); otherwise pairs
+/// (i, i + hd/2). The same products and sums as candle's rope and rope_i, in the token-major
+/// layout the projections produce, so no transposes are needed around it.
+pub fn rope(x: &Tensor, cos: &[f32], sin: &[f32], interleaved: bool) -> Result<Tensor> {
+    let (n, heads, hd) = x.dims3()?;
+    let half = hd / 2;
+    if hd % 2 != 0 || cos.len() != n * half || sin.len() != n * half {
+        bail!(
+            "rope: x {:?} against tables of {} and {}",
+            x.dims(),
+            cos.len(),
+            sin.len()
+        );
+    }
+    let mut v = f32_contiguous(x)?;
+    for (t, row) in v.chunks_exact_mut(heads * hd).enumerate() {
+        let (c, s) = (
+            &cos[t * half..(t + 1) * half],
+            &sin[t * half..(t + 1) * half],
+        );
+        for head in row.chunks_exact_mut(hd) {
+            for i in 0..half {
+                let (a, b) = if interleaved {
+                    (2 * i, 2 * i + 1)
+                } else {
+                    (i, i + half)
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * c[i] - x1 * s[i];
+                head[b] = x0 * s[i] + x1 * c[i];
+            }
+        }
+    }
+    Ok(Tensor::from_vec(v, (n, heads, hd), &Device::Cpu)?)
 }
 
 /// The portable path: the formula candle uses, x / (1 + e^-x), times up.
@@ -151,6 +189,39 @@ mod tests {
                 g[i]
             );
         }
+    }
+
+    /// Both layouts give exactly candle's rope on the heads-first layout.
+    #[test]
+    fn rope_equals_candles() {
+        let (n, heads, hd) = (5, 3, 8);
+        let x: Vec<f32> = (0..n * heads * hd)
+            .map(|i| (i as f32 * 0.37).sin())
+            .collect();
+        let cos: Vec<f32> = (0..n * hd / 2).map(|i| (i as f32 * 0.11).cos()).collect();
+        let sin: Vec<f32> = (0..n * hd / 2).map(|i| (i as f32 * 0.11).sin()).collect();
+        let xt = Tensor::from_vec(x, (n, heads, hd), &Device::Cpu).unwrap();
+        let ct = Tensor::from_vec(cos.clone(), (n, hd / 2), &Device::Cpu).unwrap();
+        let st = Tensor::from_vec(sin.clone(), (n, hd / 2), &Device::Cpu).unwrap();
+        let heads_first = xt
+            .transpose(0, 1)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        for interleaved in [true, false] {
+            let want = if interleaved {
+                candle_nn::rotary_emb::rope_i(&heads_first, &ct, &st).unwrap()
+            } else {
+                candle_nn::rotary_emb::rope(&heads_first, &ct, &st).unwrap()
+            };
+            let want = want.squeeze(0).unwrap().transpose(0, 1).unwrap();
+            let got = rope(&xt, &cos, &sin, interleaved).unwrap();
+            let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(flat(&got), flat(&want), "interleaved {interleaved}");
+        }
+        assert!(rope(&xt, &cos[1..], &sin, true).is_err());
     }
 
     #[test]
