@@ -287,12 +287,19 @@ fn prefill_with(
                 #[cfg(target_arch = "x86_64")]
                 true => unsafe {
                     x86::scores(&queries, kt, lp, k0, width, scale, &mut scores);
-                    for (qq, o) in out.chunks_mut(hd).take(nq).enumerate() {
-                        let row =
-                            &mut scores[qq * width + first(qq) - k0..qq * width + seen(qq) - k0];
-                        let sum = x86::softmax_unnormalised(row);
-                        x86::weighted_sum(row, &v[first(qq) * hd..], hd, 1.0 / sum, o);
+                    // Softmax per query over the keys it sees; the others get weight 0, so
+                    // one pass over the values serves the whole tile.
+                    let mut inv = [0f32; QT];
+                    for (qq, inv) in inv.iter_mut().enumerate().take(nq) {
+                        let row = &mut scores[qq * width..(qq + 1) * width];
+                        let (a, b) = (first(qq) - k0, seen(qq) - k0);
+                        *inv = 1.0 / x86::softmax_unnormalised(&mut row[a..b]);
+                        row[..a].fill(0.0);
+                        row[b..].fill(0.0);
                     }
+                    let span = seen(nq - 1) - k0;
+                    let v = &v[k0 * hd..(k0 + span) * hd];
+                    x86::weighted_sums(&scores, width, nq, v, hd, &inv, out);
                 },
                 _ => {
                     for (qq, o) in out.chunks_mut(hd).take(nq).enumerate() {
@@ -468,35 +475,83 @@ mod x86 {
             _mm256_storeu_ps(c.as_mut_ptr(), e);
             sum = _mm256_add_ps(sum, e);
         }
+        // The last 1..7 values through the same vector exp, padded with -inf (exp 0).
+        let rest = chunks.into_remainder();
+        if !rest.is_empty() {
+            let mut buf = [f32::NEG_INFINITY; 8];
+            buf[..rest.len()].copy_from_slice(rest);
+            let e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(buf.as_ptr()), mv));
+            _mm256_storeu_ps(buf.as_mut_ptr(), e);
+            rest.copy_from_slice(&buf[..rest.len()]);
+            sum = _mm256_add_ps(sum, e);
+        }
         let mut buf = [0f32; 8];
         _mm256_storeu_ps(buf.as_mut_ptr(), sum);
-        let mut total: f32 = buf.iter().sum();
-        for s in chunks.into_remainder() {
-            *s = (*s - max).exp();
-            total += *s;
-        }
-        total
+        buf.iter().sum()
     }
 
-    /// o = inv * sum over p of w[p] * v[p] (v: rows of hd, a multiple of 8).
+    /// For each of nq (<= QT) queries: o[qq] = inv[qq] * sum over rows p of v of
+    /// w[qq * width + p] * v[p] (v: rows of hd, a multiple of 8). Each 16 columns of a value
+    /// row are loaded once for all the queries.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn weighted_sum(w: &[f32], v: &[f32], hd: usize, inv: f32, o: &mut [f32]) {
+    pub unsafe fn weighted_sums(
+        w: &[f32],
+        width: usize,
+        nq: usize,
+        v: &[f32],
+        hd: usize,
+        inv: &[f32; super::QT],
+        o: &mut [f32],
+    ) {
+        debug_assert!(v.len() % hd == 0 && v.len() / hd <= width && o.len() >= nq * hd);
+        debug_assert!(w.len() >= nq * width);
+        match nq {
+            1 => weighted_sums_n::<1>(w, width, v, hd, inv, o),
+            2 => weighted_sums_n::<2>(w, width, v, hd, inv, o),
+            3 => weighted_sums_n::<3>(w, width, v, hd, inv, o),
+            _ => weighted_sums_n::<4>(w, width, v, hd, inv, o),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn weighted_sums_n<const NQ: usize>(
+        w: &[f32],
+        width: usize,
+        v: &[f32],
+        hd: usize,
+        inv: &[f32; super::QT],
+        o: &mut [f32],
+    ) {
+        let rows = v.len() / hd;
         let mut c0 = 0;
         while c0 < hd {
-            let lanes = ((hd - c0) / 8).min(8);
-            let mut acc = [_mm256_setzero_ps(); 8];
-            for (p, &wp) in w.iter().enumerate() {
-                let b = _mm256_set1_ps(wp);
+            // 16 columns (two registers) at a time, 8 for an odd last one.
+            let two = hd - c0 >= 16;
+            let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
+            for p in 0..rows {
                 let row = v.as_ptr().add(p * hd + c0);
-                for (c, acc) in acc.iter_mut().enumerate().take(lanes) {
-                    *acc = _mm256_fmadd_ps(b, _mm256_loadu_ps(row.add(c * 8)), *acc);
+                let x0 = _mm256_loadu_ps(row);
+                let x1 = if two {
+                    _mm256_loadu_ps(row.add(8))
+                } else {
+                    _mm256_setzero_ps()
+                };
+                for (qq, acc) in acc.iter_mut().enumerate() {
+                    let b = _mm256_set1_ps(*w.get_unchecked(qq * width + p));
+                    acc[0] = _mm256_fmadd_ps(b, x0, acc[0]);
+                    acc[1] = _mm256_fmadd_ps(b, x1, acc[1]);
                 }
             }
-            let iv = _mm256_set1_ps(inv);
-            for (c, acc) in acc.iter().enumerate().take(lanes) {
-                _mm256_storeu_ps(o.as_mut_ptr().add(c0 + c * 8), _mm256_mul_ps(*acc, iv));
+            for (qq, acc) in acc.iter().enumerate() {
+                let iv = _mm256_set1_ps(inv[qq]);
+                let at = o.as_mut_ptr().add(qq * hd + c0);
+                _mm256_storeu_ps(at, _mm256_mul_ps(acc[0], iv));
+                if two {
+                    _mm256_storeu_ps(at.add(8), _mm256_mul_ps(acc[1], iv));
+                }
             }
-            c0 += lanes * 8;
+            c0 += if two { 16 } else { 8 };
         }
     }
 }
