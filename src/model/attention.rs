@@ -503,7 +503,7 @@ mod x86 {
         inv: &[f32; super::QT],
         o: &mut [f32],
     ) {
-        debug_assert!(v.len() % hd == 0 && v.len() / hd <= width && o.len() >= nq * hd);
+        debug_assert!(v.len().is_multiple_of(hd) && v.len() / hd <= width && o.len() >= nq * hd);
         debug_assert!(w.len() >= nq * width);
         match nq {
             1 => weighted_sums_n::<1>(w, width, v, hd, inv, o),
