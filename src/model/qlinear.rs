@@ -263,13 +263,13 @@ impl CpuQWeight {
         let (n_rows, k) = (self.rows, self.cols);
         debug_assert_eq!(x.len(), t * k);
         debug_assert_eq!(widths.iter().sum::<usize>(), n_rows);
-        let mut outs: Vec<Vec<f32>> = widths.iter().map(|&w| vec![0f32; t * w]).collect();
         if t == 0 {
-            return outs;
+            return widths.iter().map(|_| Vec::new()).collect();
         }
         let with_sums = self.ty == WeightType::Q4_1;
         match &self.layout {
             Layout::Rows(blocks) => {
+                let mut outs: Vec<Vec<f32>> = widths.iter().map(|&w| vec![0f32; t * w]).collect();
                 // Quantize every input row once; every weight row reuses them.
                 let act = quantize_rows(x, k, with_sums);
                 // Computed as (N, T), in parallel over chunks of weight rows, then transposed.
@@ -298,9 +298,14 @@ impl CpuQWeight {
                     }
                     row0 += w;
                 }
+                outs
             }
             Layout::Tiles(tiles) => {
                 let act = ActTiles::quantize(x, k, t, with_sums, self.kernel);
+                // Written by the kernels before it is read: not zeroed first (that memset was
+                // 2-3% of a batch run).
+                let mut outs: Vec<Vec<f32>> =
+                    widths.iter().map(|&w| Vec::with_capacity(t * w)).collect();
                 // Per part: its first row group, its width, where its output starts.
                 let mut parts = Vec::with_capacity(widths.len());
                 let mut first = 0;
@@ -347,9 +352,15 @@ impl CpuQWeight {
                         }
                     }
                 });
+                for (o, &w) in outs.iter_mut().zip(widths) {
+                    // SAFETY: every token's row of every part was written above: the row
+                    // groups cover each part's w columns (the last one its `real` ones) and
+                    // the chunks cover all T tokens; f32 has no invalid bit patterns.
+                    unsafe { o.set_len(t * w) };
+                }
+                outs
             }
         }
-        outs
     }
 
     /// Most tokens per call of the tile kernel: each unpacked weight block serves this many.
