@@ -84,16 +84,7 @@ fn decode_with(
 /// Whether the AVX2 attention code may run: decided once per process, since every layer of
 /// every pass asks (reading GEN_KERNEL each time took a lock and an allocation).
 fn avx2_available() -> bool {
-    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AVAILABLE.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        if std::env::var("GEN_KERNEL").map_or(true, |v| v != "scalar") {
-            return is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c");
-        }
-        false
-    })
+    super::host::simd_available()
 }
 
 /// Most query heads the AVX2 decode kernel serves in one pass over a block's rows: its
@@ -410,6 +401,7 @@ fn prefill_with(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use crate::model::host::x86::exp_nonpositive;
     use std::arch::x86_64::*;
 
     /// Scores of up to QT queries against keys k0..k0 + width (kt: (hd, lp) transposed keys), times
@@ -446,31 +438,6 @@ mod x86 {
             }
             p0 += super::KT;
         }
-    }
-
-    /// exp(x) for x <= 0 (softmax inputs less their max), to about 2 ulp: 2^n * p(r) with
-    /// x = n ln2 + r, |r| <= ln2/2, and p a degree-6 polynomial. Below -87 the result is 0.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn exp_nonpositive(x: __m256) -> __m256 {
-        let tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0), _CMP_LT_OQ);
-        let x = _mm256_max_ps(x, _mm256_set1_ps(-87.0));
-        let n = _mm256_round_ps(
-            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
-            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
-        );
-        // r = x - n ln2, with ln2 in two parts so r keeps its precision.
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_145_75), x);
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428_606_8e-6), r);
-        let mut p = _mm256_set1_ps(1.0 / 720.0);
-        for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-        }
-        let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
-            23,
-        ));
-        _mm256_andnot_ps(tiny, _mm256_mul_ps(p, pow2))
     }
 
     /// Scores of G queries (q: (G, hd)) against one block's key rows (f16, (rows, hd)), times
