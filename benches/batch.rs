@@ -1,7 +1,8 @@
 //! Batch throughput: 64 prompts of mixed length (20 to 400 tokens), 128 new tokens each,
 //! greedy, run by `gen --batch` at several batch sizes and, for comparison, by running gen once
 //! per prompt as a shell loop would. Aggregate tok/s = generated tokens / wall time, model load
-//! included for both. Medians over GEN_BENCH_RUNS runs (default 1).
+//! included for both. GEN_BENCH_RUNS rounds (default 1), each running the loop and then every
+//! batch size, so that ratios compare runs made close together; medians over rounds.
 //!
 //!     cargo bench --bench batch
 //!
@@ -113,36 +114,36 @@ fn main() {
         model.display()
     );
 
-    // One process per prompt, one after the other.
+    // Rounds: in each, the one-process-per-prompt loop, then every batch size. The machine's
+    // speed drifts by 10-30% over minutes, so each round's ratios compare runs made minutes
+    // apart, and the table reports the median of those per-round ratios.
+    let skip_loop = std::env::var_os("GEN_BENCH_SKIP_LOOP").is_some();
     let mut loop_s = Vec::new();
-    let loop_runs = if std::env::var_os("GEN_BENCH_SKIP_LOOP").is_some() {
-        0
-    } else {
-        runs
-    };
-    for r in 0..loop_runs {
-        let start = Instant::now();
-        for f in &files {
-            let st = gen_cmd(&model, threads, max_new)
-                .arg("--prompt-file")
-                .arg(f)
-                .arg("-q")
-                .status()
-                .expect("run gen");
-            assert!(st.success());
-        }
-        loop_s.push(start.elapsed().as_secs_f64());
-        eprintln!("  one at a time: run {}/{runs} done", r + 1);
-    }
-    let loop_s = median(loop_s);
-
-    let mut rows = Vec::new();
+    let mut wall: Vec<Vec<f64>> = vec![Vec::new(); sizes.len()];
+    let mut ratio: Vec<Vec<f64>> = vec![Vec::new(); sizes.len()];
+    let mut passes = vec![0.0; sizes.len()];
+    let mut peak = vec![0.0; sizes.len()];
     let mut prompt_tokens = 0.0;
-    for &b in &sizes {
-        let mut wall = Vec::new();
-        let mut passes = Vec::new();
-        let mut peak = Vec::new();
-        for r in 0..runs {
+    for r in 0..runs {
+        let round_loop = if skip_loop {
+            f64::NAN
+        } else {
+            // One process per prompt, one after the other.
+            let start = Instant::now();
+            for f in &files {
+                let st = gen_cmd(&model, threads, max_new)
+                    .arg("--prompt-file")
+                    .arg(f)
+                    .arg("-q")
+                    .status()
+                    .expect("run gen");
+                assert!(st.success());
+            }
+            start.elapsed().as_secs_f64()
+        };
+        loop_s.push(round_loop);
+        eprintln!("  round {}/{runs}: one at a time {round_loop:.1} s", r + 1);
+        for (i, &b) in sizes.iter().enumerate() {
             let start = Instant::now();
             let out = gen_cmd(&model, threads, max_new)
                 .arg("--batch")
@@ -150,7 +151,7 @@ fn main() {
                 .args(["--batch-size", &b.to_string(), "--stats", "json"])
                 .output()
                 .expect("run gen --batch");
-            wall.push(start.elapsed().as_secs_f64());
+            let w = start.elapsed().as_secs_f64();
             let err = String::from_utf8_lossy(&out.stderr);
             assert!(out.status.success(), "gen --batch failed: {err}");
             let j: serde_json::Value = serde_json::from_str(
@@ -160,13 +161,15 @@ fn main() {
                     .expect("a JSON report"),
             )
             .unwrap();
-            passes.push(j["forward_passes"].as_f64().unwrap());
-            peak.push(j["kv_peak_bytes"].as_f64().unwrap() / (1024.0 * 1024.0));
+            passes[i] = j["forward_passes"].as_f64().unwrap();
+            peak[i] = j["kv_peak_bytes"].as_f64().unwrap() / (1024.0 * 1024.0);
             prompt_tokens = j["prompt_tokens"].as_f64().unwrap();
-            eprintln!("  batch size {b}: run {}/{runs} done", r + 1);
+            wall[i].push(w);
+            ratio[i].push(round_loop / w);
+            eprintln!("  round {}/{runs}: batch size {b} {w:.1} s", r + 1);
         }
-        rows.push((b, median(wall), median(passes), median(peak)));
     }
+    let loop_s = median(loop_s);
     if std::env::var_os("GEN_BENCH_KEEP").is_some() {
         eprintln!("bench: prompts kept in {}", dir.display());
     } else {
@@ -185,11 +188,16 @@ fn main() {
         generated / loop_s,
         count * max_new
     );
-    for (b, wall, passes, peak) in rows {
+    for (i, &b) in sizes.iter().enumerate() {
+        let w = median(wall[i].clone());
         println!(
-            "| gen --batch, batch size {b} | {wall:.1} | {:.1} | {:.2}x | {passes:.0} | {peak:.1} |",
-            generated / wall,
-            loop_s / wall
+            "| gen --batch, batch size {b} | {w:.1} | {:.1} | {:.2}x | {:.0} | {:.1} |",
+            generated / w,
+            median(ratio[i].clone()),
+            passes[i],
+            peak[i]
         );
     }
+    println!();
+    println!("(wall times: medians over {runs} rounds; \"vs one at a time\": median of each round's ratio)");
 }

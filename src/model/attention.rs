@@ -1,8 +1,13 @@
-//! Attention of one new token against its sequence's pages of the KV cache, fused into one pass
-//! over the cache per kv head for all the query heads that share it: scores, softmax and the
-//! weighted sum of values, with no intermediate tensors. The decode step's attention cost grows
-//! with the context, so this is what keeps decode fast after a long prompt. (Prefill, many
-//! queries at once, goes through candle's matrix multiplies.)
+//! Attention on the CPU against each sequence's pages of the f16 KV cache.
+//!
+//! Decode (one new token per sequence): one fused pass over the cache per kv head for all the
+//! query heads that share it: scores, softmax and the weighted sum of values, with no
+//! intermediate tensors. The decode step's attention cost grows with the context, so this is
+//! what keeps decode fast after a long prompt.
+//!
+//! Prefill (a prompt's tokens at once): causal attention in tiles of 4 queries, keys transposed
+//! once per kv head, only the keys each query may see, and one pass over the values per tile.
+//! (Off the CPU, attention goes through candle's matrix multiplies instead.)
 //!
 //! Shape legend: h = query heads, kv = key/value heads (h = g * kv; query head i reads kv head
 //! i / g), L = tokens in the cache, hd = head width.
