@@ -16,17 +16,21 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     if gate.dims() != up.dims() {
         bail!("silu_mul: shapes {:?} and {:?}", gate.dims(), up.dims());
     }
-    let (g, u) = (f32_contiguous(gate)?, f32_contiguous(up)?);
-    let mut out = vec![0f32; g.len()];
     let simd = simd_available();
-    out.par_chunks_mut(CHUNK)
-        .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
-        .for_each(|(o, (g, u))| match simd {
-            // SAFETY: only when the CPU has AVX2 and FMA.
-            #[cfg(target_arch = "x86_64")]
-            true => unsafe { x86::silu_mul(g, u, o) },
-            _ => silu_mul_scalar(g, u, o),
-        });
+    let out = with_f32(gate, |g| {
+        with_f32(up, |u| {
+            let mut out = vec![0f32; g.len()];
+            out.par_chunks_mut(CHUNK)
+                .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
+                .for_each(|(o, (g, u))| match simd {
+                    // SAFETY: only when the CPU has AVX2 and FMA.
+                    #[cfg(target_arch = "x86_64")]
+                    true => unsafe { x86::silu_mul(g, u, o) },
+                    _ => silu_mul_scalar(g, u, o),
+                });
+            out
+        })
+    })??;
     Ok(Tensor::from_vec(out, gate.dims(), &Device::Cpu)?)
 }
 
@@ -74,8 +78,9 @@ fn silu_mul_scalar(g: &[f32], u: &[f32], o: &mut [f32]) {
     }
 }
 
-/// A tensor's values, as one f32 slice.
-fn f32_contiguous(t: &Tensor) -> Result<Vec<f32>> {
+/// `f` on a tensor's values as one f32 slice, borrowed when the tensor is already a contiguous
+/// f32 one (what the forward pass hands over).
+fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     let t = t.to_dtype(DType::F32)?.contiguous()?;
     let (storage, layout) = t.storage_and_layout();
     let Storage::Cpu(cpu) = &*storage else {
@@ -83,7 +88,12 @@ fn f32_contiguous(t: &Tensor) -> Result<Vec<f32>> {
     };
     let all = cpu.as_slice::<f32>()?;
     let start = layout.start_offset();
-    Ok(all[start..start + t.elem_count()].to_vec())
+    Ok(f(&all[start..start + t.elem_count()]))
+}
+
+/// A tensor's values, copied into one f32 vector.
+fn f32_contiguous(t: &Tensor) -> Result<Vec<f32>> {
+    with_f32(t, |v| v.to_vec())
 }
 
 /// Whether the AVX2 code may run: decided once per process (GEN_KERNEL=scalar turns it off,
