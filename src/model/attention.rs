@@ -136,6 +136,25 @@ impl Group<'_> {
             })
     }
 
+    /// Each cached block's attended rows of `pool` in order, with where they start among the
+    /// attended positions, asking the CPU for the blocks PREFETCH ahead as it goes.
+    #[cfg(target_arch = "x86_64")]
+    fn prefetched<'p>(&'p self, pool: &'p [f16]) -> impl Iterator<Item = (usize, &'p [f16])> + 'p {
+        let hd = self.hd;
+        let mut ahead = self.runs();
+        for (base, rows) in ahead.by_ref().take(PREFETCH) {
+            x86::prefetch(&pool[base..base + rows * hd]);
+        }
+        let mut p = 0;
+        self.runs().map(move |(base, rows)| {
+            if let Some((base, rows)) = ahead.next() {
+                x86::prefetch(&pool[base..base + rows * hd]);
+            }
+            p += rows;
+            (p - rows, &pool[base..base + rows * hd])
+        })
+    }
+
     /// Portable: plain loops, one query head at a time.
     fn run(&self, k_pool: &[f16], v_pool: &[f16], o: &mut [f32]) {
         let hd = self.hd;
@@ -193,16 +212,7 @@ impl Group<'_> {
         // Scores (g, n), one row per query, then each query's 1 / (sum of its weights).
         let mut buf = vec![0f32; g * n + g];
         let (scores, inv) = buf.split_at_mut(g * n);
-        let mut ahead = self.runs();
-        for (base, rows) in ahead.by_ref().take(PREFETCH) {
-            x86::prefetch(&k_pool[base..base + rows * hd]);
-        }
-        let mut p = 0;
-        for (base, rows) in self.runs() {
-            if let Some((base, rows)) = ahead.next() {
-                x86::prefetch(&k_pool[base..base + rows * hd]);
-            }
-            let keys = &k_pool[base..base + rows * hd];
+        for (p, keys) in self.prefetched(k_pool) {
             for (q0, c) in chunks() {
                 let q = &self.q[q0 * hd..(q0 + c) * hd];
                 let s = &mut scores[q0 * n..(q0 + c) * n];
@@ -215,21 +225,11 @@ impl Group<'_> {
                     _ => unreachable!("chunks of at most MAX_GROUP = 4 queries"),
                 }
             }
-            p += rows;
         }
         for (inv, row) in inv.iter_mut().zip(scores.chunks_exact_mut(n)) {
             *inv = 1.0 / x86::softmax_unnormalised(row);
         }
-        let mut ahead = self.runs();
-        for (base, rows) in ahead.by_ref().take(PREFETCH) {
-            x86::prefetch(&v_pool[base..base + rows * hd]);
-        }
-        let mut p = 0;
-        for (base, rows) in self.runs() {
-            if let Some((base, rows)) = ahead.next() {
-                x86::prefetch(&v_pool[base..base + rows * hd]);
-            }
-            let vals = &v_pool[base..base + rows * hd];
+        for (p, vals) in self.prefetched(v_pool) {
             for (q0, c) in chunks() {
                 let w = &scores[q0 * n..(q0 + c) * n];
                 let o = &mut o[q0 * hd..(q0 + c) * hd];
@@ -242,7 +242,6 @@ impl Group<'_> {
                     _ => unreachable!("chunks of at most MAX_GROUP = 4 queries"),
                 }
             }
-            p += rows;
         }
         for (o, &inv) in o.chunks_exact_mut(hd).zip(inv.iter()) {
             for x in o {
