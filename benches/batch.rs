@@ -20,7 +20,6 @@ use std::time::Instant;
 
 use candle_core::Device;
 use common::{env_or, median};
-use gen::source::{self, FetchOptions, ModelSpec};
 
 /// `count` prompts cut from the benchmark text, lengths spread evenly over 20..=400 tokens and
 /// shuffled (a fixed permutation) so short and long ones alternate.
@@ -79,14 +78,7 @@ fn main() {
         .filter_map(|s| s.trim().parse().ok())
         .collect();
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let model = match std::env::var("GEN_BENCH_MODEL") {
-        Ok(p) => PathBuf::from(p),
-        Err(_) => source::resolve(
-            &ModelSpec::Known(source::DEFAULT_MODEL.into()),
-            &FetchOptions::default(),
-        )
-        .expect("fetch the default model"),
-    };
+    let model = common::bench_model();
     let text = std::fs::read_to_string(root.join("../shared/bench/prompt-1000.txt"))
         .expect("read ../shared/bench/prompt-1000.txt");
     let prompts = prompts(&model, &text, count);

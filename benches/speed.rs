@@ -15,7 +15,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use common::{env_or, median};
-use gen::source::{self, FetchOptions, ModelSpec};
 
 #[derive(Debug, Clone, Copy, Default)]
 struct Sample {
@@ -102,14 +101,7 @@ fn main() {
     let threads: usize = env_or("GEN_BENCH_THREADS", 2);
     let max_new: usize = env_or("GEN_BENCH_MAX_NEW", 200);
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let model = match std::env::var("GEN_BENCH_MODEL") {
-        Ok(p) => PathBuf::from(p),
-        Err(_) => source::resolve(
-            &ModelSpec::Known(source::DEFAULT_MODEL.into()),
-            &FetchOptions::default(),
-        )
-        .expect("fetch the default model"),
-    };
+    let model = common::bench_model();
     let long = root.join("../shared/bench/prompt-1000.txt");
     let short = std::env::temp_dir().join(format!("gen-bench-short-{}.txt", std::process::id()));
     std::fs::write(&short, "Once upon a time").unwrap();

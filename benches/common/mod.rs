@@ -1,5 +1,21 @@
 //! Helpers shared by the benchmarks.
 
+use std::path::PathBuf;
+
+use gen::source::{self, FetchOptions, ModelSpec};
+
+/// The model to measure: GEN_BENCH_MODEL, or the default model (fetched into gen's cache).
+pub fn bench_model() -> PathBuf {
+    match std::env::var("GEN_BENCH_MODEL") {
+        Ok(p) => PathBuf::from(p),
+        Err(_) => source::resolve(
+            &ModelSpec::Known(source::DEFAULT_MODEL.into()),
+            &FetchOptions::default(),
+        )
+        .expect("fetch the default model"),
+    }
+}
+
 /// An environment variable parsed as T, or `default`.
 pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)

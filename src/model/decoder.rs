@@ -769,26 +769,23 @@ fn prefill_attention_cpu(
     cfg: &DecoderConfig,
     scale: f32,
 ) -> Result<Tensor> {
-    let (qs, ql) = q.storage_and_layout();
-    let candle_core::Storage::Cpu(qc) = &*qs else {
-        bail!("the queries are not on the CPU");
-    };
     let width = cfg.n_head * cfg.head_dim;
-    let q = &qc.as_slice::<f32>()?[ql.start_offset() + at * width..][..t * width];
-    let y = super::attention::causal_prefill_attention(
-        q,
-        blocks,
-        pos,
-        t,
-        window,
-        k,
-        v,
-        BLOCK_SIZE,
-        cfg.n_head,
-        cfg.n_kv_head,
-        cfg.head_dim,
-        scale,
-    );
+    let y = super::host::with_f32(q, |q| {
+        super::attention::causal_prefill_attention(
+            &q[at * width..][..t * width],
+            blocks,
+            pos,
+            t,
+            window,
+            k,
+            v,
+            BLOCK_SIZE,
+            cfg.n_head,
+            cfg.n_kv_head,
+            cfg.head_dim,
+            scale,
+        )
+    })?;
     Ok(Tensor::from_vec(y, (t, width), &Device::Cpu)?)
 }
 
@@ -800,31 +797,28 @@ fn decode_attention_cpu(
     cfg: &DecoderConfig,
     scale: f32,
 ) -> Result<Tensor> {
-    let (qs, ql) = q.storage_and_layout();
-    let candle_core::Storage::Cpu(qc) = &*qs else {
-        bail!("the queries are not on the CPU");
-    };
-    let q = &qc.as_slice::<f32>()?[ql.start_offset()..];
     let width = cfg.n_head * cfg.head_dim;
-    let seqs: Vec<super::attention::PagedQuery<'_>> = steps
-        .iter()
-        .map(|&(row, blocks, len, from)| super::attention::PagedQuery {
-            q: &q[row * width..(row + 1) * width],
-            blocks,
-            len,
-            from,
-        })
-        .collect();
-    let y = super::attention::paged_decode_attention(
-        &seqs,
-        k,
-        v,
-        BLOCK_SIZE,
-        cfg.n_head,
-        cfg.n_kv_head,
-        cfg.head_dim,
-        scale,
-    );
+    let y = super::host::with_f32(q, |q| {
+        let seqs: Vec<super::attention::PagedQuery<'_>> = steps
+            .iter()
+            .map(|&(row, blocks, len, from)| super::attention::PagedQuery {
+                q: &q[row * width..(row + 1) * width],
+                blocks,
+                len,
+                from,
+            })
+            .collect();
+        super::attention::paged_decode_attention(
+            &seqs,
+            k,
+            v,
+            BLOCK_SIZE,
+            cfg.n_head,
+            cfg.n_kv_head,
+            cfg.head_dim,
+            scale,
+        )
+    })?;
     Ok(Tensor::from_vec(y, (steps.len(), width), &Device::Cpu)?)
 }
 

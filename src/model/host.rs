@@ -80,7 +80,7 @@ fn silu_mul_scalar(g: &[f32], u: &[f32], o: &mut [f32]) {
 
 /// `f` on a tensor's values as one f32 slice, borrowed when the tensor is already a contiguous
 /// f32 one (what the forward pass hands over).
-fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+pub(crate) fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     let t = t.to_dtype(DType::F32)?.contiguous()?;
     let (storage, layout) = t.storage_and_layout();
     let Storage::Cpu(cpu) = &*storage else {

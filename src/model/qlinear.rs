@@ -14,7 +14,7 @@
 
 use anyhow::{bail, Result};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{DType, Device, Module, Storage, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
@@ -687,16 +687,7 @@ impl QLinear {
             );
         }
         let t = x.elem_count() / k.max(1);
-        let x = x.to_dtype(candle_core::DType::F32)?.contiguous()?;
-        let ys = {
-            let (storage, layout) = x.storage_and_layout();
-            let Storage::Cpu(cpu) = &*storage else {
-                bail!("expected a CPU tensor")
-            };
-            let all = cpu.as_slice::<f32>()?;
-            let start = layout.start_offset();
-            w.matmul_parts(&all[start..start + t * k], t, widths)
-        };
+        let ys = super::host::with_f32(x, |x| w.matmul_parts(x, t, widths))?;
         ys.into_iter()
             .zip(widths)
             .map(|(y, &width)| {
