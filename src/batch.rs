@@ -16,6 +16,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
+use candle_core::DType;
 
 use crate::generate::{Flow, StopReason};
 use crate::model::kv_cache::blocks_for;
@@ -180,11 +181,27 @@ pub fn run(
         let logits = model.forward(&steps)?;
         stats.forward_passes += 1;
 
+        // Two transfers from the device at most, whatever the batch size: the argmax of every
+        // row for the greedy sequences, the logits themselves for the others.
+        let argmax = if running.iter().any(|s| s.sampler.is_plain_argmax()) {
+            logits.argmax(1)?.to_dtype(DType::U32)?.to_vec1::<u32>()?
+        } else {
+            Vec::new()
+        };
+        let mut rows = if running.iter().all(|s| s.sampler.is_plain_argmax()) {
+            Vec::new()
+        } else {
+            logits.to_dtype(DType::F32)?.to_vec2::<f32>()?
+        };
         let mut ended = Vec::new();
         for (row, s) in running.iter_mut().enumerate() {
             s.passes += 1;
             s.cached = s.history.len();
-            let next = s.sampler.sample(&logits.narrow(0, row, 1)?, &s.history)?;
+            let next = if s.sampler.is_plain_argmax() {
+                argmax[row]
+            } else {
+                s.sampler.sample_row(&mut rows[row], &s.history)?
+            };
             if s.ttft.is_none() {
                 s.wait = Some(pass_start - start);
                 s.ttft = Some(pass_start.elapsed());

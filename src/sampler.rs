@@ -92,12 +92,23 @@ impl Sampler {
     /// (prompt and reply), which the repetition penalty looks at.
     pub fn sample(&mut self, logits: &Tensor, history: &[u32]) -> Result<u32> {
         let logits = logits.flatten_all()?;
-        let penalised = self.params.repeat_penalty != 1.0 && self.params.repeat_last_n > 0;
-        if self.params.is_greedy() && !penalised {
+        if self.is_plain_argmax() {
             return Ok(logits.argmax(0)?.to_dtype(DType::U32)?.to_scalar::<u32>()?);
         }
         let mut row = logits.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         self.sample_host(&mut row, history)
+    }
+
+    /// Whether `sample` picks the largest logit as it is (greedy, no repetition penalty): then
+    /// whoever holds the logits may take the argmax where they are, for many rows at once.
+    pub fn is_plain_argmax(&self) -> bool {
+        let penalised = self.params.repeat_penalty != 1.0 && self.params.repeat_last_n > 0;
+        self.params.is_greedy() && !penalised
+    }
+
+    /// `sample` on a row of logits already on the host (changed in place).
+    pub fn sample_row(&mut self, row: &mut [f32], history: &[u32]) -> Result<u32> {
+        self.sample_host(row, history)
     }
 
     fn sample_host(&mut self, row: &mut [f32], history: &[u32]) -> Result<u32> {

@@ -272,7 +272,7 @@ fn pick_device(choice: DeviceChoice, threads: Option<usize>) -> Result<(Device, 
                 bail!("--device cuda: this gen was built without CUDA; rebuild with `cargo build --release --features cuda`");
             }
             let d = Device::new_cuda(n).with_context(|| format!("cannot open CUDA device {n}"))?;
-            Ok((d, format!("cuda:{n}")))
+            Ok((single_stream(d), format!("cuda:{n}")))
         }
         DeviceChoice::Metal(n) => {
             if !candle_core::utils::metal_is_available() {
@@ -285,7 +285,7 @@ fn pick_device(choice: DeviceChoice, threads: Option<usize>) -> Result<(Device, 
         DeviceChoice::Auto => {
             if candle_core::utils::cuda_is_available() {
                 match Device::new_cuda(0) {
-                    Ok(d) => return Ok((d, "cuda:0".into())),
+                    Ok(d) => return Ok((single_stream(d), "cuda:0".into())),
                     Err(e) => {
                         let (d, name) = cpu();
                         let first = e.to_string().lines().next().unwrap_or_default().to_string();
@@ -296,6 +296,23 @@ fn pick_device(choice: DeviceChoice, threads: Option<usize>) -> Result<(Device, 
             Ok(cpu())
         }
     }
+}
+
+/// A CUDA device set up for gen's use of it: every operation on one stream, issued from one
+/// thread. cudarc, under candle, by default gives every buffer two CUDA events (created with
+/// it, destroyed with it) to order its uses across streams; with one stream they order
+/// nothing, and a decode step makes some thousand buffers. GEN_CUDA_EVENTS=1 keeps them.
+fn single_stream(device: Device) -> Device {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = &device {
+        if std::env::var("GEN_CUDA_EVENTS").map_or(true, |v| v != "1") {
+            // SAFETY: cudarc's events only order work between streams; gen issues all of its
+            // work on the device's one stream (candle's per-thread stream, from the one thread
+            // the whole program runs on), and this runs before any buffer exists.
+            unsafe { d.disable_event_tracking() };
+        }
+    }
+    device
 }
 
 /// Streams each token's text out as it is sampled.

@@ -188,6 +188,23 @@ impl Checkpoint {
         }
     }
 
+    /// Values in all of the checkpoint's tensors (weights of every type counted alike).
+    pub fn parameter_count(&self) -> usize {
+        match &self.store {
+            Store::Gguf { content, .. } => content
+                .tensor_infos
+                .values()
+                .map(|t| t.shape.elem_count())
+                .sum(),
+            Store::Safetensors(st) => st
+                .names
+                .values()
+                .filter_map(|hf| st.files.get(hf).ok())
+                .map(|view| view.shape().iter().product::<usize>())
+                .sum(),
+        }
+    }
+
     /// The tensor of this GGUF name, on `device`.
     pub fn tensor(&self, name: &str, device: &Device) -> Result<QTensor> {
         match &self.store {

@@ -23,7 +23,8 @@ use candle_core::{DType, Device, Tensor};
 
 use super::checkpoint::Checkpoint;
 use super::kv_cache::{KvStore, PagedKv, BLOCK_SIZE};
-use super::qlinear::{Projections, QLinear};
+use super::profile::Profile;
+use super::qlinear::{DeviceWeights, Projections, QLinear};
 use super::{LanguageModel, ModelInfo, SeqStep};
 
 /// A model family: its GGUF `general.architecture` and the operations that set it apart.
@@ -304,6 +305,7 @@ pub struct Decoder {
     rope_bases: Vec<f32>,
     kv: PagedKv,
     store: KvStore,
+    profile: Profile,
 }
 
 /// Where one step's queries find their keys for one kind of layer: CPU one-token steps read
@@ -318,6 +320,92 @@ enum StepKeys {
         on_device: Option<Tensor>,
         mask: Option<Tensor>,
     },
+    /// A one-token step off the CPU: attended with every other such step of the pass at once
+    /// ([`DeviceDecode`]), row `usize` of its output.
+    Batched(usize),
+}
+
+/// The one-token steps of a pass off the CPU, for one kind of layer: their keys gathered from
+/// the paged cache in one go, padded to the longest, so that attention is a handful of kernel
+/// launches for the whole batch instead of a handful per step.
+struct DeviceDecode {
+    /// Rows of q (N, h, hd) that are one-token steps, in order; None when all N are.
+    q_rows: Option<Tensor>,
+    /// B * kv * lmax cache rows: per step, per kv head, its keys from the first it may see
+    /// on, padded by repeating its last key.
+    rows: Tensor,
+    /// (B, 1, lmax): 0 where a step has a key, -inf on its padding; None when none is padded.
+    mask: Option<Tensor>,
+    steps: usize,
+    lmax: usize,
+}
+
+impl DeviceDecode {
+    /// `steps`: (row among the N, cache rows of each kv head's keys, one list per head).
+    fn new(n: usize, steps: &[(usize, Vec<u32>)], kv: usize, device: &Device) -> Result<Self> {
+        let b = steps.len();
+        let lmax = steps.iter().map(|(_, r)| r.len() / kv).max().unwrap_or(0);
+        let mut rows = Vec::with_capacity(b * kv * lmax);
+        let mut mask = vec![0f32; b * lmax];
+        let mut padded = false;
+        for (i, (_, r)) in steps.iter().enumerate() {
+            let l = r.len() / kv;
+            for head in r.chunks_exact(l) {
+                rows.extend_from_slice(head);
+                rows.extend(std::iter::repeat_n(head[l - 1], lmax - l));
+            }
+            mask[i * lmax + l..(i + 1) * lmax].fill(f32::NEG_INFINITY);
+            padded |= l < lmax;
+        }
+        let in_order = b == n && steps.iter().enumerate().all(|(i, &(at, _))| at == i);
+        let q_rows: Vec<u32> = steps.iter().map(|&(at, _)| at as u32).collect();
+        Ok(Self {
+            q_rows: (!in_order)
+                .then(|| Tensor::new(q_rows.as_slice(), device))
+                .transpose()?,
+            rows: Tensor::new(rows.as_slice(), device)?,
+            mask: padded
+                .then(|| Tensor::from_vec(mask, (b, 1, lmax), device))
+                .transpose()?,
+            steps: b,
+            lmax,
+        })
+    }
+
+    /// q: (N, h, hd); pools: (kv * P * BLOCK_SIZE, hd). Returns (B, h * hd).
+    fn attend(
+        &self,
+        q: &Tensor,
+        k_pool: &Tensor,
+        v_pool: &Tensor,
+        cfg: &DecoderConfig,
+        scale: f64,
+    ) -> Result<Tensor> {
+        let (h, kv, hd) = (cfg.n_head, cfg.n_kv_head, cfg.head_dim);
+        let (b, l, g) = (self.steps, self.lmax, h / kv);
+        let q = match &self.q_rows {
+            Some(r) => q.index_select(r, 0)?,
+            None => q.clone(),
+        };
+        // Heads sharing a kv head sit next to each other: (B * kv, g, hd).
+        let q = q.reshape((b * kv, g, hd))?;
+        let keys = k_pool
+            .index_select(&self.rows, 0)?
+            .reshape((b * kv, l, hd))?;
+        let values = v_pool
+            .index_select(&self.rows, 0)?
+            .reshape((b * kv, l, hd))?;
+        let att = (q.matmul(&keys.t()?)? * scale)?; // (B * kv, g, L)
+        let att = match &self.mask {
+            Some(m) => att
+                .reshape((b, kv * g, l))?
+                .broadcast_add(m)?
+                .reshape((b * kv, g, l))?,
+            None => att,
+        };
+        let att = candle_nn::ops::softmax_last_dim(&att)?;
+        Ok(att.matmul(&values)?.reshape((b, h * hd))?)
+    }
 }
 
 impl Decoder {
@@ -331,6 +419,14 @@ impl Decoder {
         let tensor = |n: &str| -> Result<QTensor> {
             ckpt.tensor(n, device)
                 .with_context(|| format!("reading tensor {n}"))
+        };
+        let host_kernels =
+            device.is_cpu() && std::env::var("GEN_ATTENTION").map_or(true, |v| v != "candle");
+        // Our CPU kernels on the CPU; off it (or running its path on the CPU), as the size says.
+        let weights = if host_kernels {
+            DeviceWeights::Quantized
+        } else {
+            DeviceWeights::choose(ckpt.parameter_count())
         };
         let embedding = tensor("token_embd.weight")?;
         let (vocab_size, emb_width) = embedding.shape().dims2()?;
@@ -361,7 +457,7 @@ impl Decoder {
                         rows.map_or("_".into(), |r| r.to_string())
                     );
                 }
-                Ok((QLinear::new(q, device)?, dims[0]))
+                Ok((QLinear::for_device(q, device, weights)?, dims[0]))
             };
             let (d, h, kv, hd) = (cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.head_dim);
             let qkv = if ckpt.has_tensor(&format!("{p}.attn_qkv.weight")) {
@@ -451,9 +547,9 @@ impl Decoder {
                     cfg.d_model
                 );
             }
-            QLinear::new(q, device)?
+            QLinear::for_device(q, device, weights)?
         } else {
-            QLinear::new(tensor("token_embd.weight")?, device)?
+            QLinear::for_device(tensor("token_embd.weight")?, device, weights)?
         };
         let info = ModelInfo {
             arch: family.arch().into(),
@@ -465,8 +561,7 @@ impl Decoder {
             info,
             cfg,
             device: device.clone(),
-            host_kernels: device.is_cpu()
-                && std::env::var("GEN_ATTENTION").map_or(true, |v| v != "candle"),
+            host_kernels,
             embedding,
             layers,
             out_norm,
@@ -475,6 +570,7 @@ impl Decoder {
             rope_bases,
             kv: PagedKv::new(0),
             store: KvStore::empty(),
+            profile: Profile::from_env(),
         })
     }
 
@@ -491,6 +587,7 @@ impl Decoder {
         let g = h / kv;
         let dev = &self.device;
         let cpu = self.host_kernels;
+        self.profile.start(n == batch.len());
 
         // Per token: id, position, and the cache row it is written to.
         let mut ids = Vec::with_capacity(n);
@@ -511,9 +608,12 @@ impl Decoder {
         let mut views: Vec<Vec<StepKeys>> = Vec::with_capacity(self.windows.len());
         // The fused CPU kernel's one-token steps, per window.
         let mut fused: Vec<Vec<DecodeStep<'_>>> = Vec::new();
+        // Off the CPU: the one-token steps attended together, per window.
+        let mut device_decode: Vec<Option<DeviceDecode>> = Vec::new();
         for &window in &self.windows {
             let mut keys = Vec::with_capacity(batch.len());
             let mut decode = Vec::new();
+            let mut batched = Vec::new();
             for (step, &at) in batch.iter().zip(&starts) {
                 let t = step.tokens.len();
                 let end = step.pos + t;
@@ -530,6 +630,11 @@ impl Decoder {
                 }
                 let slots: Vec<u32> = self.kv.slots(step.seq, lo, end).collect();
                 let rows = self.store.gather_rows(&slots);
+                if t == 1 {
+                    keys.push(StepKeys::Batched(batched.len()));
+                    batched.push((at, rows));
+                    continue;
+                }
                 let on_device = (!cpu)
                     .then(|| Tensor::new(rows.as_slice(), dev))
                     .transpose()?;
@@ -544,7 +649,13 @@ impl Decoder {
             }
             views.push(keys);
             fused.push(decode);
+            device_decode.push(
+                (!batched.is_empty())
+                    .then(|| DeviceDecode::new(n, &batched, kv, dev))
+                    .transpose()?,
+            );
         }
+        let write = self.store.plan_write(&slots, dev)?;
         let ropes = self
             .rope_bases
             .iter()
@@ -571,6 +682,7 @@ impl Decoder {
             x = (x * (cfg.d_model as f32).sqrt() as f64)?;
         }
         let scale = cfg.attn_scale;
+        self.profile.mark(dev, "prepare, embed");
         for (l, layer) in self.layers.iter().enumerate() {
             let xn = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?;
             let [mut q, mut k, mut v]: [Tensor; 3] = layer
@@ -583,6 +695,7 @@ impl Decoder {
                 k = k.broadcast_add(bk)?;
                 v = v.broadcast_add(bv)?;
             }
+            self.profile.mark(dev, "norm, q/k/v");
             let (q, k) = if cpu {
                 // Token-major all the way: (N, heads, hd) is what the projections give and
                 // what the attention kernels and the cache take.
@@ -624,7 +737,9 @@ impl Decoder {
                 let k = k.squeeze(0)?.transpose(0, 1)?.reshape((n, kv * hd))?; // (N, kv*hd)
                 (q, k)
             };
-            self.store.write(l, &k, &v, &slots)?;
+            self.profile.mark(dev, "rope");
+            self.store.write(l, &k, &v, &write)?;
+            self.profile.mark(dev, "kv write");
 
             let decode = &fused[layer.view];
             let fused_out = if decode.is_empty() {
@@ -640,11 +755,25 @@ impl Decoder {
                     scale as f32,
                 )?)
             };
+            let batched_out = match &device_decode[layer.view] {
+                Some(d) => {
+                    let (k_pool, v_pool) = self.store.device(l).context("a device KV cache")?;
+                    Some((d.attend(&q, k_pool, v_pool, cfg, scale)?, d.steps))
+                }
+                None => None,
+            };
             let y = if decode.len() == batch.len() {
                 fused_out.expect("every step is a CPU decode step") // (N, h*hd)
+            } else if let Some((out, _)) = batched_out.as_ref().filter(|(_, b)| *b == batch.len()) {
+                out.clone() // every step is a one-token step, in order: (N, h*hd)
             } else {
                 let mut parts = Vec::with_capacity(batch.len());
                 let mut fused_rows = 0..decode.len();
+                // With batched one-token steps: where each step's rows are in
+                // [batched output; parts], to put them back in the order of the steps.
+                let mut order: Vec<u32> = Vec::new();
+                let first_part = batched_out.as_ref().map_or(0, |(_, b)| *b);
+                let mut part_rows = 0;
                 for ((step, &at), keys) in batch.iter().zip(&starts).zip(&views[layer.view]) {
                     let t = step.tokens.len();
                     let (rows, on_device, mask) = match keys {
@@ -674,7 +803,13 @@ impl Decoder {
                             parts.push(f.narrow(0, row, 1)?);
                             continue;
                         }
+                        StepKeys::Batched(i) => {
+                            order.push(*i as u32);
+                            continue;
+                        }
                     };
+                    order.extend((0..t).map(|r| (first_part + part_rows + r) as u32));
+                    part_rows += t;
                     let (keys, values) = self.store.gather(l, rows, on_device.as_ref(), dev)?; // (kv, L, hd)
                                                                                                // Heads sharing a kv head sit next to each other: fold them into the row
                                                                                                // axis so the cache is used as is, never repeated.
@@ -696,29 +831,41 @@ impl Decoder {
                             .reshape((t, h * hd))?,
                     );
                 }
-                Tensor::cat(&parts, 0)?
+                match batched_out {
+                    Some((out, _)) => {
+                        parts.insert(0, out);
+                        let order = Tensor::new(order.as_slice(), dev)?;
+                        Tensor::cat(&parts, 0)?.index_select(&order, 0)?
+                    }
+                    None => Tensor::cat(&parts, 0)?,
+                }
             };
+            self.profile.mark(dev, "attention");
             let mut o = layer.wo.forward(&y)?;
             if let Some(w) = &layer.post_attn_norm {
                 o = candle_nn::ops::rms_norm(&o, w, cfg.rms_eps)?;
             }
             x = (x + o)?;
+            self.profile.mark(dev, "attn out, add");
             let xn = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps)?;
             let [gate, up]: [Tensor; 2] = layer
                 .gate_up
                 .forward(&xn)?
                 .try_into()
                 .expect("two projections");
+            self.profile.mark(dev, "norm, gate/up");
             let act = match cfg.family.activation() {
                 Activation::Silu if cpu => super::host::silu_mul(&gate, &up)?,
                 Activation::Silu => (candle_nn::ops::silu(&gate)? * up)?,
                 Activation::GeluTanh => (gate.gelu()? * up)?,
             };
+            self.profile.mark(dev, "activation");
             let mut o = layer.w_down.forward(&act)?;
             if let Some(w) = &layer.post_ffn_norm {
                 o = candle_nn::ops::rms_norm(&o, w, cfg.rms_eps)?;
             }
             x = (x + o)?;
+            self.profile.mark(dev, "down, add");
         }
         for step in batch {
             self.kv.advance(step.seq, step.tokens.len());
@@ -735,7 +882,9 @@ impl Decoder {
             x.index_select(&Tensor::new(last.as_slice(), dev)?, 0)?
         };
         let last = candle_nn::ops::rms_norm(&last, &self.out_norm, cfg.rms_eps)?;
-        Ok(self.output.forward(&last)?.to_dtype(DType::F32)?)
+        let logits = self.output.forward(&last)?.to_dtype(DType::F32)?;
+        self.profile.mark(dev, "norm, logits");
+        Ok(logits)
     }
 }
 

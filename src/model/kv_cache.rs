@@ -152,6 +152,19 @@ impl PagedKv {
     }
 }
 
+/// Where one pass's new keys and values go in a [`KvStore`], worked out once for all layers.
+pub struct WritePlan {
+    slots: Vec<u32>,
+    device: Option<DevicePlan>,
+}
+
+/// For a device store: which new row each (kv head, block, place) receives (`map`, into the
+/// (N * kv, hd) rows) and its row within the block (`ids`, u32::MAX where nothing comes).
+struct DevicePlan {
+    map: candle_core::Tensor,
+    ids: candle_core::Tensor,
+}
+
 /// The keys and values themselves, per layer, in the blocks `PagedKv` hands out. Layout
 /// (kv, P, BLOCK_SIZE, hd): each kv head has its own region, so a sequence whose blocks are
 /// consecutive (the common case: blocks are handed out lowest first) is one contiguous run per
@@ -223,14 +236,67 @@ impl KvStore {
         })
     }
 
-    /// Store one layer's keys and values of N tokens, (N, kv*hd) each, at cache `slots`.
+    /// Work out where a pass's N new tokens (at cache `slots`) go, once for every layer.
+    pub fn plan_write(
+        &self,
+        slots: &[u32],
+        device: &candle_core::Device,
+    ) -> candle_core::Result<WritePlan> {
+        let KvStore::Device { kv_heads, .. } = self else {
+            return Ok(WritePlan {
+                slots: slots.to_vec(),
+                device: None,
+            });
+        };
+        // One scatter per tensor writes every token of every head: the cache seen as
+        // (kv * P, BLOCK_SIZE, hd), each (head, block) receiving up to `per_block` rows of a
+        // source of (kv * P, per_block, hd) gathered from the new rows; (head, block) pairs
+        // with nothing to receive are skipped through the index u32::MAX. candle's scatter
+        // runs one thread per (head, block, value) and loops only over `per_block`, where a
+        // plain scatter of N rows would loop over all N in each of hd threads.
+        let (kv, p) = (*kv_heads, self.blocks());
+        let mut count = vec![0usize; p];
+        for &s in slots {
+            count[s as usize / BLOCK_SIZE] += 1;
+        }
+        let per_block = count.iter().copied().max().unwrap_or(0).max(1);
+        let mut map = vec![0u32; kv * p * per_block];
+        let mut ids = vec![u32::MAX; kv * p * per_block];
+        count.fill(0);
+        for (i, &s) in slots.iter().enumerate() {
+            let (blk, r) = (s as usize / BLOCK_SIZE, s as usize % BLOCK_SIZE);
+            let c = count[blk];
+            count[blk] += 1;
+            for j in 0..kv {
+                let e = (j * p + blk) * per_block + c;
+                map[e] = (i * kv + j) as u32;
+                ids[e] = r as u32;
+            }
+        }
+        let hd = self.head_dim();
+        let n = kv * p * per_block;
+        let ids = candle_core::Tensor::from_vec(ids, (n, 1), device)?
+            .broadcast_as((n, hd))?
+            .contiguous()?
+            .reshape((kv * p, per_block, hd))?;
+        Ok(WritePlan {
+            slots: slots.to_vec(),
+            device: Some(DevicePlan {
+                map: candle_core::Tensor::from_vec(map, n, device)?,
+                ids,
+            }),
+        })
+    }
+
+    /// Store one layer's keys and values of N tokens, (N, kv*hd) each, where `plan` says.
     pub fn write(
         &mut self,
         layer: usize,
         keys: &candle_core::Tensor,
         values: &candle_core::Tensor,
-        slots: &[u32],
+        plan: &WritePlan,
     ) -> candle_core::Result<()> {
+        let slots = &plan.slots;
         match self {
             KvStore::Host {
                 k,
@@ -264,30 +330,19 @@ impl KvStore {
                 kv_heads,
                 head_dim,
             } => {
+                let Some(DevicePlan { map, ids }) = &plan.device else {
+                    candle_core::bail!("a device cache needs a write plan made for it");
+                };
                 let (kv, hd) = (*kv_heads, *head_dim);
                 let p = k[layer].dim(0)? / (kv * BLOCK_SIZE).max(1);
-                // One copy per run of consecutive rows within a block, per head.
-                let mut from = 0;
-                while from < slots.len() {
-                    let mut to = from + 1;
-                    while to < slots.len()
-                        && slots[to] == slots[to - 1] + 1
-                        && !(slots[to] as usize).is_multiple_of(BLOCK_SIZE)
-                    {
-                        to += 1;
-                    }
-                    let (blk, r) = (
-                        slots[from] as usize / BLOCK_SIZE,
-                        slots[from] as usize % BLOCK_SIZE,
-                    );
-                    for j in 0..kv {
-                        let row = (j * p + blk) * BLOCK_SIZE + r;
-                        for (src, dst) in [(keys, &k[layer]), (values, &v[layer])] {
-                            let part = src.narrow(0, from, to - from)?.narrow(1, j * hd, hd)?;
-                            dst.slice_set(&part.contiguous()?, 0, row)?;
-                        }
-                    }
-                    from = to;
+                let per_block = ids.dim(1)?;
+                for (src, dst) in [(keys, &k[layer]), (values, &v[layer])] {
+                    let rows = src.contiguous()?.reshape((slots.len() * kv, hd))?;
+                    let source = rows
+                        .index_select(map, 0)?
+                        .reshape((kv * p, per_block, hd))?;
+                    dst.reshape((kv * p, BLOCK_SIZE, hd))?
+                        .scatter_set(ids, &source, 1)?;
                 }
                 Ok(())
             }
@@ -376,6 +431,20 @@ impl KvStore {
             KvStore::Host { kv_heads, .. } | KvStore::Device { kv_heads, .. } => *kv_heads,
         }
     }
+
+    fn head_dim(&self) -> usize {
+        match self {
+            KvStore::Host { head_dim, .. } | KvStore::Device { head_dim, .. } => *head_dim,
+        }
+    }
+
+    /// One layer's cache tensors, (kv * P * BLOCK_SIZE, hd) each; None for the host store.
+    pub fn device(&self, layer: usize) -> Option<(&candle_core::Tensor, &candle_core::Tensor)> {
+        match self {
+            KvStore::Device { k, v, .. } => Some((&k[layer], &v[layer])),
+            KvStore::Host { .. } => None,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -452,7 +521,8 @@ mod tests {
                 .unwrap();
             let v = (k.clone() * -1.0).unwrap();
             for store in [&mut host, &mut device] {
-                store.write(1, &k, &v, &slots[from..to]).unwrap();
+                let plan = store.plan_write(&slots[from..to], &dev).unwrap();
+                store.write(1, &k, &v, &plan).unwrap();
             }
         }
         let rows = host.gather_rows(&slots);
@@ -465,6 +535,30 @@ mod tests {
             let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             assert_eq!(a, b);
         }
+        // A decode pass of three sequences, one token each, in three blocks, one of them over
+        // a value already there; then the whole pools compared.
+        let scattered = [slots[5], 2 * 16 + 3, 15];
+        let k = (Tensor::arange(0f32, (3 * kv * hd) as f32, &dev).unwrap() + 1000.0)
+            .unwrap()
+            .reshape((3, kv * hd))
+            .unwrap();
+        let v = (k.clone() * -1.0).unwrap();
+        for store in [&mut host, &mut device] {
+            let plan = store.plan_write(&scattered, &dev).unwrap();
+            store.write(1, &k, &v, &plan).unwrap();
+        }
+        let all: Vec<u32> = (0..(blocks * 16) as u32).collect();
+        let rows = host.gather_rows(&all);
+        let (hk, hv) = host.gather(1, &rows, None, &dev).unwrap();
+        let (dk, dv) = device.gather(1, &rows, None, &dev).unwrap();
+        for (a, b) in [(hk, dk), (hv, dv)] {
+            let a = a.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(a, b);
+        }
+        let (k1, _) = host.host(1).unwrap();
+        let at = ((blocks + 2) * 16 + 3) * hd; // kv head 1, block 2, row 3
+        assert_eq!(k1[at].to_f32(), (1000 + kv * hd + hd) as f32);
         // Token 30 of the second write (index 7 of it), kv head 2, value 3 of its row.
         let (k1, _) = host.host(1).unwrap();
         let (blk, r) = (slots[30] as usize / 16, slots[30] as usize % 16);

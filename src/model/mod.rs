@@ -11,6 +11,7 @@ pub mod checkpoint;
 pub mod decoder;
 pub mod host;
 pub mod kv_cache;
+pub mod profile;
 pub mod qlinear;
 
 use candle_core::Tensor;

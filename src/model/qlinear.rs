@@ -527,6 +527,9 @@ pub enum Projections {
 
 impl Projections {
     pub fn new(parts: Vec<QLinear>) -> Self {
+        if let Some(fused) = Self::fuse_dense(&parts) {
+            return fused;
+        }
         let fusable = parts.iter().all(|p| match p {
             // Tiles concatenate only when no part has padding rows.
             QLinear::Cpu(w) => matches!(w.layout, Layout::Rows(_)) || w.rows % 8 == 0,
@@ -566,6 +569,36 @@ impl Projections {
         }
     }
 
+    /// Dense parts of one type and width become one matrix: one product instead of several
+    /// (on a GPU, each is a kernel launch). None when the parts are not all like that, or the
+    /// copy fails (then they stay apart).
+    fn fuse_dense(parts: &[QLinear]) -> Option<Self> {
+        let ws: Vec<&Tensor> = parts
+            .iter()
+            .map(|p| match p {
+                QLinear::Dense(w) => Some(w),
+                _ => None,
+            })
+            .collect::<Option<_>>()?;
+        let first = ws.first()?;
+        let same = ws.iter().all(|w| {
+            w.dtype() == first.dtype() && w.rank() == 2 && w.dim(1).ok() == first.dim(1).ok()
+        });
+        if ws.len() < 2 || !same {
+            return None;
+        }
+        let widths = ws
+            .iter()
+            .map(|w| w.dim(0))
+            .collect::<candle_core::Result<Vec<_>>>()
+            .ok()?;
+        let all = Tensor::cat(&ws, 0).ok()?;
+        Some(Projections::Fused {
+            linear: QLinear::Dense(all),
+            widths,
+        })
+    }
+
     /// x: (T, K) -> one (T, N_i) per projection.
     pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
         match self {
@@ -585,12 +618,57 @@ pub enum QLinear {
     Dense(Tensor),
 }
 
+/// How quantized weights are kept off the CPU (on a GPU).
+///
+/// `F32`: widened once at load, so each linear layer is one cuBLAS product, exact in its
+/// weights; a decode step of a small model is bound by kernel launches, not by reading weights,
+/// and candle's quantized kernels take two launches per product (quantize the input, multiply)
+/// and round the input to 8 bits with f16 block sums, which moved greedy tokens off the CPU's
+/// (llama.cpp's) within a few steps on the default model. `Quantized`: candle's QMatMul, a
+/// quarter to an eighth of the memory, for models too big to widen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceWeights {
+    Quantized,
+    F32,
+}
+
+impl DeviceWeights {
+    /// Widened f32 weights may take this much device memory.
+    pub const F32_BUDGET: usize = 4 << 30;
+
+    /// `F32` when the model widened to f32 fits [`Self::F32_BUDGET`] (about a billion
+    /// parameters), else `Quantized`; GEN_DEVICE_WEIGHTS=f32|quantized decides instead.
+    pub fn choose(parameters: usize) -> Self {
+        match std::env::var("GEN_DEVICE_WEIGHTS").as_deref() {
+            Ok("f32") => DeviceWeights::F32,
+            Ok("quantized") => DeviceWeights::Quantized,
+            _ if parameters.saturating_mul(4) <= Self::F32_BUDGET => DeviceWeights::F32,
+            _ => DeviceWeights::Quantized,
+        }
+    }
+}
+
 impl QLinear {
     pub fn new(q: QTensor, device: &Device) -> Result<Self> {
-        Self::with_kernel(q, device, Kernel::detect())
+        Self::with_kernel(q, device, Kernel::detect(), DeviceWeights::Quantized)
     }
 
-    pub fn with_kernel(q: QTensor, device: &Device, kernel: Kernel) -> Result<Self> {
+    /// `new`, with quantized weights kept as `weights` says (`F32` replaces our CPU kernels
+    /// too: the decoder asks for it only off the CPU, or to run a GPU's path on the CPU).
+    pub fn for_device(q: QTensor, device: &Device, weights: DeviceWeights) -> Result<Self> {
+        Self::with_kernel(q, device, Kernel::detect(), weights)
+    }
+
+    pub fn with_kernel(
+        q: QTensor,
+        device: &Device,
+        kernel: Kernel,
+        weights: DeviceWeights,
+    ) -> Result<Self> {
+        let quantized = !matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
+        if quantized && weights == DeviceWeights::F32 {
+            return Ok(QLinear::Dense(q.dequantize(device)?));
+        }
         let ty = match q.dtype() {
             GgmlDType::Q4_1 => Some(WeightType::Q4_1),
             GgmlDType::Q8_0 => Some(WeightType::Q8_0),
@@ -661,14 +739,30 @@ impl QLinear {
     pub fn forward_parts(&self, x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>> {
         match self {
             QLinear::Cpu(w) => Self::cpu_parts(w, x, widths),
+            // Several rows: one product per part, on views of the weight's rows, so each part
+            // comes out contiguous; narrowed columns of one product would be strided, and on a
+            // GPU every strided operation later uploads its shape first.
+            QLinear::Dense(w) if x.elem_count() != *x.dims().last().unwrap_or(&0) => {
+                let mut at = 0;
+                widths
+                    .iter()
+                    .map(|&n| {
+                        let part = QLinear::Dense(w.narrow(0, at, n)?);
+                        at += n;
+                        part.forward(x)
+                    })
+                    .collect()
+            }
             _ => {
                 let y = self.forward(x)?;
                 let last = y.rank() - 1;
                 let mut at = 0;
+                // Views, not copies: what comes next (a reshape, an activation) reads them as
+                // they are, and off the CPU every copy is one more kernel launch.
                 widths
                     .iter()
                     .map(|&w| {
-                        let part = y.narrow(last, at, w)?.contiguous()?;
+                        let part = y.narrow(last, at, w)?;
                         at += w;
                         Ok(part)
                     })
@@ -1105,6 +1199,7 @@ mod tests {
                         QTensor::quantize(&w, dtype).unwrap(),
                         &Device::Cpu,
                         kernel,
+                        DeviceWeights::Quantized,
                     )
                     .unwrap();
                     let got = lin.forward(&xt).unwrap();
@@ -1144,6 +1239,7 @@ mod tests {
                     QTensor::quantize(&w, dtype).unwrap(),
                     &Device::Cpu,
                     kernel,
+                    DeviceWeights::Quantized,
                 )
                 .unwrap();
                 let run = |rows: &[f32]| {
@@ -1232,6 +1328,7 @@ mod tests {
                         QTensor::quantize(&w, dtype).unwrap(),
                         &Device::Cpu,
                         kernel,
+                        DeviceWeights::Quantized,
                     )
                     .unwrap()
                 };
