@@ -306,6 +306,9 @@ pub struct Decoder {
     kv: PagedKv,
     store: KvStore,
     profile: Profile,
+    /// gen's CUDA kernels for the cache write and one-token attention.
+    kernels: KernelMode,
+    check: KernelCheck,
 }
 
 /// Where one step's queries find their keys for one kind of layer: CPU one-token steps read
@@ -325,10 +328,33 @@ enum StepKeys {
     Batched(usize),
 }
 
-/// The one-token steps of a pass off the CPU, for one kind of layer: their keys gathered from
-/// the paged cache in one go, padded to the longest, so that attention is a handful of kernel
-/// launches for the whole batch instead of a handful per step.
+/// A one-token step off the CPU, as [`DeviceDecode`] takes it: its row among the N, its block
+/// table, positions in its cache (its own included), the first position it may see, and the
+/// cache rows of its keys (kv head by kv head) for candle's path.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct DeviceStep<'a> {
+    at: usize,
+    table: &'a [u32],
+    end: usize,
+    lo: usize,
+    rows: Vec<u32>,
+}
+
+/// The one-token steps of a pass off the CPU, for one kind of layer, attended together: through
+/// gen's CUDA kernel reading the paged cache in place, or through candle's operations on keys
+/// gathered from the cache in one go, padded to the longest, a handful of launches for the
+/// whole batch instead of a handful per step.
 struct DeviceDecode {
+    /// For the CUDA kernel.
+    #[cfg(feature = "cuda")]
+    meta: Option<super::cuda::DecodeMeta>,
+    /// For candle's path: None when the kernel alone runs.
+    gathered: Option<Gathered>,
+    steps: usize,
+}
+
+/// The one-token steps' keys for candle's operations.
+struct Gathered {
     /// Rows of q (N, h, hd) that are one-token steps, in order; None when all N are.
     q_rows: Option<Tensor>,
     /// B * kv * lmax cache rows: per step, per kv head, its keys from the first it may see
@@ -336,39 +362,33 @@ struct DeviceDecode {
     rows: Tensor,
     /// (B, 1, lmax): 0 where a step has a key, -inf on its padding; None when none is padded.
     mask: Option<Tensor>,
-    steps: usize,
     lmax: usize,
 }
 
 impl DeviceDecode {
-    /// `steps`: (row among the N, cache rows of each kv head's keys, one list per head).
-    fn new(n: usize, steps: &[(usize, Vec<u32>)], kv: usize, device: &Device) -> Result<Self> {
+    fn new(
+        n: usize,
+        steps: &[DeviceStep<'_>],
+        kv: usize,
+        kernels: KernelMode,
+        device: &Device,
+    ) -> Result<Self> {
         let b = steps.len();
-        let lmax = steps.iter().map(|(_, r)| r.len() / kv).max().unwrap_or(0);
-        let mut rows = Vec::with_capacity(b * kv * lmax);
-        let mut mask = vec![0f32; b * lmax];
-        let mut padded = false;
-        for (i, (_, r)) in steps.iter().enumerate() {
-            let l = r.len() / kv;
-            for head in r.chunks_exact(l) {
-                rows.extend_from_slice(head);
-                rows.extend(std::iter::repeat_n(head[l - 1], lmax - l));
-            }
-            mask[i * lmax + l..(i + 1) * lmax].fill(f32::NEG_INFINITY);
-            padded |= l < lmax;
-        }
-        let in_order = b == n && steps.iter().enumerate().all(|(i, &(at, _))| at == i);
-        let q_rows: Vec<u32> = steps.iter().map(|&(at, _)| at as u32).collect();
+        let gathered = (kernels != KernelMode::On)
+            .then(|| Gathered::new(n, steps, kv, device))
+            .transpose()?;
+        #[cfg(feature = "cuda")]
+        let meta = (kernels != KernelMode::Off)
+            .then(|| {
+                let info: Vec<_> = steps.iter().map(|s| (s.at, s.table, s.end, s.lo)).collect();
+                super::cuda::DecodeMeta::new(&info, device)
+            })
+            .transpose()?;
         Ok(Self {
-            q_rows: (!in_order)
-                .then(|| Tensor::new(q_rows.as_slice(), device))
-                .transpose()?,
-            rows: Tensor::new(rows.as_slice(), device)?,
-            mask: padded
-                .then(|| Tensor::from_vec(mask, (b, 1, lmax), device))
-                .transpose()?,
+            #[cfg(feature = "cuda")]
+            meta,
+            gathered,
             steps: b,
-            lmax,
         })
     }
 
@@ -380,9 +400,73 @@ impl DeviceDecode {
         v_pool: &Tensor,
         cfg: &DecoderConfig,
         scale: f64,
+        check: &KernelCheck,
+    ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(meta) = &self.meta {
+            let y = super::cuda::decode_attention(
+                q,
+                k_pool,
+                v_pool,
+                meta,
+                cfg.n_kv_head,
+                scale as f32,
+            )?;
+            if let Some(g) = &self.gathered {
+                let want = g.attend(q, k_pool, v_pool, cfg, scale, self.steps)?;
+                check.attention(&y, &want)?;
+            }
+            return Ok(y);
+        }
+        let _ = check;
+        self.gathered
+            .as_ref()
+            .context("one-token steps with neither kernel nor gathered keys")?
+            .attend(q, k_pool, v_pool, cfg, scale, self.steps)
+    }
+}
+
+impl Gathered {
+    fn new(n: usize, steps: &[DeviceStep<'_>], kv: usize, device: &Device) -> Result<Self> {
+        let b = steps.len();
+        let lmax = steps.iter().map(|s| s.rows.len() / kv).max().unwrap_or(0);
+        let mut rows = Vec::with_capacity(b * kv * lmax);
+        let mut mask = vec![0f32; b * lmax];
+        let mut padded = false;
+        for (i, s) in steps.iter().enumerate() {
+            let l = s.rows.len() / kv;
+            for head in s.rows.chunks_exact(l) {
+                rows.extend_from_slice(head);
+                rows.extend(std::iter::repeat_n(head[l - 1], lmax - l));
+            }
+            mask[i * lmax + l..(i + 1) * lmax].fill(f32::NEG_INFINITY);
+            padded |= l < lmax;
+        }
+        let in_order = b == n && steps.iter().enumerate().all(|(i, s)| s.at == i);
+        let q_rows: Vec<u32> = steps.iter().map(|s| s.at as u32).collect();
+        Ok(Self {
+            q_rows: (!in_order)
+                .then(|| Tensor::new(q_rows.as_slice(), device))
+                .transpose()?,
+            rows: Tensor::new(rows.as_slice(), device)?,
+            mask: padded
+                .then(|| Tensor::from_vec(mask, (b, 1, lmax), device))
+                .transpose()?,
+            lmax,
+        })
+    }
+
+    fn attend(
+        &self,
+        q: &Tensor,
+        k_pool: &Tensor,
+        v_pool: &Tensor,
+        cfg: &DecoderConfig,
+        scale: f64,
+        b: usize,
     ) -> Result<Tensor> {
         let (h, kv, hd) = (cfg.n_head, cfg.n_kv_head, cfg.head_dim);
-        let (b, l, g) = (self.steps, self.lmax, h / kv);
+        let (l, g) = (self.lmax, h / kv);
         let q = match &self.q_rows {
             Some(r) => q.index_select(r, 0)?,
             None => q.clone(),
@@ -405,6 +489,95 @@ impl DeviceDecode {
         };
         let att = candle_nn::ops::softmax_last_dim(&att)?;
         Ok(att.matmul(&values)?.reshape((b, h * hd))?)
+    }
+}
+
+/// Whether gen's CUDA kernels run (see [`super::cuda`]); always `Off` without the cuda
+/// feature or off a CUDA device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelMode {
+    Off,
+    On,
+    /// On, and compared with candle's operations.
+    Check,
+}
+
+impl KernelMode {
+    fn for_device(device: &Device, host_kernels: bool, cfg: &DecoderConfig) -> Self {
+        #[cfg(feature = "cuda")]
+        if !host_kernels && super::cuda::supported(cfg.n_head, cfg.n_kv_head, cfg.head_dim) {
+            return match super::cuda::Mode::for_device(device) {
+                super::cuda::Mode::Off => KernelMode::Off,
+                super::cuda::Mode::On => KernelMode::On,
+                super::cuda::Mode::Check => KernelMode::Check,
+            };
+        }
+        let _ = (device, host_kernels, cfg);
+        KernelMode::Off
+    }
+}
+
+/// GEN_CUDA_KERNELS=check: the largest differences between gen's kernels and candle's
+/// operations over a run, printed to stderr when the model is dropped.
+#[derive(Default)]
+pub struct KernelCheck {
+    on: bool,
+    attention: std::cell::Cell<(f32, usize)>,
+    write: std::cell::Cell<(f32, usize)>,
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+impl KernelCheck {
+    fn new(on: bool) -> Self {
+        Self {
+            on,
+            attention: Default::default(),
+            write: Default::default(),
+        }
+    }
+
+    pub(crate) fn enabled(&self) -> bool {
+        self.on
+    }
+
+    fn attention(&self, got: &Tensor, want: &Tensor) -> Result<()> {
+        Self::note(&self.attention, got, want)
+    }
+
+    pub(crate) fn write(&self, got: &Tensor, want: &Tensor) -> Result<()> {
+        Self::note(&self.write, got, want)
+    }
+
+    fn note(cell: &std::cell::Cell<(f32, usize)>, got: &Tensor, want: &Tensor) -> Result<()> {
+        let diff = (got - want)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        let (worst, calls) = cell.get();
+        // NaN counts as the worst of all.
+        cell.set((
+            if diff.is_nan() || diff > worst {
+                diff
+            } else {
+                worst
+            },
+            calls + 1,
+        ));
+        Ok(())
+    }
+}
+
+impl Drop for KernelCheck {
+    fn drop(&mut self) {
+        if self.on {
+            let (a, an) = self.attention.get();
+            let (w, wn) = self.write.get();
+            eprintln!(
+                "cuda kernel check: attention largest |difference| {a:e} over {an} calls; \
+                 kv write {w:e} over {wn} calls"
+            );
+        }
     }
 }
 
@@ -551,6 +724,7 @@ impl Decoder {
         } else {
             QLinear::for_device(tensor("token_embd.weight")?, device, weights)?
         };
+        let kernels = KernelMode::for_device(device, host_kernels, &cfg);
         let info = ModelInfo {
             arch: family.arch().into(),
             name,
@@ -571,6 +745,8 @@ impl Decoder {
             kv: PagedKv::new(0),
             store: KvStore::empty(),
             profile: Profile::from_env(),
+            kernels,
+            check: KernelCheck::new(kernels == KernelMode::Check),
         })
     }
 
@@ -628,13 +804,26 @@ impl Decoder {
                     keys.push(StepKeys::Prefill { window });
                     continue;
                 }
-                let slots: Vec<u32> = self.kv.slots(step.seq, lo, end).collect();
-                let rows = self.store.gather_rows(&slots);
                 if t == 1 {
+                    // Candle's path gathers the keys; the kernel reads the block table.
+                    let rows = if self.kernels == KernelMode::On {
+                        Vec::new()
+                    } else {
+                        let slots: Vec<u32> = self.kv.slots(step.seq, lo, end).collect();
+                        self.store.gather_rows(&slots)
+                    };
                     keys.push(StepKeys::Batched(batched.len()));
-                    batched.push((at, rows));
+                    batched.push(DeviceStep {
+                        at,
+                        table: self.kv.blocks(step.seq),
+                        end,
+                        lo,
+                        rows,
+                    });
                     continue;
                 }
+                let slots: Vec<u32> = self.kv.slots(step.seq, lo, end).collect();
+                let rows = self.store.gather_rows(&slots);
                 let on_device = (!cpu)
                     .then(|| Tensor::new(rows.as_slice(), dev))
                     .transpose()?;
@@ -651,11 +840,13 @@ impl Decoder {
             fused.push(decode);
             device_decode.push(
                 (!batched.is_empty())
-                    .then(|| DeviceDecode::new(n, &batched, kv, dev))
+                    .then(|| DeviceDecode::new(n, &batched, kv, self.kernels, dev))
                     .transpose()?,
             );
         }
-        let write = self.store.plan_write(&slots, dev)?;
+        let write = self
+            .store
+            .plan_write(&slots, dev, self.kernels != KernelMode::Off)?;
         let ropes = self
             .rope_bases
             .iter()
@@ -738,7 +929,7 @@ impl Decoder {
                 (q, k)
             };
             self.profile.mark(dev, "rope");
-            self.store.write(l, &k, &v, &write)?;
+            self.store.write(l, &k, &v, &write, &self.check)?;
             self.profile.mark(dev, "kv write");
 
             let decode = &fused[layer.view];
@@ -758,7 +949,10 @@ impl Decoder {
             let batched_out = match &device_decode[layer.view] {
                 Some(d) => {
                     let (k_pool, v_pool) = self.store.device(l).context("a device KV cache")?;
-                    Some((d.attend(&q, k_pool, v_pool, cfg, scale)?, d.steps))
+                    Some((
+                        d.attend(&q, k_pool, v_pool, cfg, scale, &self.check)?,
+                        d.steps,
+                    ))
                 }
                 None => None,
             };

@@ -156,6 +156,9 @@ impl PagedKv {
 pub struct WritePlan {
     slots: Vec<u32>,
     device: Option<DevicePlan>,
+    /// The slots on the device, for gen's CUDA kernel.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    kernel_slots: Option<candle_core::Tensor>,
 }
 
 /// For a device store: which new row each (kv head, block, place) receives (`map`, into the
@@ -237,17 +240,27 @@ impl KvStore {
     }
 
     /// Work out where a pass's N new tokens (at cache `slots`) go, once for every layer.
+    /// `kernel`: gen's CUDA kernel writes (it needs only the slots on the device).
     pub fn plan_write(
         &self,
         slots: &[u32],
         device: &candle_core::Device,
+        kernel: bool,
     ) -> candle_core::Result<WritePlan> {
         let KvStore::Device { kv_heads, .. } = self else {
             return Ok(WritePlan {
                 slots: slots.to_vec(),
                 device: None,
+                kernel_slots: None,
             });
         };
+        if kernel {
+            return Ok(WritePlan {
+                slots: slots.to_vec(),
+                device: None,
+                kernel_slots: Some(candle_core::Tensor::new(slots, device)?),
+            });
+        }
         // One scatter per tensor writes every token of every head: the cache seen as
         // (kv * P, BLOCK_SIZE, hd), each (head, block) receiving up to `per_block` rows of a
         // source of (kv * P, per_block, hd) gathered from the new rows; (head, block) pairs
@@ -285,17 +298,20 @@ impl KvStore {
                 map: candle_core::Tensor::from_vec(map, n, device)?,
                 ids,
             }),
+            kernel_slots: None,
         })
     }
 
     /// Store one layer's keys and values of N tokens, (N, kv*hd) each, where `plan` says.
+    /// `check` (GEN_CUDA_KERNELS=check) compares what gen's CUDA kernel wrote with its input.
     pub fn write(
         &mut self,
         layer: usize,
         keys: &candle_core::Tensor,
         values: &candle_core::Tensor,
         plan: &WritePlan,
-    ) -> candle_core::Result<()> {
+        check: &super::decoder::KernelCheck,
+    ) -> anyhow::Result<()> {
         let slots = &plan.slots;
         match self {
             KvStore::Host {
@@ -310,7 +326,7 @@ impl KvStore {
                     let src = src.contiguous()?;
                     let (storage, layout) = src.storage_and_layout();
                     let candle_core::Storage::Cpu(cpu) = &*storage else {
-                        candle_core::bail!("keys for the host cache are not on the host");
+                        anyhow::bail!("keys for the host cache are not on the host");
                     };
                     let src = &cpu.as_slice::<f32>()?[layout.start_offset()..];
                     for (i, &s) in slots.iter().enumerate() {
@@ -330,10 +346,31 @@ impl KvStore {
                 kv_heads,
                 head_dim,
             } => {
-                let Some(DevicePlan { map, ids }) = &plan.device else {
-                    candle_core::bail!("a device cache needs a write plan made for it");
-                };
                 let (kv, hd) = (*kv_heads, *head_dim);
+                #[cfg(feature = "cuda")]
+                if let Some(on_device) = &plan.kernel_slots {
+                    super::cuda::kv_write(&k[layer], &v[layer], keys, values, on_device, kv, hd)?;
+                    if check.enabled() {
+                        let p = k[layer].dim(0)? / (kv * BLOCK_SIZE);
+                        let rows: Vec<u32> = slots
+                            .iter()
+                            .flat_map(|&s| {
+                                let (blk, r) = (s as usize / BLOCK_SIZE, s as usize % BLOCK_SIZE);
+                                (0..kv).map(move |j| ((j * p + blk) * BLOCK_SIZE + r) as u32)
+                            })
+                            .collect();
+                        let rows = candle_core::Tensor::new(rows.as_slice(), keys.device())?;
+                        for (src, pool) in [(keys, &k[layer]), (values, &v[layer])] {
+                            let want = src.contiguous()?.reshape((slots.len() * kv, hd))?;
+                            check.write(&pool.index_select(&rows, 0)?, &want)?;
+                        }
+                    }
+                    return Ok(());
+                }
+                let _ = check;
+                let Some(DevicePlan { map, ids }) = &plan.device else {
+                    anyhow::bail!("a device cache needs a write plan made for it");
+                };
                 let p = k[layer].dim(0)? / (kv * BLOCK_SIZE).max(1);
                 let per_block = ids.dim(1)?;
                 for (src, dst) in [(keys, &k[layer]), (values, &v[layer])] {
@@ -521,8 +558,8 @@ mod tests {
                 .unwrap();
             let v = (k.clone() * -1.0).unwrap();
             for store in [&mut host, &mut device] {
-                let plan = store.plan_write(&slots[from..to], &dev).unwrap();
-                store.write(1, &k, &v, &plan).unwrap();
+                let plan = store.plan_write(&slots[from..to], &dev, false).unwrap();
+                store.write(1, &k, &v, &plan, &Default::default()).unwrap();
             }
         }
         let rows = host.gather_rows(&slots);
@@ -544,8 +581,8 @@ mod tests {
             .unwrap();
         let v = (k.clone() * -1.0).unwrap();
         for store in [&mut host, &mut device] {
-            let plan = store.plan_write(&scattered, &dev).unwrap();
-            store.write(1, &k, &v, &plan).unwrap();
+            let plan = store.plan_write(&scattered, &dev, false).unwrap();
+            store.write(1, &k, &v, &plan, &Default::default()).unwrap();
         }
         let all: Vec<u32> = (0..(blocks * 16) as u32).collect();
         let rows = host.gather_rows(&all);

@@ -8,6 +8,8 @@
 
 pub mod attention;
 pub mod checkpoint;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod decoder;
 pub mod host;
 pub mod kv_cache;
