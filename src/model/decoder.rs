@@ -847,6 +847,31 @@ impl Decoder {
         let write = self
             .store
             .plan_write(&slots, dev, self.kernels != KernelMode::Off)?;
+        // Passes mixing batched one-token steps with prompt chunks (off the CPU): per window,
+        // where each step's rows sit in [batched output; the chunks' outputs], to put them back
+        // in the order of the steps. Uploaded here, before the layers queue any work, so the
+        // copy never waits for the device.
+        let orders = views
+            .iter()
+            .zip(&device_decode)
+            .map(|(keys, d)| -> Result<Option<Tensor>> {
+                let Some(d) = d.as_ref().filter(|d| d.steps < batch.len()) else {
+                    return Ok(None);
+                };
+                let mut order = Vec::with_capacity(n);
+                let mut part_rows = 0;
+                for (step, k) in batch.iter().zip(keys) {
+                    if let StepKeys::Batched(i) = k {
+                        order.push(*i as u32);
+                    } else {
+                        let t = step.tokens.len();
+                        order.extend((0..t).map(|r| (d.steps + part_rows + r) as u32));
+                        part_rows += t;
+                    }
+                }
+                Ok(Some(Tensor::new(order.as_slice(), dev)?))
+            })
+            .collect::<Result<Vec<_>>>()?;
         let ropes = self
             .rope_bases
             .iter()
@@ -963,11 +988,6 @@ impl Decoder {
             } else {
                 let mut parts = Vec::with_capacity(batch.len());
                 let mut fused_rows = 0..decode.len();
-                // With batched one-token steps: where each step's rows are in
-                // [batched output; parts], to put them back in the order of the steps.
-                let mut order: Vec<u32> = Vec::new();
-                let first_part = batched_out.as_ref().map_or(0, |(_, b)| *b);
-                let mut part_rows = 0;
                 for ((step, &at), keys) in batch.iter().zip(&starts).zip(&views[layer.view]) {
                     let t = step.tokens.len();
                     let (rows, on_device, mask) = match keys {
@@ -997,13 +1017,8 @@ impl Decoder {
                             parts.push(f.narrow(0, row, 1)?);
                             continue;
                         }
-                        StepKeys::Batched(i) => {
-                            order.push(*i as u32);
-                            continue;
-                        }
+                        StepKeys::Batched(_) => continue,
                     };
-                    order.extend((0..t).map(|r| (first_part + part_rows + r) as u32));
-                    part_rows += t;
                     let (keys, values) = self.store.gather(l, rows, on_device.as_ref(), dev)?; // (kv, L, hd)
                                                                                                // Heads sharing a kv head sit next to each other: fold them into the row
                                                                                                // axis so the cache is used as is, never repeated.
@@ -1025,13 +1040,12 @@ impl Decoder {
                             .reshape((t, h * hd))?,
                     );
                 }
-                match batched_out {
-                    Some((out, _)) => {
+                match (batched_out, &orders[layer.view]) {
+                    (Some((out, _)), Some(order)) => {
                         parts.insert(0, out);
-                        let order = Tensor::new(order.as_slice(), dev)?;
-                        Tensor::cat(&parts, 0)?.index_select(&order, 0)?
+                        Tensor::cat(&parts, 0)?.index_select(order, 0)?
                     }
-                    None => Tensor::cat(&parts, 0)?,
+                    _ => Tensor::cat(&parts, 0)?,
                 }
             };
             self.profile.mark(dev, "attention");
