@@ -897,6 +897,19 @@ impl Decoder {
         if cfg.family.scales_embeddings() {
             x = (x * (cfg.d_model as f32).sqrt() as f64)?;
         }
+        // Only each step's last token needs logits: the output layer skips the others. Like every
+        // input of the pass, uploaded before the layers queue work (a copy from ordinary host
+        // memory may wait for the device to finish what is queued).
+        let last_rows = (n != batch.len())
+            .then(|| {
+                let last: Vec<u32> = batch
+                    .iter()
+                    .zip(&starts)
+                    .map(|(s, &at)| (at + s.tokens.len() - 1) as u32)
+                    .collect();
+                Tensor::new(last.as_slice(), dev)
+            })
+            .transpose()?;
         let scale = cfg.attn_scale;
         self.profile.mark(dev, "prepare, embed");
         for (l, layer) in self.layers.iter().enumerate() {
@@ -1078,16 +1091,9 @@ impl Decoder {
         for step in batch {
             self.kv.advance(step.seq, step.tokens.len());
         }
-        // Only each step's last token needs logits: skip the output layer for the rest.
-        let last: Vec<u32> = batch
-            .iter()
-            .zip(&starts)
-            .map(|(s, &at)| (at + s.tokens.len() - 1) as u32)
-            .collect();
-        let last = if last.len() == n {
-            x
-        } else {
-            x.index_select(&Tensor::new(last.as_slice(), dev)?, 0)?
+        let last = match &last_rows {
+            Some(rows) => x.index_select(rows, 0)?,
+            None => x,
         };
         let last = candle_nn::ops::rms_norm(&last, &self.out_norm, cfg.rms_eps)?;
         let logits = self.output.forward(&last)?.to_dtype(DType::F32)?;
