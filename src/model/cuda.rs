@@ -13,6 +13,9 @@ use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{Device, Storage, Tensor};
 
+/// GEN_CUDA_KERNELS as [`super::decoder::KernelMode`] reads it.
+pub const ENV: &str = "GEN_CUDA_KERNELS";
+
 use super::kv_cache::BLOCK_SIZE;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gen_kernels.ptx"));
@@ -21,28 +24,6 @@ const MODULE: &str = "gen_kernels";
 const THREADS: u32 = 256;
 /// Most query heads per kv head the attention kernel serves (MAX_G in kernels.cu).
 pub const MAX_GROUP: usize = 16;
-
-/// Whether the kernels run: on a CUDA device with GEN_CUDA_KERNELS=1 (or `check`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    Off,
-    On,
-    /// On, and checked against candle's operations.
-    Check,
-}
-
-impl Mode {
-    pub fn for_device(device: &Device) -> Self {
-        if !device.is_cuda() {
-            return Mode::Off;
-        }
-        match std::env::var("GEN_CUDA_KERNELS").as_deref() {
-            Ok("1") => Mode::On,
-            Ok("check") => Mode::Check,
-            _ => Mode::Off,
-        }
-    }
-}
 
 /// The f32 CUDA buffer under `t`, from its first element on, and its device. The guard keeps
 /// the storage borrowed while the view is in use.

@@ -492,8 +492,8 @@ impl Gathered {
     }
 }
 
-/// Whether gen's CUDA kernels run (see [`super::cuda`]); always `Off` without the cuda
-/// feature or off a CUDA device.
+/// Whether gen's CUDA kernels run (see [`super::cuda`]): on a CUDA device, for shapes they
+/// serve, with GEN_CUDA_KERNELS=1 (`On`) or `check`; always `Off` without the cuda feature.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KernelMode {
     Off,
@@ -505,11 +505,14 @@ pub enum KernelMode {
 impl KernelMode {
     fn for_device(device: &Device, host_kernels: bool, cfg: &DecoderConfig) -> Self {
         #[cfg(feature = "cuda")]
-        if !host_kernels && super::cuda::supported(cfg.n_head, cfg.n_kv_head, cfg.head_dim) {
-            return match super::cuda::Mode::for_device(device) {
-                super::cuda::Mode::Off => KernelMode::Off,
-                super::cuda::Mode::On => KernelMode::On,
-                super::cuda::Mode::Check => KernelMode::Check,
+        if !host_kernels
+            && device.is_cuda()
+            && super::cuda::supported(cfg.n_head, cfg.n_kv_head, cfg.head_dim)
+        {
+            return match std::env::var(super::cuda::ENV).as_deref() {
+                Ok("1") => KernelMode::On,
+                Ok("check") => KernelMode::Check,
+                _ => KernelMode::Off,
             };
         }
         let _ = (device, host_kernels, cfg);
