@@ -2,8 +2,10 @@
 //! cache write and one-token attention over the cache, each one launch where candle's operations
 //! take four and six or seven. Launched on candle's device and stream, on candle's buffers.
 //!
-//! Off unless GEN_CUDA_KERNELS=1: they have been compiled (CI builds them) but not yet run on a
-//! GPU, so candle's operations, whose path was checked on an H200, do the work by default.
+//! Off unless GEN_CUDA_KERNELS=1: they have been compiled (CI builds them) and their arithmetic
+//! tested on the CPU (tests/cuda_kernels.rs emulates CUDA's threads for kernels.cu), but not yet
+//! run on a GPU, so candle's operations, whose path was checked on an H200, do the work by
+//! default.
 //! GEN_CUDA_KERNELS=check runs both and reports the largest difference to stderr when the
 //! model is dropped; .ci/gpu-check runs that and compares greedy text with and without them.
 

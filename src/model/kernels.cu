@@ -1,5 +1,8 @@
 // gen's own CUDA kernels for the decode step, compiled to PTX by build.rs (feature `cuda`) and
-// loaded through candle's CUDA device (src/model/cuda.rs).
+// loaded through candle's CUDA device (src/model/cuda.rs). tests/cuda_kernels.rs compiles this
+// file as C++ against a small emulation of CUDA (tests/cuda_emu) and checks both kernels on the
+// CPU: keep to what the emulation offers (threadIdx/blockIdx/blockDim, __syncthreads,
+// __shfl_xor_sync from uniform control flow, one `extern __shared__` float array).
 //
 // The paged KV cache: per layer, keys and values are (kv_heads * pool_blocks * BS, head_dim) f32
 // rows; kv head j's rows for block b are at (j * pool_blocks + b) * BS. A sequence's position p
