@@ -11,7 +11,7 @@
 
 use anyhow::{bail, Result};
 use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaDevice, CudaStorage};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{Device, Storage, Tensor};
 
@@ -27,26 +27,19 @@ const THREADS: u32 = 256;
 /// Most query heads per kv head the attention kernel serves (MAX_G in kernels.cu).
 pub const MAX_GROUP: usize = 16;
 
-/// The f32 CUDA buffer under `t`, from its first element on, and its device. The guard keeps
-/// the storage borrowed while the view is in use.
-fn view<'a>(
+/// The CUDA buffer under a tensor's storage, from its first element on, and its device. The
+/// caller keeps the storage guard alive while the view is in use.
+fn view<'a, T: CudaDType>(
     storage: &'a Storage,
     layout: &candle_core::Layout,
-) -> Result<(CudaView<'a, f32>, &'a CudaDevice)> {
+) -> Result<(CudaView<'a, T>, &'a CudaDevice)> {
     let Storage::Cuda(cs) = storage else {
         bail!("a tensor for gen's CUDA kernels is not on a CUDA device");
     };
     Ok((
-        cs.as_cuda_slice::<f32>()?.slice(layout.start_offset()..),
+        cs.as_cuda_slice::<T>()?.slice(layout.start_offset()..),
         &cs.device,
     ))
-}
-
-fn view_u32<'a>(storage: &'a Storage, layout: &candle_core::Layout) -> Result<CudaView<'a, u32>> {
-    let Storage::Cuda(cs) = storage else {
-        bail!("a tensor for gen's CUDA kernels is not on a CUDA device");
-    };
-    Ok(cs.as_cuda_slice::<u32>()?.slice(layout.start_offset()..))
 }
 
 /// Rows of a 2-D tensor whose rows may be apart (a view of a wider product) but whose values in
@@ -82,11 +75,11 @@ pub fn kv_write(
     let (ss, sl) = slots.storage_and_layout();
     let (kps, kpl) = k_pool.storage_and_layout();
     let (vps, vpl) = v_pool.storage_and_layout();
-    let (k, dev) = view(&ks, kl)?;
-    let (v, _) = view(&vs, vl)?;
-    let s = view_u32(&ss, sl)?;
-    let (kp, _) = view(&kps, kpl)?;
-    let (vp, _) = view(&vps, vpl)?;
+    let (k, dev) = view::<f32>(&ks, kl)?;
+    let (v, _) = view::<f32>(&vs, vl)?;
+    let (s, _) = view::<u32>(&ss, sl)?;
+    let (kp, _) = view::<f32>(&kps, kpl)?;
+    let (vp, _) = view::<f32>(&vps, vpl)?;
     let func = dev.get_or_load_custom_func("gen_kv_write_f32", MODULE, PTX)?;
     let (hd, pb) = (head_dim as i32, pool_blocks as i32);
     let mut b = func.builder();
@@ -155,10 +148,10 @@ pub fn decode_attention(
     let (kps, kpl) = k_pool.storage_and_layout();
     let (vps, vpl) = v_pool.storage_and_layout();
     let (ms, ml) = meta.meta.storage_and_layout();
-    let (qv, dev) = view(&qs, ql)?;
-    let (kp, _) = view(&kps, kpl)?;
-    let (vp, _) = view(&vps, vpl)?;
-    let m = view_u32(&ms, ml)?;
+    let (qv, dev) = view::<f32>(&qs, ql)?;
+    let (kp, _) = view::<f32>(&kps, kpl)?;
+    let (vp, _) = view::<f32>(&vps, vpl)?;
+    let (m, _) = view::<u32>(&ms, ml)?;
     let len = meta.steps * n_head * head_dim;
     let out = unsafe { dev.alloc::<f32>(len) }?;
     let func = dev.get_or_load_custom_func("gen_decode_attention_f32", MODULE, PTX)?;

@@ -313,6 +313,10 @@ impl KvStore {
         check: &super::decoder::KernelCheck,
     ) -> anyhow::Result<()> {
         let slots = &plan.slots;
+        // GEN_CUDA_KERNELS=check: the rows the kernel should have written, kv head by kv head.
+        #[cfg(feature = "cuda")]
+        let check_rows =
+            (plan.kernel_slots.is_some() && check.enabled()).then(|| self.gather_rows(slots));
         match self {
             KvStore::Host {
                 k,
@@ -350,18 +354,17 @@ impl KvStore {
                 #[cfg(feature = "cuda")]
                 if let Some(on_device) = &plan.kernel_slots {
                     super::cuda::kv_write(&k[layer], &v[layer], keys, values, on_device, kv, hd)?;
-                    if check.enabled() {
-                        let p = k[layer].dim(0)? / (kv * BLOCK_SIZE);
-                        let rows: Vec<u32> = slots
-                            .iter()
-                            .flat_map(|&s| {
-                                let (blk, r) = (s as usize / BLOCK_SIZE, s as usize % BLOCK_SIZE);
-                                (0..kv).map(move |j| ((j * p + blk) * BLOCK_SIZE + r) as u32)
-                            })
-                            .collect();
+                    if let Some(rows) = &check_rows {
                         let rows = candle_core::Tensor::new(rows.as_slice(), keys.device())?;
+                        let n = slots.len();
                         for (src, pool) in [(keys, &k[layer]), (values, &v[layer])] {
-                            let want = src.contiguous()?.reshape((slots.len() * kv, hd))?;
+                            // (N, kv*hd) -> (kv, N, hd): the order gather_rows gives.
+                            let want = src
+                                .contiguous()?
+                                .reshape((n, kv, hd))?
+                                .transpose(0, 1)?
+                                .contiguous()?
+                                .reshape((kv * n, hd))?;
                             check.write(&pool.index_select(&rows, 0)?, &want)?;
                         }
                     }
