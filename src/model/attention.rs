@@ -251,18 +251,28 @@ impl Group<'_> {
     }
 }
 
-/// Queries per task of the prefill kernel: each key is loaded once for this many queries.
+/// Tokens per task of the prefill kernel: a task serves these tokens' queries of every query
+/// head that shares one kv head (QT x g queries), so each key and value is loaded once for all
+/// of them.
 const QT: usize = 4;
-/// Keys per inner step of the score kernel (two 8-lane registers).
+/// Keys per panel: each kv head's keys are gathered, transposed, into panels of KT keys x hd
+/// (dimension-major), so the score kernel reads one contiguous 64-byte row per dimension.
+/// (A plain (hd, L) transpose put the rows of a dimension L * 4 bytes apart: at lengths near
+/// a multiple of 1,024 every row fell in the same L1 set.)
 const KT: usize = 16;
+/// Queries per register tile of the AVX2 kernels: 6 queries x 2 registers of keys (or of
+/// value columns) = 12 accumulators, plus the 2 loaded registers and a broadcast.
+const QR: usize = 6;
 
 /// Causal attention of a step's T new tokens (positions pos..pos+T) against its sequence's
 /// pages, on the CPU. q: (T, h*hd). Returns (T, h*hd).
 ///
-/// Keys of each kv head are gathered once into a transposed (hd, L) copy, so the score kernel
-/// computes QT queries x 16 keys with broadcasts and fused multiply-adds and no horizontal
-/// sums; only the keys a query may see are scored (no mask, no wasted half); softmax uses a
-/// vectorised exp; nothing of size T x L is allocated.
+/// Keys of each kv head are gathered once into transposed panels, values into f32 rows; then
+/// one task per (kv head, QT tokens) scores its QT x g queries 6 at a time against the panels
+/// (broadcasts and fused multiply-adds, no horizontal sums), only up to the last key a query
+/// of the task may see; softmax per query over exactly its keys (a vectorised exp); one pass
+/// over the values per 6 queries and 16 columns; results written in place. Nothing of size
+/// T x L is allocated.
 #[allow(clippy::too_many_arguments)]
 pub fn causal_prefill_attention(
     q: &[f32],
@@ -290,6 +300,23 @@ pub fn causal_prefill_attention(
     )
 }
 
+/// The output of the prefill kernel, written by several tasks at disjoint rows.
+#[derive(Clone, Copy)]
+struct OutRows(*mut f32);
+// SAFETY: each task writes only the rows of its own (kv head, tokens) (see `prefill_with`).
+unsafe impl Send for OutRows {}
+unsafe impl Sync for OutRows {}
+
+impl OutRows {
+    /// Where value `i` of the output is (a method, so closures capture the whole wrapper).
+    ///
+    /// # Safety
+    /// i must be inside the output.
+    unsafe fn at(self, i: usize) -> *mut f32 {
+        self.0.add(i)
+    }
+}
+
 /// `causal_prefill_attention` with the SIMD choice made by the caller (tests run both).
 #[allow(clippy::too_many_arguments)]
 fn prefill_with(
@@ -301,106 +328,151 @@ fn prefill_with(
     (block, heads, kv_heads, head_dim, scale): (usize, usize, usize, usize, f32),
     avx2: bool,
 ) -> Vec<f32> {
+    use half::slice::HalfFloatSliceExt;
     let hd = head_dim;
     let l = pos + t;
-    // Keys padded so a score step starting at any key stays inside.
-    let lp = l.div_ceil(KT) * KT + KT;
     let g = heads / kv_heads;
+    let panels = l.div_ceil(KT);
     let pool_blocks = k_pool.len() / (kv_heads * block * hd).max(1);
     let avx2 = avx2 && hd % 8 == 0;
-    // Per kv head: keys transposed (hd, lp), zero past L; values (L, hd).
+    // Per kv head: keys as panels (panels, hd, KT), values as rows (panels * KT, hd); zero
+    // past L. In parallel over panels.
     let gathered: Vec<(Vec<f32>, Vec<f32>)> = (0..kv_heads)
-        .into_par_iter()
         .map(|j| {
-            let mut kt = vec![0f32; hd * lp];
-            let mut v = Vec::with_capacity(l * hd);
-            for p in 0..l {
-                let at = ((j * pool_blocks + blocks[p / block] as usize) * block + p % block) * hd;
-                for (d, x) in k_pool[at..at + hd].iter().enumerate() {
-                    kt[d * lp + p] = x.to_f32();
-                }
-                v.extend(v_pool[at..at + hd].iter().map(|x| x.to_f32()));
-            }
-            (kt, v)
+            let mut kp = vec![0f32; panels * hd * KT];
+            let mut v = vec![0f32; panels * KT * hd];
+            kp.par_chunks_mut(hd * KT)
+                .zip(v.par_chunks_mut(KT * hd))
+                .enumerate()
+                .for_each(|(pi, (panel, vals))| {
+                    let mut row = vec![0f32; hd];
+                    for r in 0..KT.min(l - pi * KT) {
+                        let p = pi * KT + r;
+                        let at = ((j * pool_blocks + blocks[p / block] as usize) * block
+                            + p % block)
+                            * hd;
+                        k_pool[at..at + hd].convert_to_f32_slice(&mut row);
+                        for (d, x) in row.iter().enumerate() {
+                            panel[d * KT + r] = *x;
+                        }
+                        v_pool[at..at + hd].convert_to_f32_slice(&mut vals[r * hd..(r + 1) * hd]);
+                    }
+                });
+            (kp, v)
         })
         .collect();
+    let mut out = vec![0f32; t * heads * hd];
+    let dst = OutRows(out.as_mut_ptr());
     let tiles = t.div_ceil(QT);
-    // Computed as (h, tiles * QT, hd), one task per (head, tile of queries).
-    let mut out_h = vec![0f32; heads * tiles * QT * hd];
-    out_h
-        .par_chunks_mut(QT * hd)
-        .enumerate()
-        .for_each(|(task, out)| {
-            let (i, tile) = (task / tiles, task % tiles);
-            let t0 = tile * QT;
-            let nq = (t - t0).min(QT);
-            let (kt, v) = &gathered[i / g];
-            let queries: Vec<&[f32]> = (0..nq)
-                .map(|qq| &q[((t0 + qq) * heads + i) * hd..((t0 + qq) * heads + i + 1) * hd])
-                .collect();
-            // Query qq sees keys first(qq)..seen(qq): from the start of the context, or of its
-            // sliding window (keys less than `window` positions back), to itself.
-            let seen = |qq: usize| pos + t0 + qq + 1;
-            let first = |qq: usize| window.map_or(0, |w| seen(qq).saturating_sub(w));
-            // Scores of the tile's keys first(0)..seen(last), one row per query.
-            let k0 = first(0);
-            let width = (seen(nq - 1) - k0).div_ceil(KT) * KT;
-            let mut scores = vec![0f32; QT * width];
+    (0..kv_heads * tiles).into_par_iter().for_each(|task| {
+        let (j, tile) = (task / tiles, task % tiles);
+        let (kp, v) = &gathered[j];
+        let t0 = tile * QT;
+        let nt = (t - t0).min(QT);
+        // Token tt of the tile sees keys first(tt)..seen(tt): from the start of the context,
+        // or of its sliding window (keys less than `window` positions back), to itself.
+        let seen = |tt: usize| pos + t0 + tt + 1;
+        let first = |tt: usize| window.map_or(0, |w| seen(tt).saturating_sub(w));
+        // Scores from the first panel any query of the tile needs: (nt * g, width), query
+        // qi = tt * g + head.
+        let p0 = first(0) / KT;
+        let k0 = p0 * KT;
+        let width = seen(nt - 1).div_ceil(KT) * KT - k0;
+        let nq = nt * g;
+        let query = |qi: usize| {
+            let (tt, i) = (qi / g, j * g + qi % g);
+            &q[((t0 + tt) * heads + i) * hd..((t0 + tt) * heads + i + 1) * hd]
+        };
+        let mut scores = vec![0f32; nq * width];
+        let mut inv = vec![0f32; nq];
+        for c0 in (0..nq).step_by(QR) {
+            let c = (nq - c0).min(QR);
+            // Keys up to the last one the chunk's last query sees.
+            let upto = seen((c0 + c - 1) / g).div_ceil(KT) - p0;
+            let qs: Vec<&[f32]> = (c0..c0 + c).map(query).collect();
+            let rows = &mut scores[c0 * width..(c0 + c) * width];
+            let panels = &kp[p0 * hd * KT..(p0 + upto) * hd * KT];
             match avx2 {
                 // SAFETY: AVX2, FMA and F16C are present and hd is a multiple of 8.
                 #[cfg(target_arch = "x86_64")]
-                true => unsafe {
-                    x86::scores(&queries, kt, lp, k0, width, scale, &mut scores);
-                    // Softmax per query over the keys it sees; the others get weight 0, so
-                    // one pass over the values serves the whole tile.
-                    let mut inv = [0f32; QT];
-                    for (qq, inv) in inv.iter_mut().enumerate().take(nq) {
-                        let row = &mut scores[qq * width..(qq + 1) * width];
-                        let (a, b) = (first(qq) - k0, seen(qq) - k0);
-                        *inv = 1.0 / x86::softmax_unnormalised(&mut row[a..b]);
-                        row[..a].fill(0.0);
-                        row[b..].fill(0.0);
-                    }
-                    let span = seen(nq - 1) - k0;
-                    let v = &v[k0 * hd..(k0 + span) * hd];
-                    x86::weighted_sums(&scores, width, nq, v, hd, &inv, out);
-                },
+                true => unsafe { x86::panel_scores(&qs, panels, width, scale, rows) },
                 _ => {
-                    for (qq, o) in out.chunks_mut(hd).take(nq).enumerate() {
-                        let from = first(qq);
-                        let row = &mut scores[qq * width + from - k0..qq * width + seen(qq) - k0];
-                        for (p, s) in row.iter_mut().enumerate() {
-                            *s = (0..hd)
-                                .map(|d| queries[qq][d] * kt[d * lp + from + p])
-                                .sum::<f32>()
-                                * scale;
-                        }
-                        let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-                        let mut sum = 0f32;
-                        for s in row.iter_mut() {
-                            *s = (*s - max).exp();
-                            sum += *s;
-                        }
-                        let inv = 1.0 / sum;
-                        for (p, w) in row.iter().enumerate() {
-                            let at = (from + p) * hd;
-                            for (o, x) in o.iter_mut().zip(&v[at..at + hd]) {
-                                *o += w * inv * x;
+                    for (qq, qv) in qs.iter().enumerate() {
+                        for pi in 0..upto {
+                            let panel = &panels[pi * hd * KT..(pi + 1) * hd * KT];
+                            for r in 0..KT {
+                                rows[qq * width + pi * KT + r] =
+                                    (0..hd).map(|d| qv[d] * panel[d * KT + r]).sum::<f32>() * scale;
                             }
                         }
                     }
                 }
             }
-        });
-    let mut out = vec![0f32; t * heads * hd];
-    for i in 0..heads {
-        for tt in 0..t {
-            let from = (i * tiles * QT + tt) * hd;
-            out[(tt * heads + i) * hd..(tt * heads + i + 1) * hd]
-                .copy_from_slice(&out_h[from..from + hd]);
+            // Softmax per query over the keys it sees; the others get weight 0, so one pass
+            // over the values serves the whole chunk.
+            for qq in 0..c {
+                let tt = (c0 + qq) / g;
+                let row = &mut rows[qq * width..(qq + 1) * width];
+                let (a, b) = (first(tt) - k0, seen(tt) - k0);
+                inv[c0 + qq] = 1.0 / softmax_unnormalised(&mut row[a..b], avx2);
+                row[..a].fill(0.0);
+                row[b..].fill(0.0);
+            }
+        }
+        // Weighted sums of the values, written to each query's row of the output.
+        let vals = &v[k0 * hd..(k0 + width) * hd];
+        for c0 in (0..nq).step_by(QR) {
+            let c = (nq - c0).min(QR);
+            let span = seen((c0 + c - 1) / g) - k0;
+            let outs: Vec<*mut f32> = (c0..c0 + c)
+                .map(|qi| {
+                    let (tt, i) = (qi / g, j * g + qi % g);
+                    // SAFETY: inside `out` (t * heads * hd); token t0 + tt, head i is this
+                    // task's alone.
+                    unsafe { dst.at(((t0 + tt) * heads + i) * hd) }
+                })
+                .collect();
+            let w = &scores[c0 * width..(c0 + c) * width];
+            match avx2 {
+                // SAFETY: as above; each pointer is valid for hd writes no other task makes.
+                #[cfg(target_arch = "x86_64")]
+                true => unsafe {
+                    x86::weighted_sums(w, width, &vals[..span * hd], hd, &inv[c0..c0 + c], &outs)
+                },
+                _ => {
+                    for (qq, &o) in outs.iter().enumerate() {
+                        // SAFETY: as above.
+                        let o = unsafe { std::slice::from_raw_parts_mut(o, hd) };
+                        for (p, row) in vals[..span * hd].chunks_exact(hd).enumerate() {
+                            let wt = w[qq * width + p] * inv[c0 + qq];
+                            for (o, x) in o.iter_mut().zip(row) {
+                                *o += wt * x;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    });
+    out
+}
+
+/// Replace row by exp(row - max(row)); returns the sum. (`row` is not empty.)
+fn softmax_unnormalised(row: &mut [f32], avx2: bool) -> f32 {
+    match avx2 {
+        // SAFETY: only when the CPU has AVX2 and FMA.
+        #[cfg(target_arch = "x86_64")]
+        true => unsafe { x86::softmax_unnormalised(row) },
+        _ => {
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+            let mut sum = 0f32;
+            for s in row.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            sum
         }
     }
-    out
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -408,39 +480,58 @@ mod x86 {
     use crate::model::host::x86::exp_nonpositive;
     use std::arch::x86_64::*;
 
-    /// Scores of up to QT queries against keys k0..k0 + width (kt: (hd, lp) transposed keys), times
-    /// `scale`, into scores[qq * width + p]. width is a multiple of KT.
+    /// Scores of up to QR queries against key panels (each (hd, KT), dimension-major), times
+    /// `scale`, into scores[qq * width + p] for p < panels * KT.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn scores(
+    pub unsafe fn panel_scores(
         queries: &[&[f32]],
-        kt: &[f32],
-        lp: usize,
-        k0: usize,
+        panels: &[f32],
         width: usize,
         scale: f32,
         scores: &mut [f32],
     ) {
-        let nq = queries.len();
+        match queries.len() {
+            1 => panel_scores_n::<1>(queries, panels, width, scale, scores),
+            2 => panel_scores_n::<2>(queries, panels, width, scale, scores),
+            3 => panel_scores_n::<3>(queries, panels, width, scale, scores),
+            4 => panel_scores_n::<4>(queries, panels, width, scale, scores),
+            5 => panel_scores_n::<5>(queries, panels, width, scale, scores),
+            _ => panel_scores_n::<6>(queries, panels, width, scale, scores),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn panel_scores_n<const NQ: usize>(
+        queries: &[&[f32]],
+        panels: &[f32],
+        width: usize,
+        scale: f32,
+        scores: &mut [f32],
+    ) {
+        const { assert!(super::KT == 16) };
         let hd = queries[0].len();
+        let n = panels.len() / (hd * super::KT);
+        assert!(queries.len() == NQ && scores.len() >= NQ * width && n * super::KT <= width);
+        let qp: [*const f32; NQ] = std::array::from_fn(|qq| queries[qq].as_ptr());
         let sv = _mm256_set1_ps(scale);
-        let mut p0 = 0;
-        while p0 < width {
-            let mut acc = [[_mm256_setzero_ps(); 2]; super::QT];
+        for pi in 0..n {
+            let panel = panels.as_ptr().add(pi * hd * super::KT);
+            let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
             for d in 0..hd {
-                let k0v = _mm256_loadu_ps(kt.as_ptr().add(d * lp + k0 + p0));
-                let k1v = _mm256_loadu_ps(kt.as_ptr().add(d * lp + k0 + p0 + 8));
-                for (qq, acc) in acc.iter_mut().enumerate().take(nq) {
-                    let b = _mm256_set1_ps(*queries.get_unchecked(qq).get_unchecked(d));
+                let k0v = _mm256_loadu_ps(panel.add(d * super::KT));
+                let k1v = _mm256_loadu_ps(panel.add(d * super::KT + 8));
+                for (acc, q) in acc.iter_mut().zip(&qp) {
+                    let b = _mm256_broadcast_ss(&*q.add(d));
                     acc[0] = _mm256_fmadd_ps(b, k0v, acc[0]);
                     acc[1] = _mm256_fmadd_ps(b, k1v, acc[1]);
                 }
             }
-            for (qq, acc) in acc.iter().enumerate().take(nq) {
-                let at = scores.as_mut_ptr().add(qq * width + p0);
+            for (qq, acc) in acc.iter().enumerate() {
+                let at = scores.as_mut_ptr().add(qq * width + pi * super::KT);
                 _mm256_storeu_ps(at, _mm256_mul_ps(acc[0], sv));
                 _mm256_storeu_ps(at.add(8), _mm256_mul_ps(acc[1], sv));
             }
-            p0 += super::KT;
         }
     }
 
@@ -643,26 +734,30 @@ mod x86 {
         buf.iter().sum()
     }
 
-    /// For each of nq (<= QT) queries: o[qq] = inv[qq] * sum over rows p of v of
+    /// For each of up to QR queries: out[qq][..hd] = inv[qq] * sum over rows p of v of
     /// w[qq * width + p] * v[p] (v: rows of hd, a multiple of 8). Each 16 columns of a value
     /// row are loaded once for all the queries.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; each out pointer valid for hd writes.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn weighted_sums(
         w: &[f32],
         width: usize,
-        nq: usize,
         v: &[f32],
         hd: usize,
-        inv: &[f32; super::QT],
-        o: &mut [f32],
+        inv: &[f32],
+        out: &[*mut f32],
     ) {
-        debug_assert!(v.len().is_multiple_of(hd) && v.len() / hd <= width && o.len() >= nq * hd);
-        debug_assert!(w.len() >= nq * width);
-        match nq {
-            1 => weighted_sums_n::<1>(w, width, v, hd, inv, o),
-            2 => weighted_sums_n::<2>(w, width, v, hd, inv, o),
-            3 => weighted_sums_n::<3>(w, width, v, hd, inv, o),
-            _ => weighted_sums_n::<4>(w, width, v, hd, inv, o),
+        debug_assert!(v.len().is_multiple_of(hd) && v.len() / hd <= width);
+        debug_assert!(w.len() >= out.len() * width && inv.len() == out.len());
+        match out.len() {
+            1 => weighted_sums_n::<1>(w, width, v, hd, inv, out),
+            2 => weighted_sums_n::<2>(w, width, v, hd, inv, out),
+            3 => weighted_sums_n::<3>(w, width, v, hd, inv, out),
+            4 => weighted_sums_n::<4>(w, width, v, hd, inv, out),
+            5 => weighted_sums_n::<5>(w, width, v, hd, inv, out),
+            _ => weighted_sums_n::<6>(w, width, v, hd, inv, out),
         }
     }
 
@@ -673,9 +768,10 @@ mod x86 {
         width: usize,
         v: &[f32],
         hd: usize,
-        inv: &[f32; super::QT],
-        o: &mut [f32],
+        inv: &[f32],
+        out: &[*mut f32],
     ) {
+        assert!(out.len() == NQ && inv.len() == NQ && w.len() >= NQ * width);
         let rows = v.len() / hd;
         let mut c0 = 0;
         while c0 < hd {
@@ -691,14 +787,14 @@ mod x86 {
                     _mm256_setzero_ps()
                 };
                 for (qq, acc) in acc.iter_mut().enumerate() {
-                    let b = _mm256_set1_ps(*w.get_unchecked(qq * width + p));
+                    let b = _mm256_broadcast_ss(w.get_unchecked(qq * width + p));
                     acc[0] = _mm256_fmadd_ps(b, x0, acc[0]);
                     acc[1] = _mm256_fmadd_ps(b, x1, acc[1]);
                 }
             }
             for (qq, acc) in acc.iter().enumerate() {
                 let iv = _mm256_set1_ps(inv[qq]);
-                let at = o.as_mut_ptr().add(qq * hd + c0);
+                let at = out[qq].add(c0);
                 _mm256_storeu_ps(at, _mm256_mul_ps(acc[0], iv));
                 if two {
                     _mm256_storeu_ps(at.add(8), _mm256_mul_ps(acc[1], iv));
@@ -859,6 +955,12 @@ mod tests {
             (4, 2, 0, 45, 8, 4, Some(5)),
             (4, 2, 30, 19, 64, 16, Some(17)),
             (2, 1, 2, 9, 7, 2, Some(3)),
+            // Groups of 5, 8 and 12 query heads: a task's queries go 6 at a time, so chunks
+            // hold parts of two tokens.
+            (10, 2, 7, 11, 64, 16, None),
+            (8, 1, 0, 23, 16, 4, Some(9)),
+            (12, 1, 3, 9, 256, 16, None),
+            (8, 2, 40, 7, 24, 16, Some(20)),
         ] {
             let l = pos + t;
             let k = data16(kv * l * hd, 2);

@@ -1,0 +1,103 @@
+//! The CPU matrix kernels alone: y = x W^T for the default model's layer shapes, Q4_1 and
+//! Q8_0 weights, at several token counts (1 and 8: decode steps; 64 and 512: prefill), on 1
+//! thread and on GEN_BENCH_THREADS (2). Prints GMAC/s (multiply-adds per second) per shape,
+//! the median of GEN_BENCH_REPS timed calls after a warm-up.
+//!
+//!     cargo bench --bench matmul
+//!
+//! A yardstick for kernel work, not a test: nothing here asserts a speed.
+
+#[allow(dead_code)] // bench_model: this benchmark makes its own weights
+mod common;
+
+use std::time::Instant;
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use common::{env_or, median};
+use gen::model::qlinear::{DeviceWeights, Kernel, QLinear};
+
+fn data(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) as f32 / (1u64 << 31) as f32 - 0.5) * 2.0
+        })
+        .collect()
+}
+
+fn main() {
+    let threads: usize = env_or("GEN_BENCH_THREADS", 2);
+    let reps: usize = env_or("GEN_BENCH_REPS", 9);
+    // (name, N, K): SmolLM2-135M's fused gate+up, down, fused q/k/v, and the output layer.
+    let shapes = [
+        ("gate+up", 3072, 576, GgmlDType::Q4_1),
+        ("down", 576, 1536, GgmlDType::Q4_1),
+        ("q/k/v", 960, 576, GgmlDType::Q4_1),
+        ("logits", 49152, 576, GgmlDType::Q8_0),
+    ];
+    let kernel = Kernel::detect();
+    println!("kernel {}", kernel.name());
+    println!("| shape | tokens | threads | weights | ms a call | GMAC/s |");
+    println!("|---|---|---|---|---|---|");
+    for nthreads in [1, threads] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(nthreads)
+            .build()
+            .expect("thread pool");
+        for &(name, n, k, dtype) in &shapes {
+            let w = Tensor::from_vec(data(n * k, 7), (n, k), &Device::Cpu).unwrap();
+            let lin = QLinear::with_kernel(
+                QTensor::quantize(&w, dtype).unwrap(),
+                &Device::Cpu,
+                kernel,
+                DeviceWeights::Quantized,
+            )
+            .unwrap();
+            // Copies enough to overflow the last-level cache, cycled through as a decode pass
+            // cycles through its layers, so the weights come from memory ("cold"), or the
+            // same one again and again, its weights in cache ("warm").
+            let bytes = n * k * if dtype == GgmlDType::Q8_0 { 34 } else { 20 } / 32;
+            let copies = (96 << 20) / bytes + 1;
+            let cold: Vec<QLinear> = (0..copies)
+                .map(|_| {
+                    QLinear::with_kernel(
+                        QTensor::quantize(&w, dtype).unwrap(),
+                        &Device::Cpu,
+                        kernel,
+                        DeviceWeights::Quantized,
+                    )
+                    .unwrap()
+                })
+                .collect();
+            for t in [1usize, 8, 64, 512] {
+                if name == "logits" && t > 8 {
+                    continue;
+                }
+                let x = Tensor::from_vec(data(t * k, 11), (t, k), &Device::Cpu).unwrap();
+                for (mode, set) in [("warm", std::slice::from_ref(&lin)), ("cold", &cold[..])] {
+                    let times: Vec<f64> = pool.install(|| {
+                        set[0].forward(&x).unwrap();
+                        (0..reps.max(set.len()))
+                            .map(|i| {
+                                let start = Instant::now();
+                                std::hint::black_box(set[i % set.len()].forward(&x).unwrap());
+                                start.elapsed().as_secs_f64()
+                            })
+                            .collect()
+                    });
+                    let s = median(times);
+                    let macs = (t * n * k) as f64;
+                    println!(
+                        "| {name} {n}x{k} | {t} | {nthreads} | {mode} | {:.3} | {:.1} |",
+                        s * 1e3,
+                        macs / s / 1e9
+                    );
+                }
+            }
+        }
+    }
+}
