@@ -320,34 +320,41 @@ impl CpuQWeight {
                     .step_by(chunk)
                     .map(|g| (g, (g + chunk).min(tiles.groups)))
                     .collect();
+                // Many tokens (a prefill): the tokens go in blocks of about 192 KiB of
+                // quantized activations, each block through all of a task's row groups while
+                // it sits in L2; otherwise a wide input (the down projection's, 1,536 values a
+                // token) streamed from L3 once per row group.
+                let per_block = (192 * 1024 / (k * TOKENS)).max(1);
                 group_ranges.into_par_iter().for_each(|(g0, g1)| {
-                    for g in g0..g1 {
-                        let p = parts.partition_point(|part| part.0 <= g) - 1;
-                        let (pg, w, out) = parts[p];
-                        let col = (g - pg) * 8;
-                        let real = (w - col).min(8);
-                        let tile = tiles.tile(g);
-                        for c in 0..act.chunks {
-                            let in_chunk = (t - c * TOKENS).min(TOKENS);
-                            let mut i0 = 0;
-                            while i0 < in_chunk {
-                                let n = (in_chunk - i0).min(per_call);
-                                let token = c * TOKENS + i0;
-                                // SAFETY: token + n <= T and col + real <= w, so every row
-                                // written is inside this part's T x w buffer; row group g's
-                                // columns are written by this task only.
-                                unsafe {
-                                    self.tile_dot(
-                                        tile,
-                                        &act,
-                                        token,
-                                        n,
-                                        out.at(token * w + col),
-                                        w,
-                                        real,
-                                    )
-                                };
-                                i0 += n;
+                    for c_start in (0..act.chunks).step_by(per_block) {
+                        for g in g0..g1 {
+                            let p = parts.partition_point(|part| part.0 <= g) - 1;
+                            let (pg, w, out) = parts[p];
+                            let col = (g - pg) * 8;
+                            let real = (w - col).min(8);
+                            let tile = tiles.tile(g);
+                            for c in c_start..(c_start + per_block).min(act.chunks) {
+                                let in_chunk = (t - c * TOKENS).min(TOKENS);
+                                let mut i0 = 0;
+                                while i0 < in_chunk {
+                                    let n = (in_chunk - i0).min(per_call);
+                                    let token = c * TOKENS + i0;
+                                    // SAFETY: token + n <= T and col + real <= w, so every row
+                                    // written is inside this part's T x w buffer; row group g's
+                                    // columns are written by this task only.
+                                    unsafe {
+                                        self.tile_dot(
+                                            tile,
+                                            &act,
+                                            token,
+                                            n,
+                                            out.at(token * w + col),
+                                            w,
+                                            real,
+                                        )
+                                    };
+                                    i0 += n;
+                                }
                             }
                         }
                     }
