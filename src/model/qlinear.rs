@@ -487,24 +487,55 @@ impl ActTiles {
             nb,
             chunks,
         };
-        for (tok, row) in x.chunks_exact(k).take(t).enumerate() {
-            let (c, i) = (tok / TOKENS, tok % TOKENS);
-            for (b, blk) in row.chunks_exact(QK).enumerate() {
-                let at = (c * nb + b) * TOKENS + i;
-                let q = &mut a.qs[at * QK..at * QK + QK];
-                let (d, sum) = match kernel {
-                    // SAFETY: a SIMD kernel is only chosen on CPUs with AVX2.
-                    #[cfg(target_arch = "x86_64")]
-                    Kernel::Avx2 | Kernel::Vnni => unsafe { x86::quantize_block(blk, q) },
-                    _ => quantize_block(blk, q),
-                };
-                a.scale[at] = through_f16(d);
-                if with_sums {
-                    a.offset[at] = through_f16(d * sum as f32);
-                } else {
-                    a.isum[at] = sum;
+        // One chunk of 8 tokens: its quants, scales and sums (offset or isum, the other empty).
+        let fill = |c: usize, qs: &mut [u8], scale: &mut [f32], offset: &mut [f32], isum: &mut [i32]| {
+            for (i, row) in x.chunks_exact(k).skip(c * TOKENS).take(TOKENS.min(t - c * TOKENS)).enumerate() {
+                for (b, blk) in row.chunks_exact(QK).enumerate() {
+                    let at = b * TOKENS + i;
+                    let q = &mut qs[at * QK..at * QK + QK];
+                    let (d, sum) = match kernel {
+                        // SAFETY: a SIMD kernel is only chosen on CPUs with AVX2.
+                        #[cfg(target_arch = "x86_64")]
+                        Kernel::Avx2 | Kernel::Vnni => unsafe { x86::quantize_block(blk, q) },
+                        _ => quantize_block(blk, q),
+                    };
+                    scale[at] = through_f16(d);
+                    if with_sums {
+                        offset[at] = through_f16(d * sum as f32);
+                    } else {
+                        isum[at] = sum;
+                    }
                 }
             }
+        };
+        let per = nb * TOKENS;
+        let (o_len, i_len) = if with_sums { (per, 0) } else { (0, per) };
+        // Chunks by index; the unused one of offset/isum gets empty slices.
+        let offsets: Vec<&mut [f32]> = if with_sums {
+            a.offset.chunks_mut(per).collect()
+        } else {
+            (0..chunks).map(|_| <&mut [f32]>::default()).collect()
+        };
+        let isums: Vec<&mut [i32]> = if with_sums {
+            (0..chunks).map(|_| <&mut [i32]>::default()).collect()
+        } else {
+            a.isum.chunks_mut(per).collect()
+        };
+        debug_assert!(o_len + i_len == per);
+        let work = a
+            .qs
+            .chunks_mut(per * QK)
+            .zip(a.scale.chunks_mut(per))
+            .zip(offsets.into_iter().zip(isums))
+            .enumerate()
+            .collect::<Vec<_>>();
+        // A prefill's tokens (T in the hundreds: milliseconds of work a layer) in parallel; a
+        // decode step's few serially.
+        let run = |(c, ((qs, scale), (offset, isum))): (usize, _)| fill(c, qs, scale, offset, isum);
+        if t >= 64 {
+            work.into_par_iter().for_each(run);
+        } else {
+            work.into_iter().for_each(run);
         }
         a
     }
