@@ -71,7 +71,9 @@ pub fn rope(x: &Tensor, cos: &[f32], sin: &[f32], interleaved: bool) -> Result<T
     // A prefill's hundreds of tokens in parallel (a serial pass was 3% of a batch's prefill);
     // a decode step's few on this thread.
     if n >= 64 {
-        v.par_chunks_exact_mut(heads * hd).enumerate().for_each(token);
+        v.par_chunks_exact_mut(heads * hd)
+            .enumerate()
+            .for_each(token);
     } else {
         v.chunks_exact_mut(heads * hd).enumerate().for_each(token);
     }
