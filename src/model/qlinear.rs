@@ -523,7 +523,6 @@ impl ActTiles {
                 }
             };
         let per = nb * TOKENS;
-        let (o_len, i_len) = if with_sums { (per, 0) } else { (0, per) };
         // Chunks by index; the unused one of offset/isum gets empty slices.
         let offsets: Vec<&mut [f32]> = if with_sums {
             a.offset.chunks_mut(per).collect()
@@ -535,7 +534,6 @@ impl ActTiles {
         } else {
             a.isum.chunks_mut(per).collect()
         };
-        debug_assert!(o_len + i_len == per);
         let work =
             a.qs.chunks_mut(per * QK)
                 .zip(a.scale.chunks_mut(per))
