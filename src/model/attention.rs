@@ -170,13 +170,7 @@ impl Group<'_> {
             if scores.is_empty() {
                 continue;
             }
-            let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-            let mut sum = 0f32;
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
-            let inv = 1.0 / sum;
+            let inv = 1.0 / softmax_unnormalised(&mut scores, false);
             let mut p = 0;
             for (base, n) in self.runs() {
                 for r in 0..n {
@@ -300,23 +294,6 @@ pub fn causal_prefill_attention(
     )
 }
 
-/// The output of the prefill kernel, written by several tasks at disjoint rows.
-#[derive(Clone, Copy)]
-struct OutRows(*mut f32);
-// SAFETY: each task writes only the rows of its own (kv head, tokens) (see `prefill_with`).
-unsafe impl Send for OutRows {}
-unsafe impl Sync for OutRows {}
-
-impl OutRows {
-    /// Where value `i` of the output is (a method, so closures capture the whole wrapper).
-    ///
-    /// # Safety
-    /// i must be inside the output.
-    unsafe fn at(self, i: usize) -> *mut f32 {
-        self.0.add(i)
-    }
-}
-
 /// `causal_prefill_attention` with the SIMD choice made by the caller (tests run both).
 #[allow(clippy::too_many_arguments)]
 fn prefill_with(
@@ -362,7 +339,8 @@ fn prefill_with(
         })
         .collect();
     let mut out = vec![0f32; t * heads * hd];
-    let dst = OutRows(out.as_mut_ptr());
+    // Each task writes only the rows of its own (kv head, tokens).
+    let dst = super::host::SharedOut(out.as_mut_ptr());
     let tiles = t.div_ceil(QT);
     (0..kv_heads * tiles).into_par_iter().for_each(|task| {
         let (j, tile) = (task / tiles, task % tiles);
@@ -379,10 +357,9 @@ fn prefill_with(
         let k0 = p0 * KT;
         let width = seen(nt - 1).div_ceil(KT) * KT - k0;
         let nq = nt * g;
-        let query = |qi: usize| {
-            let (tt, i) = (qi / g, j * g + qi % g);
-            &q[((t0 + tt) * heads + i) * hd..((t0 + tt) * heads + i + 1) * hd]
-        };
+        // Where query qi's row starts, in q and in the output alike: (T, h, hd).
+        let row_at = |qi: usize| ((t0 + qi / g) * heads + j * g + qi % g) * hd;
+        let query = |qi: usize| &q[row_at(qi)..row_at(qi) + hd];
         let mut scores = vec![0f32; nq * width];
         let mut inv = vec![0f32; nq];
         for c0 in (0..nq).step_by(QR) {
@@ -424,24 +401,20 @@ fn prefill_with(
         for c0 in (0..nq).step_by(QR) {
             let c = (nq - c0).min(QR);
             let span = seen((c0 + c - 1) / g) - k0;
-            let outs: Vec<*mut f32> = (c0..c0 + c)
-                .map(|qi| {
-                    let (tt, i) = (qi / g, j * g + qi % g);
-                    // SAFETY: inside `out` (t * heads * hd); token t0 + tt, head i is this
-                    // task's alone.
-                    unsafe { dst.at(((t0 + tt) * heads + i) * hd) }
-                })
-                .collect();
+            // Inside `out` (t * heads * hd); each query's row is this task's alone.
+            let outs: Vec<*mut f32> = (c0..c0 + c).map(|qi| dst.at(row_at(qi))).collect();
             let w = &scores[c0 * width..(c0 + c) * width];
             match avx2 {
-                // SAFETY: as above; each pointer is valid for hd writes no other task makes.
+                // SAFETY: AVX2 and FMA are present; each pointer is valid for hd writes (its row of
+                // `out`) that no other task makes.
                 #[cfg(target_arch = "x86_64")]
                 true => unsafe {
                     x86::weighted_sums(w, width, &vals[..span * hd], hd, &inv[c0..c0 + c], &outs)
                 },
                 _ => {
                     for (qq, &o) in outs.iter().enumerate() {
-                        // SAFETY: as above.
+                        // SAFETY: o is this query's row of `out`, hd values no other task
+                        // touches, and `out` outlives the parallel region.
                         let o = unsafe { std::slice::from_raw_parts_mut(o, hd) };
                         for (p, row) in vals[..span * hd].chunks_exact(hd).enumerate() {
                             let wt = w[qq * width + p] * inv[c0 + qq];

@@ -87,6 +87,22 @@ fn silu_mul_scalar(g: &[f32], u: &[f32], o: &mut [f32]) {
     }
 }
 
+/// An output buffer that several threads of one parallel region write at disjoint indices
+/// (each user says which indices are whose).
+#[derive(Clone, Copy)]
+pub(crate) struct SharedOut(pub(crate) *mut f32);
+// SAFETY: users give every task its own indices of the buffer (see `qlinear::CpuQWeight::
+// matmul_parts` and `attention::causal_prefill_attention`).
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// Where value `i` is (a method, so closures capture the whole wrapper, not its pointer).
+    pub(crate) fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
 /// `f` on a tensor's values as one f32 slice, borrowed when the tensor is already a contiguous
 /// f32 one (what the forward pass hands over).
 pub(crate) fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {

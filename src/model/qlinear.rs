@@ -18,6 +18,8 @@ use candle_core::{DType, Device, Module, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
+use super::host::SharedOut;
+
 const QK: usize = 32;
 const Q4_1_BYTES: usize = 20;
 const Q8_0_BYTES: usize = 34;
@@ -242,19 +244,6 @@ pub struct CpuQWeight {
     kernel: Kernel,
 }
 
-/// The output buffer, written by several threads at disjoint indices.
-#[derive(Clone, Copy)]
-struct Out(*mut f32);
-// SAFETY: every thread writes only the columns of its own row groups (see `matmul`).
-unsafe impl Send for Out {}
-unsafe impl Sync for Out {}
-
-impl Out {
-    fn at(self, i: usize) -> *mut f32 {
-        self.0.wrapping_add(i)
-    }
-}
-
 impl CpuQWeight {
     /// x: T rows of K values, row-major. Returns T rows of N values.
     pub fn matmul(&self, x: &[f32], t: usize) -> Vec<f32> {
@@ -317,7 +306,7 @@ impl CpuQWeight {
                 let mut parts = Vec::with_capacity(widths.len());
                 let mut first = 0;
                 for (o, &w) in outs.iter_mut().zip(widths) {
-                    parts.push((first, w, Out(o.as_mut_ptr())));
+                    parts.push((first, w, SharedOut(o.as_mut_ptr())));
                     first += w.div_ceil(8);
                 }
                 debug_assert_eq!(first, tiles.groups);
