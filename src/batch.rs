@@ -273,6 +273,8 @@ fn admit(
         }
         let mut s = waiting.pop_front().expect("front exists");
         let seq = model.new_sequence();
+        // Where its blocks go: a run with room for the whole reply, if the pool has one.
+        model.expect_tokens(seq, (s.prompt_len + s.max_new).min(opts.context_len));
         let ok = model.reserve(seq, s.history.len());
         debug_assert!(ok, "checked above");
         s.slot = Some(seq);

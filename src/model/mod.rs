@@ -71,6 +71,12 @@ pub trait LanguageModel {
         self.kv_mut().free_sequence(seq)
     }
 
+    /// Say how many tokens `seq` expects to hold in the end, so that its blocks can be laid
+    /// out as one run (see [`PagedKv::expect`]); reserves nothing.
+    fn expect_tokens(&mut self, seq: SeqId, tokens: usize) {
+        self.kv_mut().expect(seq, tokens)
+    }
+
     /// Make room for `seq` to hold `tokens` tokens in all; false when the pool is short.
     fn reserve(&mut self, seq: SeqId, tokens: usize) -> bool {
         self.kv_mut().reserve(seq, tokens)
