@@ -915,8 +915,14 @@ impl Decoder {
             .transpose()?;
         let scale = cfg.attn_scale;
         self.profile.mark(dev, "prepare, embed");
+        // On the CPU, each residual add comes with the norm that follows it (one fused pass):
+        // the input of the next layer's attention, normalised, waits here.
+        let mut normed: Option<Tensor> = None;
         for (l, layer) in self.layers.iter().enumerate() {
-            let xn = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?;
+            let xn = match normed.take() {
+                Some(xn) => xn,
+                None => candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?,
+            };
             let [mut q, mut k, mut v]: [Tensor; 3] = layer
                 .qkv
                 .forward(&xn)?
@@ -927,7 +933,7 @@ impl Decoder {
                 k = k.broadcast_add(bk)?;
                 v = v.broadcast_add(bv)?;
             }
-            self.profile.mark(dev, "norm, q/k/v");
+            self.profile.mark(dev, "q/k/v");
             let (q, k) = if cpu {
                 // Token-major all the way: (N, heads, hd) is what the projections give and
                 // what the attention kernels and the cache take.
@@ -1069,15 +1075,21 @@ impl Decoder {
             if let Some(w) = &layer.post_attn_norm {
                 o = candle_nn::ops::rms_norm(&o, w, cfg.rms_eps)?;
             }
-            x = (x + o)?;
-            self.profile.mark(dev, "attn out, add");
-            let xn = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps)?;
+            let xn;
+            (x, xn) = if cpu {
+                super::host::add_rms_norm(&x, &o, &layer.ffn_norm, cfg.rms_eps)?
+            } else {
+                let x = (x + o)?;
+                let xn = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps)?;
+                (x, xn)
+            };
+            self.profile.mark(dev, "attn out, add, norm");
             let [gate, up]: [Tensor; 2] = layer
                 .gate_up
                 .forward(&xn)?
                 .try_into()
                 .expect("two projections");
-            self.profile.mark(dev, "norm, gate/up");
+            self.profile.mark(dev, "gate/up");
             let act = match cfg.family.activation() {
                 Activation::Silu if cpu => super::host::silu_mul(&gate, &up)?,
                 Activation::Silu => (candle_nn::ops::silu(&gate)? * up)?,
@@ -1088,8 +1100,15 @@ impl Decoder {
             if let Some(w) = &layer.post_ffn_norm {
                 o = candle_nn::ops::rms_norm(&o, w, cfg.rms_eps)?;
             }
-            x = (x + o)?;
-            self.profile.mark(dev, "down, add");
+            match self.layers.get(l + 1).filter(|_| cpu) {
+                Some(next) => {
+                    let xn;
+                    (x, xn) = super::host::add_rms_norm(&x, &o, &next.attn_norm, cfg.rms_eps)?;
+                    normed = Some(xn);
+                }
+                None => x = (x + o)?,
+            }
+            self.profile.mark(dev, "down, add, norm");
         }
         for step in batch {
             self.kv.advance(step.seq, step.tokens.len());

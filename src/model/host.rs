@@ -4,6 +4,8 @@
 //! value and then multiplies in a second pass; and rotary embeddings applied in the token-major
 //! layout the projections produce, where candle's want heads first (two transposing copies).
 
+use std::mem::MaybeUninit;
+
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Storage, Tensor};
 use rayon::prelude::*;
@@ -78,6 +80,91 @@ pub fn rope(x: &Tensor, cos: &[f32], sin: &[f32], interleaved: bool) -> Result<T
         v.chunks_exact_mut(heads * hd).enumerate().for_each(token);
     }
     Ok(Tensor::from_vec(v, (n, heads, hd), &Device::Cpu)?)
+}
+
+/// The residual add and the RMS norm that follows it, in one pass: returns (x + o, and that
+/// sum normalised and scaled by `w`), both (N, d) f32. The same operations in the same order
+/// as candle's add and rms_norm (each row's sum of squares added up in order), so the result
+/// is bit for bit theirs; eight rows' sums go side by side, which hides the latency of that
+/// serial chain. Rows in parallel for a prefill.
+pub fn add_rms_norm(x: &Tensor, o: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+    let (n, d) = x.dims2()?;
+    if o.dims() != x.dims() || w.dims() != [d] {
+        bail!(
+            "add_rms_norm: x {:?}, o {:?}, w {:?}",
+            x.dims(),
+            o.dims(),
+            w.dims()
+        );
+    }
+    let (sum, normed) = with_f32(x, |x| {
+        with_f32(o, |o| {
+            with_f32(w, |w| {
+                let mut sum = Vec::with_capacity(n * d);
+                let mut normed = Vec::with_capacity(n * d);
+                let group = NORM_ROWS * d;
+                let (s_out, m_out) = (
+                    &mut sum.spare_capacity_mut()[..n * d],
+                    &mut normed.spare_capacity_mut()[..n * d],
+                );
+                if n >= 64 {
+                    s_out
+                        .par_chunks_mut(group)
+                        .zip(m_out.par_chunks_mut(group))
+                        .zip(x.par_chunks(group).zip(o.par_chunks(group)))
+                        .for_each(|((s, m), (x, o))| add_norm_rows(x, o, w, eps, s, m));
+                } else {
+                    s_out
+                        .chunks_mut(group)
+                        .zip(m_out.chunks_mut(group))
+                        .zip(x.chunks(group).zip(o.chunks(group)))
+                        .for_each(|((s, m), (x, o))| add_norm_rows(x, o, w, eps, s, m));
+                }
+                // SAFETY: add_norm_rows wrote all n * d values of both.
+                unsafe {
+                    sum.set_len(n * d);
+                    normed.set_len(n * d);
+                }
+                (sum, normed)
+            })
+        })
+    })???;
+    Ok((
+        Tensor::from_vec(sum, (n, d), &Device::Cpu)?,
+        Tensor::from_vec(normed, (n, d), &Device::Cpu)?,
+    ))
+}
+
+/// Rows whose sums of squares `add_norm_rows` runs side by side.
+const NORM_ROWS: usize = 8;
+
+/// Up to NORM_ROWS rows of `add_rms_norm`: s = x + o, m = s / sqrt(mean(s^2) + eps) * w.
+fn add_norm_rows(
+    x: &[f32],
+    o: &[f32],
+    w: &[f32],
+    eps: f32,
+    s: &mut [MaybeUninit<f32>],
+    m: &mut [MaybeUninit<f32>],
+) {
+    let d = w.len();
+    let rows = x.len() / d;
+    let mut acc = [0f32; NORM_ROWS];
+    for j in 0..d {
+        for r in 0..rows {
+            let v = x[r * d + j] + o[r * d + j];
+            s[r * d + j].write(v);
+            acc[r] += v * v;
+        }
+    }
+    for r in 0..rows {
+        let scale = (acc[r] / d as f32 + eps).sqrt();
+        // SAFETY: written in the loop above.
+        let s = unsafe { &*(&s[r * d..(r + 1) * d] as *const [MaybeUninit<f32>] as *const [f32]) };
+        for ((m, &v), &w) in m[r * d..(r + 1) * d].iter_mut().zip(s).zip(w) {
+            m.write(v / scale * w);
+        }
+    }
 }
 
 /// The portable path: the formula candle uses, x / (1 + e^-x), times up.
@@ -190,6 +277,34 @@ pub(crate) mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Bit for bit candle's add and rms_norm, for row counts around the side-by-side group
+    /// of 8 and the parallel threshold, and values far apart in size.
+    #[test]
+    fn add_rms_norm_is_candles_add_then_rms_norm() {
+        for (n, d) in [(1, 576), (5, 40), (8, 576), (13, 64), (100, 576), (131, 40)] {
+            let val = |i: usize, k: u32| {
+                let h = (i as u32).wrapping_mul(2_654_435_761).rotate_left(k) >> 8;
+                (h as f32 / (1u32 << 24) as f32 - 0.5) * if i % 97 == 0 { 300.0 } else { 3.0 }
+            };
+            let x: Vec<f32> = (0..n * d).map(|i| val(i, 3)).collect();
+            let o: Vec<f32> = (0..n * d).map(|i| val(i, 11)).collect();
+            let w: Vec<f32> = (0..d).map(|i| 0.5 + val(i, 7)).collect();
+            let dev = Device::Cpu;
+            let xt = Tensor::from_vec(x, (n, d), &dev).unwrap();
+            let ot = Tensor::from_vec(o, (n, d), &dev).unwrap();
+            let wt = Tensor::from_vec(w, d, &dev).unwrap();
+            let (sum, normed) = add_rms_norm(&xt, &ot, &wt, 1e-5).unwrap();
+            let want_sum = (&xt + &ot).unwrap();
+            let want = candle_nn::ops::rms_norm(&want_sum, &wt, 1e-5).unwrap();
+            let bits = |t: &Tensor| -> Vec<u32> {
+                let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                v.iter().map(|f| f.to_bits()).collect()
+            };
+            assert_eq!(bits(&sum), bits(&want_sum), "sum, n = {n}, d = {d}");
+            assert_eq!(bits(&normed), bits(&want), "norm, n = {n}, d = {d}");
+        }
+    }
 
     /// The vector path against the f64 formula over the range activations take, the extremes
     /// included (no overflow, no NaN), and against the portable path to within a few ulp.
