@@ -285,7 +285,8 @@ mod tests {
         for (n, d) in [(1, 576), (5, 40), (8, 576), (13, 64), (100, 576), (131, 40)] {
             let val = |i: usize, k: u32| {
                 let h = (i as u32).wrapping_mul(2_654_435_761).rotate_left(k) >> 8;
-                (h as f32 / (1u32 << 24) as f32 - 0.5) * if i % 97 == 0 { 300.0 } else { 3.0 }
+                (h as f32 / (1u32 << 24) as f32 - 0.5)
+                    * if i.is_multiple_of(97) { 300.0 } else { 3.0 }
             };
             let x: Vec<f32> = (0..n * d).map(|i| val(i, 3)).collect();
             let o: Vec<f32> = (0..n * d).map(|i| val(i, 11)).collect();
