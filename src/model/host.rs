@@ -21,8 +21,10 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let simd = simd_available();
     let out = with_f32(gate, |g| {
         with_f32(up, |u| {
-            let mut out = vec![0f32; g.len()];
-            out.par_chunks_mut(CHUNK)
+            // Written once, never zeroed first (a prefill's is megabytes).
+            let mut out = Vec::with_capacity(g.len());
+            out.spare_capacity_mut()[..g.len()]
+                .par_chunks_mut(CHUNK)
                 .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
                 .for_each(|(o, (g, u))| match simd {
                     // SAFETY: only when the CPU has AVX2 and FMA.
@@ -30,6 +32,8 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
                     true => unsafe { x86::silu_mul(g, u, o) },
                     _ => silu_mul_scalar(g, u, o),
                 });
+            // SAFETY: both paths write every one of the g.len() values.
+            unsafe { out.set_len(g.len()) };
             out
         })
     })??;
@@ -149,28 +153,38 @@ fn add_norm_rows(
 ) {
     let d = w.len();
     let rows = x.len() / d;
+    for ((s, &x), &o) in s.iter_mut().zip(x).zip(o) {
+        s.write(x + o);
+    }
+    // SAFETY: every value was written just above.
+    let s = unsafe { &*(s as *const [MaybeUninit<f32>] as *const [f32]) };
     let mut acc = [0f32; NORM_ROWS];
-    for j in 0..d {
-        for r in 0..rows {
-            let v = x[r * d + j] + o[r * d + j];
-            s[r * d + j].write(v);
-            acc[r] += v * v;
+    match simd_available() && d.is_multiple_of(8) {
+        // SAFETY: only when the CPU has AVX2; d is a multiple of 8.
+        #[cfg(target_arch = "x86_64")]
+        true => unsafe { x86::sums_of_squares(s, d, &mut acc) },
+        _ => {
+            for (acc, row) in acc.iter_mut().zip(s.chunks_exact(d)) {
+                *acc = row.iter().map(|&v| v * v).sum();
+            }
         }
     }
     for r in 0..rows {
         let scale = (acc[r] / d as f32 + eps).sqrt();
-        // SAFETY: written in the loop above.
-        let s = unsafe { &*(&s[r * d..(r + 1) * d] as *const [MaybeUninit<f32>] as *const [f32]) };
-        for ((m, &v), &w) in m[r * d..(r + 1) * d].iter_mut().zip(s).zip(w) {
+        for ((m, &v), &w) in m[r * d..(r + 1) * d]
+            .iter_mut()
+            .zip(&s[r * d..(r + 1) * d])
+            .zip(w)
+        {
             m.write(v / scale * w);
         }
     }
 }
 
 /// The portable path: the formula candle uses, x / (1 + e^-x), times up.
-fn silu_mul_scalar(g: &[f32], u: &[f32], o: &mut [f32]) {
+fn silu_mul_scalar(g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
     for ((o, &x), &u) in o.iter_mut().zip(g).zip(u) {
-        *o = x / (1.0 + (-x).exp()) * u;
+        o.write(x / (1.0 + (-x).exp()) * u);
     }
 }
 
@@ -252,10 +266,69 @@ pub(crate) mod x86 {
         _mm256_andnot_ps(tiny, _mm256_mul_ps(p, pow2))
     }
 
+    /// Each row's sum of squares of up to 8 rows of d values (rows: (n, d) row-major, d a
+    /// multiple of 8), into sums[..n]: added up in order, as a plain loop over the row would,
+    /// but the 8 rows side by side, one per lane (8 x 8 tiles transposed in registers), so
+    /// eight serial chains run at once.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn sums_of_squares(rows: &[f32], d: usize, sums: &mut [f32; 8]) {
+        let n = rows.len() / d;
+        debug_assert!(n <= 8 && d.is_multiple_of(8));
+        let zero = [0f32; 8];
+        let ptr: [*const f32; 8] = std::array::from_fn(|r| {
+            if r < n {
+                rows.as_ptr().add(r * d)
+            } else {
+                zero.as_ptr()
+            }
+        });
+        let step = |r: usize| if r < n { 8 } else { 0 };
+        let mut acc = _mm256_setzero_ps();
+        let mut at = [0usize; 8];
+        for _ in (0..d).step_by(8) {
+            let v: [__m256; 8] = std::array::from_fn(|r| _mm256_loadu_ps(ptr[r].add(at[r])));
+            for (r, a) in at.iter_mut().enumerate() {
+                *a += step(r);
+            }
+            // Transpose: c[k] holds column k of the tile, lane r from row r.
+            let t0 = _mm256_unpacklo_ps(v[0], v[1]);
+            let t1 = _mm256_unpackhi_ps(v[0], v[1]);
+            let t2 = _mm256_unpacklo_ps(v[2], v[3]);
+            let t3 = _mm256_unpackhi_ps(v[2], v[3]);
+            let t4 = _mm256_unpacklo_ps(v[4], v[5]);
+            let t5 = _mm256_unpackhi_ps(v[4], v[5]);
+            let t6 = _mm256_unpacklo_ps(v[6], v[7]);
+            let t7 = _mm256_unpackhi_ps(v[6], v[7]);
+            let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+            let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+            let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+            let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+            let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+            let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+            let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+            let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+            let c = [
+                _mm256_permute2f128_ps::<0x20>(u0, u4),
+                _mm256_permute2f128_ps::<0x20>(u1, u5),
+                _mm256_permute2f128_ps::<0x20>(u2, u6),
+                _mm256_permute2f128_ps::<0x20>(u3, u7),
+                _mm256_permute2f128_ps::<0x31>(u0, u4),
+                _mm256_permute2f128_ps::<0x31>(u1, u5),
+                _mm256_permute2f128_ps::<0x31>(u2, u6),
+                _mm256_permute2f128_ps::<0x31>(u3, u7),
+            ];
+            for c in c {
+                // A multiply, then an add: no fused multiply-add, as in the plain loop.
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(c, c));
+            }
+        }
+        _mm256_storeu_ps(sums.as_mut_ptr(), acc);
+    }
+
     /// o = silu(g) * u. sigmoid(x) from e = exp(-|x|), which never overflows: 1 / (1 + e) for
     /// x >= 0, e / (1 + e) below.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn silu_mul(g: &[f32], u: &[f32], o: &mut [f32]) {
+    pub unsafe fn silu_mul(g: &[f32], u: &[f32], o: &mut [std::mem::MaybeUninit<f32>]) {
         let n = o.len().min(g.len()).min(u.len());
         let sign = _mm256_set1_ps(-0.0);
         let one = _mm256_set1_ps(1.0);
@@ -267,7 +340,7 @@ pub(crate) mod x86 {
             let num = _mm256_blendv_ps(one, e, negative);
             let sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
             let y = _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u.as_ptr().add(i)));
-            _mm256_storeu_ps(o.as_mut_ptr().add(i), y);
+            _mm256_storeu_ps(o.as_mut_ptr().add(i).cast(), y);
             i += 8;
         }
         super::silu_mul_scalar(&g[i..n], &u[i..n], &mut o[i..n]);
@@ -282,7 +355,15 @@ mod tests {
     /// of 8 and the parallel threshold, and values far apart in size.
     #[test]
     fn add_rms_norm_is_candles_add_then_rms_norm() {
-        for (n, d) in [(1, 576), (5, 40), (8, 576), (13, 64), (100, 576), (131, 40)] {
+        for (n, d) in [
+            (1, 576),
+            (5, 40),
+            (3, 36),
+            (8, 576),
+            (13, 64),
+            (100, 576),
+            (131, 40),
+        ] {
             let val = |i: usize, k: u32| {
                 let h = (i as u32).wrapping_mul(2_654_435_761).rotate_left(k) >> 8;
                 (h as f32 / (1u32 << 24) as f32 - 0.5)
@@ -319,8 +400,13 @@ mod tests {
         let gt = Tensor::from_vec(g.clone(), g.len(), &Device::Cpu).unwrap();
         let ut = Tensor::from_vec(u.clone(), u.len(), &Device::Cpu).unwrap();
         let got = silu_mul(&gt, &ut).unwrap().to_vec1::<f32>().unwrap();
-        let mut portable = vec![0f32; g.len()];
+        let mut portable = vec![MaybeUninit::new(0f32); g.len()];
         silu_mul_scalar(&g, &u, &mut portable);
+        // SAFETY: initialised above (and written again by silu_mul_scalar).
+        let portable: Vec<f32> = portable
+            .iter()
+            .map(|v| unsafe { v.assume_init() })
+            .collect();
         for i in 0..g.len() {
             let x = g[i] as f64;
             let want = x / (1.0 + (-x).exp()) * u[i] as f64;
