@@ -63,26 +63,30 @@ fn decode_with(
     }
     // Query heads j*g..(j+1)*g read kv head j: their rows of q and of the output are adjacent.
     let width = g * head_dim;
-    out.par_chunks_mut(width).enumerate().for_each(|(i, o)| {
-        let (step, j) = (&steps[i / kv_heads], i % kv_heads);
-        let group = Group {
-            q: &step.q[j * width..(j + 1) * width],
-            hd: head_dim,
-            blocks: step.blocks,
-            len: step.len,
-            from: step.from.min(step.len),
-            block,
-            pool_blocks,
-            j,
-            scale,
-        };
-        match avx2 && head_dim.is_multiple_of(8) {
-            // SAFETY: only when the CPU has AVX2, FMA and F16C, and hd is a multiple of 8.
-            #[cfg(target_arch = "x86_64")]
-            true => unsafe { group.run_avx2(k_pool, v_pool, o) },
-            _ => group.run(k_pool, v_pool, o),
-        }
-    });
+    // Scratch for the scores, made once per rayon job rather than once per task: with gen's
+    // single malloc arena, tasks allocating side by side contend for its lock.
+    out.par_chunks_mut(width)
+        .enumerate()
+        .for_each_init(Vec::new, |buf, (i, o)| {
+            let (step, j) = (&steps[i / kv_heads], i % kv_heads);
+            let group = Group {
+                q: &step.q[j * width..(j + 1) * width],
+                hd: head_dim,
+                blocks: step.blocks,
+                len: step.len,
+                from: step.from.min(step.len),
+                block,
+                pool_blocks,
+                j,
+                scale,
+            };
+            match avx2 && head_dim.is_multiple_of(8) {
+                // SAFETY: only when the CPU has AVX2, FMA and F16C, and hd is a multiple of 8.
+                #[cfg(target_arch = "x86_64")]
+                true => unsafe { group.run_avx2(k_pool, v_pool, o, buf) },
+                _ => group.run(k_pool, v_pool, o),
+            }
+        });
     out
 }
 
@@ -193,7 +197,7 @@ impl Group<'_> {
     /// of 8.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn run_avx2(&self, k_pool: &[f16], v_pool: &[f16], o: &mut [f32]) {
+    unsafe fn run_avx2(&self, k_pool: &[f16], v_pool: &[f16], o: &mut [f32], buf: &mut Vec<f32>) {
         let hd = self.hd;
         let g = self.q.len() / hd;
         let n = self.len - self.from;
@@ -204,7 +208,9 @@ impl Group<'_> {
         let size = g.div_ceil(g.div_ceil(MAX_GROUP));
         let chunks = || (0..g).step_by(size).map(move |q0| (q0, size.min(g - q0)));
         // Scores (g, n), one row per query, then each query's 1 / (sum of its weights).
-        let mut buf = vec![0f32; g * n + g];
+        // Every score is written before it is read; the sums are set by the softmax.
+        buf.clear();
+        buf.resize(g * n + g, 0.0);
         let (scores, inv) = buf.split_at_mut(g * n);
         for (p, keys) in self.prefetched(k_pool) {
             for (q0, c) in chunks() {
@@ -321,20 +327,23 @@ fn prefill_with(
             kp.par_chunks_mut(hd * KT)
                 .zip(v.par_chunks_mut(KT * hd))
                 .enumerate()
-                .for_each(|(pi, (panel, vals))| {
-                    let mut row = vec![0f32; hd];
-                    for r in 0..KT.min(l - pi * KT) {
-                        let p = pi * KT + r;
-                        let at = ((j * pool_blocks + blocks[p / block] as usize) * block
-                            + p % block)
-                            * hd;
-                        k_pool[at..at + hd].convert_to_f32_slice(&mut row);
-                        for (d, x) in row.iter().enumerate() {
-                            panel[d * KT + r] = *x;
+                .for_each_init(
+                    || vec![0f32; hd],
+                    |row, (pi, (panel, vals))| {
+                        for r in 0..KT.min(l - pi * KT) {
+                            let p = pi * KT + r;
+                            let at = ((j * pool_blocks + blocks[p / block] as usize) * block
+                                + p % block)
+                                * hd;
+                            k_pool[at..at + hd].convert_to_f32_slice(row);
+                            for (d, x) in row.iter().enumerate() {
+                                panel[d * KT + r] = *x;
+                            }
+                            v_pool[at..at + hd]
+                                .convert_to_f32_slice(&mut vals[r * hd..(r + 1) * hd]);
                         }
-                        v_pool[at..at + hd].convert_to_f32_slice(&mut vals[r * hd..(r + 1) * hd]);
-                    }
-                });
+                    },
+                );
             (kp, v)
         })
         .collect();
@@ -342,91 +351,102 @@ fn prefill_with(
     // Each task writes only the rows of its own (kv head, tokens).
     let dst = super::host::SharedOut(out.as_mut_ptr());
     let tiles = t.div_ceil(QT);
-    (0..kv_heads * tiles).into_par_iter().for_each(|task| {
-        let (j, tile) = (task / tiles, task % tiles);
-        let (kp, v) = &gathered[j];
-        let t0 = tile * QT;
-        let nt = (t - t0).min(QT);
-        // Token tt of the tile sees keys first(tt)..seen(tt): from the start of the context,
-        // or of its sliding window (keys less than `window` positions back), to itself.
-        let seen = |tt: usize| pos + t0 + tt + 1;
-        let first = |tt: usize| window.map_or(0, |w| seen(tt).saturating_sub(w));
-        // Scores from the first panel any query of the tile needs: (nt * g, width), query
-        // qi = tt * g + head.
-        let p0 = first(0) / KT;
-        let k0 = p0 * KT;
-        let width = seen(nt - 1).div_ceil(KT) * KT - k0;
-        let nq = nt * g;
-        // Where query qi's row starts, in q and in the output alike: (T, h, hd).
-        let row_at = |qi: usize| ((t0 + qi / g) * heads + j * g + qi % g) * hd;
-        let query = |qi: usize| &q[row_at(qi)..row_at(qi) + hd];
-        let mut scores = vec![0f32; nq * width];
-        let mut inv = vec![0f32; nq];
-        for c0 in (0..nq).step_by(QR) {
-            let c = (nq - c0).min(QR);
-            // Keys up to the last one the chunk's last query sees.
-            let upto = seen((c0 + c - 1) / g).div_ceil(KT) - p0;
-            let qs: Vec<&[f32]> = (c0..c0 + c).map(query).collect();
-            let rows = &mut scores[c0 * width..(c0 + c) * width];
-            let panels = &kp[p0 * hd * KT..(p0 + upto) * hd * KT];
-            match avx2 {
-                // SAFETY: AVX2, FMA and F16C are present and hd is a multiple of 8.
-                #[cfg(target_arch = "x86_64")]
-                true => unsafe { x86::panel_scores(&qs, panels, width, scale, rows) },
-                _ => {
-                    for (qq, qv) in qs.iter().enumerate() {
-                        for pi in 0..upto {
-                            let panel = &panels[pi * hd * KT..(pi + 1) * hd * KT];
-                            for r in 0..KT {
-                                rows[qq * width + pi * KT + r] =
-                                    (0..hd).map(|d| qv[d] * panel[d * KT + r]).sum::<f32>() * scale;
+    // Scratch once per rayon job (see decode_with).
+    let scratch = || (Vec::new(), Vec::new());
+    (0..kv_heads * tiles)
+        .into_par_iter()
+        .for_each_init(scratch, |(scores, inv), task| {
+            let (j, tile) = (task / tiles, task % tiles);
+            let (kp, v) = &gathered[j];
+            let t0 = tile * QT;
+            let nt = (t - t0).min(QT);
+            // Token tt of the tile sees keys first(tt)..seen(tt): from the start of the context,
+            // or of its sliding window (keys less than `window` positions back), to itself.
+            let seen = |tt: usize| pos + t0 + tt + 1;
+            let first = |tt: usize| window.map_or(0, |w| seen(tt).saturating_sub(w));
+            // Scores from the first panel any query of the tile needs: (nt * g, width), query
+            // qi = tt * g + head.
+            let p0 = first(0) / KT;
+            let k0 = p0 * KT;
+            let width = seen(nt - 1).div_ceil(KT) * KT - k0;
+            let nq = nt * g;
+            // Where query qi's row starts, in q and in the output alike: (T, h, hd).
+            let row_at = |qi: usize| ((t0 + qi / g) * heads + j * g + qi % g) * hd;
+            let query = |qi: usize| &q[row_at(qi)..row_at(qi) + hd];
+            // Scores past a query's keys are zeroed below, before the values pass reads them.
+            scores.clear();
+            scores.resize(nq * width, 0.0);
+            inv.clear();
+            inv.resize(nq, 0.0);
+            for c0 in (0..nq).step_by(QR) {
+                let c = (nq - c0).min(QR);
+                // Keys up to the last one the chunk's last query sees.
+                let upto = seen((c0 + c - 1) / g).div_ceil(KT) - p0;
+                let qs: [&[f32]; QR] = std::array::from_fn(|i| query(c0 + i.min(c - 1)));
+                let qs = &qs[..c];
+                let rows = &mut scores[c0 * width..(c0 + c) * width];
+                let panels = &kp[p0 * hd * KT..(p0 + upto) * hd * KT];
+                match avx2 {
+                    // SAFETY: AVX2, FMA and F16C are present and hd is a multiple of 8.
+                    #[cfg(target_arch = "x86_64")]
+                    true => unsafe { x86::panel_scores(qs, panels, width, scale, rows) },
+                    _ => {
+                        for (qq, qv) in qs.iter().enumerate() {
+                            for pi in 0..upto {
+                                let panel = &panels[pi * hd * KT..(pi + 1) * hd * KT];
+                                for r in 0..KT {
+                                    rows[qq * width + pi * KT + r] =
+                                        (0..hd).map(|d| qv[d] * panel[d * KT + r]).sum::<f32>()
+                                            * scale;
+                                }
+                            }
+                        }
+                    }
+                }
+                // Softmax per query over the keys it sees; the others get weight 0, so one pass
+                // over the values serves the whole chunk.
+                for qq in 0..c {
+                    let tt = (c0 + qq) / g;
+                    let row = &mut rows[qq * width..(qq + 1) * width];
+                    let (a, b) = (first(tt) - k0, seen(tt) - k0);
+                    inv[c0 + qq] = 1.0 / softmax_unnormalised(&mut row[a..b], avx2);
+                    row[..a].fill(0.0);
+                    row[b..].fill(0.0);
+                }
+            }
+            // Weighted sums of the values, written to each query's row of the output.
+            let vals = &v[k0 * hd..(k0 + width) * hd];
+            for c0 in (0..nq).step_by(QR) {
+                let c = (nq - c0).min(QR);
+                let span = seen((c0 + c - 1) / g) - k0;
+                // Inside `out` (t * heads * hd); each query's row is this task's alone.
+                let outs: [*mut f32; QR] =
+                    std::array::from_fn(|i| dst.at(row_at(c0 + i.min(c - 1))));
+                let outs = &outs[..c];
+                let w = &scores[c0 * width..(c0 + c) * width];
+                match avx2 {
+                    // SAFETY: AVX2 and FMA are present; each pointer is valid for hd writes (its row of
+                    // `out`) that no other task makes.
+                    #[cfg(target_arch = "x86_64")]
+                    true => unsafe {
+                        x86::weighted_sums(w, width, &vals[..span * hd], hd, &inv[c0..c0 + c], outs)
+                    },
+                    _ => {
+                        for (qq, &o) in outs.iter().enumerate() {
+                            // SAFETY: o is this query's row of `out`, hd values no other task
+                            // touches, and `out` outlives the parallel region.
+                            let o = unsafe { std::slice::from_raw_parts_mut(o, hd) };
+                            for (p, row) in vals[..span * hd].chunks_exact(hd).enumerate() {
+                                let wt = w[qq * width + p] * inv[c0 + qq];
+                                for (o, x) in o.iter_mut().zip(row) {
+                                    *o += wt * x;
+                                }
                             }
                         }
                     }
                 }
             }
-            // Softmax per query over the keys it sees; the others get weight 0, so one pass
-            // over the values serves the whole chunk.
-            for qq in 0..c {
-                let tt = (c0 + qq) / g;
-                let row = &mut rows[qq * width..(qq + 1) * width];
-                let (a, b) = (first(tt) - k0, seen(tt) - k0);
-                inv[c0 + qq] = 1.0 / softmax_unnormalised(&mut row[a..b], avx2);
-                row[..a].fill(0.0);
-                row[b..].fill(0.0);
-            }
-        }
-        // Weighted sums of the values, written to each query's row of the output.
-        let vals = &v[k0 * hd..(k0 + width) * hd];
-        for c0 in (0..nq).step_by(QR) {
-            let c = (nq - c0).min(QR);
-            let span = seen((c0 + c - 1) / g) - k0;
-            // Inside `out` (t * heads * hd); each query's row is this task's alone.
-            let outs: Vec<*mut f32> = (c0..c0 + c).map(|qi| dst.at(row_at(qi))).collect();
-            let w = &scores[c0 * width..(c0 + c) * width];
-            match avx2 {
-                // SAFETY: AVX2 and FMA are present; each pointer is valid for hd writes (its row of
-                // `out`) that no other task makes.
-                #[cfg(target_arch = "x86_64")]
-                true => unsafe {
-                    x86::weighted_sums(w, width, &vals[..span * hd], hd, &inv[c0..c0 + c], &outs)
-                },
-                _ => {
-                    for (qq, &o) in outs.iter().enumerate() {
-                        // SAFETY: o is this query's row of `out`, hd values no other task
-                        // touches, and `out` outlives the parallel region.
-                        let o = unsafe { std::slice::from_raw_parts_mut(o, hd) };
-                        for (p, row) in vals[..span * hd].chunks_exact(hd).enumerate() {
-                            let wt = w[qq * width + p] * inv[c0 + qq];
-                            for (o, x) in o.iter_mut().zip(row) {
-                                *o += wt * x;
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    });
+        });
     out
 }
 
