@@ -766,7 +766,6 @@ impl Decoder {
         let g = h / kv;
         let dev = &self.device;
         let cpu = self.host_kernels;
-        let _awake = cpu.then(super::host::keep_workers_awake);
         self.profile.start(n == batch.len());
 
         // Per token: id, position, and the cache row it is written to.

@@ -5,8 +5,6 @@
 //! layout the projections produce, where candle's want heads first (two transposing copies).
 
 use std::mem::MaybeUninit;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Storage, Tensor};
@@ -187,43 +185,6 @@ fn add_norm_rows(
 fn silu_mul_scalar(g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
     for ((o, &x), &u) in o.iter_mut().zip(g).zip(u) {
         o.write(x / (1.0 + (-x).exp()) * u);
-    }
-}
-
-/// While alive, the pool's other workers poll for work instead of going to sleep (see
-/// `keep_workers_awake`); dropping it lets them rest.
-pub(crate) struct WorkersAwake(Arc<AtomicBool>);
-
-/// Keep the thread pool's other workers awake for one forward pass. A decode pass is ~150
-/// parallel regions split by short serial steps on this thread (a norm, a quantization); a
-/// worker idle through one of those steps may fall asleep, and waking it costs a system call
-/// here and a scheduler round trip there, per region. Each of the other workers runs a job
-/// that takes on whatever parallel work appears (rayon::yield_now) until the guard drops.
-/// Only from inside a pool with more than one worker (gen's main runs in one); otherwise
-/// nothing happens.
-pub(crate) fn keep_workers_awake() -> WorkersAwake {
-    let done = Arc::new(AtomicBool::new(false));
-    if let Some(me) = rayon::current_thread_index().filter(|_| rayon::current_num_threads() > 1) {
-        let done = done.clone();
-        rayon::spawn_broadcast(move |ctx| {
-            // This thread runs the pass: it may only pick the job up while waiting inside one
-            // of the pass's parallel regions, and must not stay.
-            if ctx.index() == me {
-                return;
-            }
-            while !done.load(Ordering::Acquire) {
-                if rayon::yield_now() != Some(rayon::Yield::Executed) {
-                    std::hint::spin_loop();
-                }
-            }
-        });
-    }
-    WorkersAwake(done)
-}
-
-impl Drop for WorkersAwake {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::Release);
     }
 }
 
