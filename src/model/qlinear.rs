@@ -397,13 +397,14 @@ impl CpuQWeight {
     ) {
         debug_assert!(n >= 1 && token % TOKENS + n <= TOKENS && act.nb == self.cols / QK);
         let a = act.chunk(token);
+        let stream = act.chunks <= STREAM_CHUNKS;
         // SAFETY (all unsafe calls below): a SIMD kernel is only chosen when the CPU reports
         // its features (Kernel::detect); tiles and activations hold the same block count.
         macro_rules! call {
             ($m:ident, $f:ident) => {{
                 macro_rules! with {
                     ($k:literal) => {{
-                        unsafe { x86::$m::$f::<$k>(w, a, out, stride, real) }
+                        unsafe { x86::$m::$f::<$k>(w, a, out, stride, real, stream) }
                     }};
                 }
                 match n {
@@ -431,6 +432,19 @@ impl CpuQWeight {
         }
     }
 }
+
+/// How far ahead of the block it works on (in bytes of quants) a kernel called for a few
+/// tokens asks for weights: the tile's next blocks, then the next tile's (tiles of a task are
+/// consecutive in memory). A decode step streams every weight from memory once, with little
+/// arithmetic per byte, and the hardware prefetchers restart at each 4 KiB page; asking ~2 KiB
+/// ahead, two cache lines a block, took a batch-size-8 decode pass's Q4_1 products from ~4.9
+/// to ~4.3 ms and single-sequence decode 10-20% up (1,536-3,072 measured alike; 4,096 and
+/// more, and whole tiles at a time, slower). Prefill calls, which reuse each tile for many
+/// tokens, do not ask.
+const PREFETCH_AHEAD: usize = 2048;
+
+/// Calls with activations of at most this many chunks (of 8 tokens) prefetch weights.
+const STREAM_CHUNKS: usize = 4;
 
 /// Tokens per chunk of `ActTiles`.
 const TOKENS: usize = 8;
@@ -939,13 +953,25 @@ macro_rules! x86_kernels {
                 out: *mut f32,
                 stride: usize,
                 real: usize,
+                stream: bool,
             ) {
                 let nb = w.d.len() / 8;
                 debug_assert!(w.qs.len() >= nb * 128 && w.m.len() >= nb * 8);
                 let mask = _mm256_set1_epi8(0x0F);
                 let mut acc = [_mm256_setzero_ps(); N];
+                // Quants 128 bytes a block, scales and minimums 16 each: the same distance in
+                // blocks is an eighth of the bytes for them (one line every 4 blocks).
+                const AHEAD: usize = super::super::PREFETCH_AHEAD;
                 for b in 0..nb {
                     let base = w.qs.as_ptr().add(b * 128);
+                    if stream {
+                        prefetch(base.wrapping_add(AHEAD));
+                        prefetch(base.wrapping_add(AHEAD + 64));
+                        if b % 4 == 0 {
+                            prefetch(w.d.as_ptr().wrapping_add(b * 8 + AHEAD / 16));
+                            prefetch(w.m.as_ptr().wrapping_add(b * 8 + AHEAD / 16));
+                        }
+                    }
                     let mut wv = [_mm256_setzero_si256(); 8];
                     for c in 0..4 {
                         let raw = _mm256_loadu_si256(base.add(c * 32) as *const __m256i);
@@ -994,12 +1020,23 @@ macro_rules! x86_kernels {
                 out: *mut f32,
                 stride: usize,
                 real: usize,
+                stream: bool,
             ) {
                 let nb = w.d.len() / 8;
                 debug_assert!(w.qs.len() >= nb * 256);
                 let mut acc = [_mm256_setzero_ps(); N];
+                // Quants 256 bytes a block, scales 16.
+                const AHEAD: usize = super::super::PREFETCH_AHEAD;
                 for b in 0..nb {
                     let base = w.qs.as_ptr().add(b * 256);
+                    if stream {
+                        for l in 0..4 {
+                            prefetch(base.wrapping_add(AHEAD + l * 64));
+                        }
+                        if b % 4 == 0 {
+                            prefetch(w.d.as_ptr().wrapping_add(b * 8 + AHEAD / 32));
+                        }
+                    }
                     let mut wv = [_mm256_setzero_si256(); 8];
                     for c in 0..8 {
                         wv[c] =
@@ -1031,6 +1068,14 @@ macro_rules! x86_kernels {
                     }
                 }
                 store(&acc, out, stride, real);
+            }
+
+            /// Ask for the cache line holding `at` (a hint: it never faults, wherever `at`
+            /// points).
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn prefetch<T>(at: *const T) {
+                _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
             }
 
             /// 8 f16 values (bits) at `at` as 8 f32 lanes.
