@@ -181,6 +181,41 @@ fn add_norm_rows(
     }
 }
 
+/// The index of the largest value of each row of `logits` ((rows, vocab) or (vocab,)), as
+/// candle's argmax gives it: the first index holding the maximum, NaN ignored except as the
+/// first value (then 0). On the CPU a vectorised maximum then a search for its first index;
+/// elsewhere candle's op (one transfer).
+pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
+    let vocab = *logits.dims().last().unwrap_or(&0);
+    if !logits.device().is_cpu() || logits.dtype() != DType::F32 || vocab == 0 {
+        let rows = logits.reshape(((), vocab))?;
+        return Ok(rows.argmax(1)?.to_dtype(DType::U32)?.to_vec1::<u32>()?);
+    }
+    let simd = simd_available();
+    with_f32(logits, |v| {
+        v.chunks_exact(vocab)
+            .map(|row| match simd {
+                // SAFETY: only when the CPU has AVX2.
+                #[cfg(target_arch = "x86_64")]
+                true => unsafe { x86::argmax(row) },
+                _ => argmax_scalar(row),
+            } as u32)
+            .collect()
+    })
+}
+
+/// candle's argmax loop: a later value replaces the best only when strictly larger.
+fn argmax_scalar(row: &[f32]) -> usize {
+    let (mut best, mut at) = (row[0], 0);
+    for (i, &x) in row.iter().enumerate() {
+        if best < x {
+            best = x;
+            at = i;
+        }
+    }
+    at
+}
+
 /// The portable path: the formula candle uses, x / (1 + e^-x), times up.
 fn silu_mul_scalar(g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
     for ((o, &x), &u) in o.iter_mut().zip(g).zip(u) {
@@ -325,6 +360,49 @@ pub(crate) mod x86 {
         _mm256_storeu_ps(sums.as_mut_ptr(), acc);
     }
 
+    /// `argmax_scalar`'s answer: the largest value in vectors (four running maxima), then the
+    /// first index holding it. A row with a NaN goes through the scalar loop itself.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn argmax(row: &[f32]) -> usize {
+        let n = row.len() / 32 * 32;
+        let p = row.as_ptr();
+        let mut m = [_mm256_set1_ps(f32::NEG_INFINITY); 4];
+        let mut nan = _mm256_setzero_ps();
+        for i in (0..n).step_by(32) {
+            for (k, m) in m.iter_mut().enumerate() {
+                let x = _mm256_loadu_ps(p.add(i + 8 * k));
+                nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+                *m = _mm256_max_ps(*m, x);
+            }
+        }
+        if _mm256_movemask_ps(nan) != 0 {
+            return super::argmax_scalar(row);
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(
+            lanes.as_mut_ptr(),
+            _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3])),
+        );
+        let mut best = lanes.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        for &x in &row[n..] {
+            if x.is_nan() {
+                return super::argmax_scalar(row);
+            }
+            best = best.max(x);
+        }
+        // The first index holding the maximum (== also matches -0.0 against 0.0, as the
+        // scalar loop's strict comparison keeps the first of them).
+        let target = _mm256_set1_ps(best);
+        for i in (0..n).step_by(8) {
+            let hit =
+                _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p.add(i)), target, _CMP_EQ_OQ));
+            if hit != 0 {
+                return i + hit.trailing_zeros() as usize;
+            }
+        }
+        n + row[n..].iter().position(|&x| x == best).unwrap_or(0)
+    }
+
     /// o = silu(g) * u. sigmoid(x) from e = exp(-|x|), which never overflows: 1 / (1 + e) for
     /// x >= 0, e / (1 + e) below.
     #[target_feature(enable = "avx2,fma")]
@@ -350,6 +428,50 @@ pub(crate) mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The same index as candle's argmax on rows with ties, zeros of both signs, infinities,
+    /// NaN (first and elsewhere) and lengths around the vector width, on both paths.
+    #[test]
+    fn argmax_rows_is_candles_argmax() {
+        let mut rows: Vec<Vec<f32>> = Vec::new();
+        for len in [1usize, 7, 8, 31, 32, 33, 100, 49152] {
+            let base: Vec<f32> = (0..len)
+                .map(|i| ((i as u32).wrapping_mul(2_654_435_761) >> 20) as f32 * 0.01 - 20.0)
+                .collect();
+            rows.push(base.clone());
+            let mut tie = base.clone();
+            tie[len / 2] = 1e9;
+            tie[len - 1] = 1e9;
+            rows.push(tie);
+            let mut zeros = vec![-1.0f32; len];
+            zeros[len / 3] = -0.0;
+            zeros[len - 1] = 0.0;
+            rows.push(zeros);
+            let mut inf = base.clone();
+            inf[len - 1] = f32::INFINITY;
+            rows.push(inf);
+            let mut nan_first = base.clone();
+            nan_first[0] = f32::NAN;
+            rows.push(nan_first);
+            let mut nan_later = base.clone();
+            nan_later[len - 1] = f32::NAN;
+            nan_later[len / 2] = 5e8;
+            rows.push(nan_later);
+            rows.push(vec![f32::NEG_INFINITY; len]);
+        }
+        for row in rows {
+            let t = Tensor::from_vec(row.clone(), (1, row.len()), &Device::Cpu).unwrap();
+            let want = t.argmax(1).unwrap().to_vec1::<u32>().unwrap();
+            assert_eq!(argmax_rows(&t).unwrap(), want, "row of {}", row.len());
+            assert_eq!(argmax_scalar(&row) as u32, want[0]);
+        }
+        // Several rows at once, and a 1-D tensor.
+        let two =
+            Tensor::from_vec(vec![1f32, 3.0, 2.0, 9.0, 0.0, 9.0], (2, 3), &Device::Cpu).unwrap();
+        assert_eq!(argmax_rows(&two).unwrap(), vec![1, 0]);
+        let one = Tensor::from_vec(vec![1f32, 3.0, 2.0], 3, &Device::Cpu).unwrap();
+        assert_eq!(argmax_rows(&one).unwrap(), vec![1]);
+    }
 
     /// Bit for bit candle's add and rms_norm, for row counts around the side-by-side group
     /// of 8 and the parallel threshold, and values far apart in size.
