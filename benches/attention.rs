@@ -13,7 +13,7 @@ mod common;
 
 use std::time::Instant;
 
-use common::{env_or, median};
+use common::{data, env_or, median};
 use gen::model::attention::{causal_prefill_attention, paged_decode_attention, PagedQuery};
 use half::f16;
 
@@ -21,16 +21,6 @@ const BLOCK: usize = 16;
 const HEADS: usize = 9;
 const KV: usize = 3;
 const HD: usize = 64;
-
-/// n values in [-1, 1), a fixed scramble of their index.
-fn data(n: usize, seed: u64) -> Vec<f32> {
-    (0..n as u64)
-        .map(|i| {
-            ((i ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / (1u64 << 23) as f32
-                - 1.0
-        })
-        .collect()
-}
 
 fn main() {
     let threads: usize = env_or("GEN_BENCH_THREADS", 2);

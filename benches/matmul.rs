@@ -14,18 +14,8 @@ use std::time::Instant;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use common::{env_or, median};
+use common::{data, env_or, median};
 use gen::model::qlinear::{DeviceWeights, Kernel, QLinear};
-
-/// n values in [-1, 1), a fixed scramble of their index (the values only need to be varied).
-fn data(n: usize, seed: u64) -> Vec<f32> {
-    (0..n as u64)
-        .map(|i| {
-            ((i ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / (1u64 << 23) as f32
-                - 1.0
-        })
-        .collect()
-}
 
 fn main() {
     let threads: usize = env_or("GEN_BENCH_THREADS", 2);

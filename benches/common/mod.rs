@@ -33,3 +33,15 @@ pub fn median(mut v: Vec<f64>) -> f64 {
         n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
 }
+
+/// n values in [-1, 1), a fixed scramble of their index and `seed` (the kernel benchmarks'
+/// inputs only need to be varied).
+#[allow(dead_code)] // used by the kernel benchmarks, not by speed and batch
+pub fn data(n: usize, seed: u64) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| {
+            ((i ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as f32 / (1u64 << 23) as f32
+                - 1.0
+        })
+        .collect()
+}
