@@ -1,8 +1,10 @@
 //! Element-wise steps of the CPU forward pass done in place of candle's ops: fused, vectorised,
 //! and without candle's per-op thread hand-offs or layout copies. The gated activation of the
 //! feed-forward block, silu(gate) * up, where candle computes silu with a scalar libm exp per
-//! value and then multiplies in a second pass; and rotary embeddings applied in the token-major
-//! layout the projections produce, where candle's want heads first (two transposing copies).
+//! value and then multiplies in a second pass; rotary embeddings applied in the token-major
+//! layout the projections produce, where candle's want heads first (two transposing copies);
+//! each residual add with the RMS norm after it, in one pass (two candle ops and buffers); and
+//! the greedy argmax of each row of logits, where candle's scans one value at a time.
 
 use std::mem::MaybeUninit;
 

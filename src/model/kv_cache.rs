@@ -265,7 +265,7 @@ struct DevicePlan {
 
 /// The keys and values themselves, per layer, in the blocks `PagedKv` hands out. Layout
 /// (kv, P, BLOCK_SIZE, hd): each kv head has its own region, so a sequence whose blocks are
-/// consecutive (the common case: blocks are handed out lowest first) is one contiguous run per
+/// consecutive (what `PagedKv` aims for) is one contiguous run per
 /// head, which the hardware prefetchers stream like an unpaged cache. On the CPU the storage is plain memory our kernels read and write in place; on other
 /// devices, tensors of (P * kv * BLOCK_SIZE, hd) rows written with `slice_set` and read with
 /// `index_select`.
