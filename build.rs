@@ -1,4 +1,4 @@
-//! With the `cuda` feature: compile gen's own CUDA kernels (src/model/kernels.cu) to PTX with
+//! With the `cuda` feature: compile gen's own CUDA kernels (src/model/device/kernels.cu) to PTX with
 //! nvcc, for src/model/cuda.rs to load at run time. Nothing happens in a CPU-only build.
 //!
 //! nvcc is found as $NVCC, else $CUDA_HOME/bin/nvcc, else on PATH. The PTX targets
@@ -10,7 +10,7 @@ use std::process::Command;
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
-    println!("cargo:rerun-if-changed=src/model/kernels.cu");
+    println!("cargo:rerun-if-changed=src/model/device/kernels.cu");
     for var in ["NVCC", "CUDA_HOME", "CUDA_COMPUTE_CAP"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
@@ -37,11 +37,11 @@ fn main() {
         .arg(format!("-arch=compute_{cap}"))
         .arg("-o")
         .arg(&out)
-        .arg("src/model/kernels.cu")
+        .arg("src/model/device/kernels.cu")
         .status();
     match status {
         Ok(s) if s.success() => {}
-        Ok(s) => panic!("{nvcc} failed ({s}) compiling src/model/kernels.cu"),
+        Ok(s) => panic!("{nvcc} failed ({s}) compiling src/model/device/kernels.cu"),
         Err(e) => panic!(
             "cannot run {nvcc} ({e}): the cuda feature needs the CUDA toolkit's nvcc \
              (set NVCC or CUDA_HOME, or put it on PATH)"

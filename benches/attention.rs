@@ -14,7 +14,7 @@ mod common;
 use std::time::Instant;
 
 use common::{data, env_or, median};
-use gen::model::attention::{causal_prefill_attention, paged_decode_attention, PagedQuery};
+use gen::model::cpu::attention::{causal_prefill_attention, paged_decode_attention, PagedQuery};
 use half::f16;
 
 const BLOCK: usize = 16;

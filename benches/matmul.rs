@@ -15,7 +15,8 @@ use std::time::Instant;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use common::{data, env_or, median};
-use gen::model::qlinear::{DeviceWeights, Kernel, QLinear};
+use gen::model::cpu::matmul::Kernel;
+use gen::model::qlinear::{DeviceWeights, QLinear};
 
 fn main() {
     let threads: usize = env_or("GEN_BENCH_THREADS", 2);

@@ -184,7 +184,7 @@ pub fn run(
         // Two transfers from the device at most, whatever the batch size: the argmax of every
         // row for the greedy sequences, the logits themselves for the others.
         let argmax = if running.iter().any(|s| s.sampler.is_plain_argmax()) {
-            crate::model::host::argmax_rows(&logits)?
+            crate::model::cpu::ops::argmax_rows(&logits)?
         } else {
             Vec::new()
         };

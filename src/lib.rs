@@ -1,7 +1,7 @@
 //! gen: a command-line text generator for local language models.
 //!
-//! Reading order: `source` (where the model files are) -> `model` (loading, the forward pass)
-//! -> `tokenizer` (text <-> ids) -> `sampler` -> `generate` (the loop) -> `batch` (many prompts per pass) -> `output` (streaming
+//! Reading order: `source` (where the model files are) -> `format` (reading and checking GGUF
+//! files and Hugging Face checkpoints) -> `model` (loading, the forward pass) -> `tokenizer` (text <-> ids) -> `sampler` -> `generate` (the loop) -> `batch` (many prompts per pass) -> `output` (streaming
 //! text out) -> `report` -> `cli` (flags resolved into a `Config`) -> `app` (the wiring).
 
 pub mod app;
@@ -9,8 +9,8 @@ pub mod batch;
 pub mod batch_input;
 pub mod chat;
 pub mod cli;
+pub mod format;
 pub mod generate;
-pub mod gguf;
 pub mod interrupt;
 pub mod model;
 pub mod output;

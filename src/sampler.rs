@@ -93,7 +93,7 @@ impl Sampler {
     pub fn sample(&mut self, logits: &Tensor, history: &[u32]) -> Result<u32> {
         let logits = logits.flatten_all()?;
         if self.is_plain_argmax() {
-            return Ok(crate::model::host::argmax_rows(&logits)?[0]);
+            return Ok(crate::model::cpu::ops::argmax_rows(&logits)?[0]);
         }
         let mut row = logits.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         self.sample_host(&mut row, history)

@@ -1,4 +1,4 @@
-//! gen's CUDA kernels (src/model/kernels.cu) run on the CPU, against plain references.
+//! gen's CUDA kernels (src/model/device/kernels.cu) run on the CPU, against plain references.
 //!
 //! tests/cuda_emu/emu.h supplies just enough of CUDA for the kernel source to compile as C++
 //! and run: each thread of a block a real thread, `__syncthreads` a barrier, warp shuffles

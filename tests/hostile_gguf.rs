@@ -1,4 +1,4 @@
-//! Hostile GGUF files against `gen::gguf::validate` and the `gen` binary.
+//! Hostile GGUF files against `gen::format::gguf::validate` and the `gen` binary.
 //!
 //! Two sources of bad files: hand-made headers (a tiny byte writer below, so any field can lie)
 //! and copies of the real default model with one field patched. The copies keep the real
@@ -17,7 +17,7 @@ use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use gen::gguf::{validate, GgufSummary};
+use gen::format::gguf::{validate, GgufSummary};
 
 // GGUF value types and ggml tensor types used below.
 const U8: u32 = 0;

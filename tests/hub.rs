@@ -738,7 +738,7 @@ fn sharded_checkpoint_fetches_the_index_and_every_shard() {
         b
     );
     assert_eq!(
-        gen::model::checkpoint::weight_files(&dir).unwrap(),
+        gen::format::checkpoint::weight_files(&dir).unwrap(),
         [
             dir.join("model-00001-of-00002.safetensors"),
             dir.join("model-00002-of-00002.safetensors")

@@ -1,4 +1,4 @@
-//! GGUF header and metadata: `gen::gguf::validate`, then candle's reader only on files it passes,
+//! GGUF header and metadata: `gen::format::gguf::validate`, then candle's reader only on files it passes,
 //! as `gen::model::load_gguf` does. Neither may panic, abort, hang or allocate without bound.
 #![no_main]
 
@@ -43,7 +43,7 @@ fuzz_target!(|data: &[u8]| {
     file.write_all(data).expect("write scratch file");
     file.seek(SeekFrom::Start(0)).expect("seek");
 
-    if gen::gguf::validate(file, path).is_ok() {
+    if gen::format::gguf::validate(file, path).is_ok() {
         // validate promises: candle's reader, from the start of the file, cannot misbehave.
         if let Ok(content) = gguf_file::Content::read(file) {
             // Touch what the loader touches next: string and integer metadata.

@@ -6,19 +6,22 @@
 //! `forward` is one forward pass, whatever the batch holds: every weight is read once for all
 //! of its steps, and each step attends only to its own sequence.
 
-pub mod attention;
-pub mod checkpoint;
-#[cfg(feature = "cuda")]
-pub mod cuda;
+pub mod config;
+pub mod cpu;
 pub mod decoder;
-pub mod host;
+pub mod device;
 pub mod kv_cache;
+pub mod plan;
 pub mod profile;
 pub mod qlinear;
+pub mod weights;
 
 use candle_core::Tensor;
 
+pub use config::SUPPORTED_ARCHS;
 pub use kv_cache::{KvUsage, PagedKv};
+
+use crate::format::checkpoint;
 
 /// Handle of one sequence's KV cache inside a model.
 pub type SeqId = usize;
@@ -138,9 +141,6 @@ pub struct Loaded {
     /// Whether the model expects a BOS token before a raw prompt.
     pub add_bos: bool,
 }
-
-/// Families gen can run, by GGUF `general.architecture` (see [`decoder::Family`]).
-pub const SUPPORTED_ARCHS: &[&str] = &["llama", "qwen2", "qwen3", "phi3", "gemma3"];
 
 /// Load a model onto `device`: a GGUF file, or a Hugging Face checkpoint folder (one with a
 /// `config.json`). `tokenizer_json` replaces the model's own tokenizer; `dtype` is the type a
@@ -305,7 +305,7 @@ fn load_hf_dir(
 mod tests {
     #[test]
     fn supported_archs_are_the_decoder_families() {
-        let families: Vec<&str> = super::decoder::Family::ALL
+        let families: Vec<&str> = super::config::Family::ALL
             .iter()
             .map(|f| f.arch())
             .collect();

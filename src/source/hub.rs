@@ -18,7 +18,7 @@ use hf_hub::{Cache, Repo, RepoType};
 use indicatif::ProgressBar;
 
 use super::FetchOptions;
-use crate::model::checkpoint::{
+use crate::format::checkpoint::{
     self, CHAT_TEMPLATE_FILE, CONFIG_FILE, SINGLE_WEIGHTS_FILE, TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE, WEIGHTS_INDEX_FILE,
 };

@@ -87,7 +87,7 @@ pub fn parse_model_arg(
         Some(name) if find_known(name).is_some() => ModelSpec::Known(name.to_string()),
         Some(arg) => {
             let path = Path::new(arg);
-            if path.is_dir() && !path.join(crate::model::checkpoint::CONFIG_FILE).is_file() {
+            if path.is_dir() && !path.join(crate::format::checkpoint::CONFIG_FILE).is_file() {
                 bail!(
                     "--model {arg} is a folder without a config.json, so not a Hugging Face \
                      checkpoint. HINT: pass the .gguf file inside it, e.g. --model {}",
@@ -140,7 +140,7 @@ pub fn parse_model_arg(
 pub fn resolve(spec: &ModelSpec, opts: &FetchOptions) -> Result<PathBuf> {
     match spec {
         ModelSpec::Path(path) => {
-            if !path.is_file() && !path.join(crate::model::checkpoint::CONFIG_FILE).is_file() {
+            if !path.is_file() && !path.join(crate::format::checkpoint::CONFIG_FILE).is_file() {
                 bail!(
                     "model file {} does not exist or is not a file. HINT: check the path",
                     path.display()

@@ -1,4 +1,4 @@
-// Just enough of CUDA to run gen's kernels (src/model/kernels.cu) on the CPU, for
+// Just enough of CUDA to run gen's kernels (src/model/device/kernels.cu) on the CPU, for
 // tests/cuda_kernels.rs: every thread of a block is a real thread, __syncthreads is a barrier,
 // warp shuffles go through shared memory between two barriers (the kernels call them from
 // uniform control flow, as CUDA requires anyway). Blocks run one after another, so one static

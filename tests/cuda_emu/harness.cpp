@@ -1,8 +1,8 @@
-// gen's CUDA kernels (src/model/kernels.cu), run on the CPU through emu.h, against plain
+// gen's CUDA kernels (src/model/device/kernels.cu), run on the CPU through emu.h, against plain
 // references. Built and run by tests/cuda_kernels.rs; prints one line per case and exits 1 on
 // the first disagreement.
 #include "emu.h"
-#include "../../src/model/kernels.cu"
+#include "../../src/model/device/kernels.cu"
 
 #include <cstdint>
 #include <random>

@@ -499,6 +499,37 @@ impl Reader<'_> {
 
 /// Everything but the file name in the messages; see [`validate`].
 fn check(file: &mut File) -> Check<GgufSummary> {
+    let mut r = open_reader(file)?;
+    let len = r.len;
+    let (version, tensor_count, kv_count) = read_preamble(&mut r)?;
+    let md = read_metadata(&mut r, kv_count)?;
+    let alignment = alignment(&md)?;
+    let (tensors, by_name) = read_tensor_infos(&mut r, tensor_count)?;
+    let data_offset = check_data(&tensors, r.pos, alignment, len)?;
+    let architecture = architecture(&md)?;
+    // Only families gen runs get the consistency checks; for any other the loader reports
+    // the architecture as unsupported, which is the more useful message.
+    if architecture == "llama" {
+        let model = Model {
+            md: &md,
+            tensors: &tensors,
+            by_name: &by_name,
+            arch: &architecture,
+        };
+        model.check_llama()?;
+    }
+
+    Ok(GgufSummary {
+        version,
+        tensor_count,
+        metadata: md.len(),
+        architecture,
+        data_offset,
+    })
+}
+
+/// A reader over the whole file, from its start.
+fn open_reader(file: &mut File) -> Check<Reader<'_>> {
     let meta = file
         .metadata()
         .map_err(|e| format!("cannot read the file's metadata: {e}"))?;
@@ -513,13 +544,18 @@ fn check(file: &mut File) -> Check<GgufSummary> {
         .map_err(|e| format!("cannot seek to the start: {e}"))?;
     // The header of a 100 MB model is under 2 MB; a 256 KiB buffer makes it a few reads.
     let capacity = len.min(256 << 10) as usize;
-    let mut r = Reader {
+    Ok(Reader {
         inner: BufReader::with_capacity(capacity, file),
         pos: 0,
         len,
         array_elems: 0,
-    };
+    })
+}
 
+/// The magic, the version and the two counts, each count bounded by the bytes left: (version,
+/// tensor count, metadata key count).
+fn read_preamble(r: &mut Reader<'_>) -> Check<(u32, u64, u64)> {
+    let len = r.len;
     if len < 4 {
         return Err(format!("{len} bytes long: too short to be a GGUF file"));
     }
@@ -572,7 +608,11 @@ fn check(file: &mut File) -> Check<GgufSummary> {
              {need} bytes, but only {left} are left"
         ));
     }
+    Ok((version, tensor_count, kv_count))
+}
 
+/// The `kv_count` metadata entries; no key twice.
+fn read_metadata(r: &mut Reader<'_>, kv_count: u64) -> Check<HashMap<String, Kv>> {
     // Maps grow one entry per entry actually read, never from the counts above.
     let mut md: HashMap<String, Kv> = HashMap::new();
     for i in 0..kv_count {
@@ -589,8 +629,12 @@ fn check(file: &mut File) -> Check<GgufSummary> {
         let val = r.value(ty, 0, &what)?;
         md.insert(key, Kv { index: i, ty, val });
     }
+    Ok(md)
+}
 
-    let alignment = match md.get("general.alignment") {
+/// `general.alignment`, checked, or the default.
+fn alignment(md: &HashMap<String, Kv>) -> Check<u64> {
+    Ok(match md.get("general.alignment") {
         None => DEFAULT_ALIGNMENT,
         Some(Kv {
             ty: T_U32,
@@ -611,8 +655,15 @@ fn check(file: &mut File) -> Check<GgufSummary> {
                 kv.describe()
             ))
         }
-    };
+    })
+}
 
+/// The `tensor_count` tensor infos, each name once, each shape and type one candle reads; and
+/// each name's index.
+fn read_tensor_infos(
+    r: &mut Reader<'_>,
+    tensor_count: u64,
+) -> Check<(Vec<TensorInfo>, HashMap<String, usize>)> {
     let mut tensors: Vec<TensorInfo> = Vec::new();
     let mut by_name: HashMap<String, usize> = HashMap::new();
     for i in 0..tensor_count {
@@ -683,13 +734,17 @@ fn check(file: &mut File) -> Check<GgufSummary> {
             size,
         });
     }
+    Ok((tensors, by_name))
+}
 
+/// Every tensor's data lies aligned inside the file, none overlapping another; returns where
+/// the data starts (the header's end, `header_end`, rounded up to the alignment).
+fn check_data(tensors: &[TensorInfo], header_end: u64, alignment: u64, len: u64) -> Check<u64> {
     // Where candle will look for tensor data: the header's end, rounded up to the alignment.
-    let header_end = r.pos;
     let data_offset = header_end
         .checked_next_multiple_of(alignment)
         .ok_or("the data offset overflows 64 bits")?;
-    for t in &tensors {
+    for t in tensors {
         if t.offset % alignment != 0 {
             return Err(format!(
                 "tensor {} has data offset {}, not a multiple of the alignment {alignment}",
@@ -726,8 +781,12 @@ fn check(file: &mut File) -> Check<GgufSummary> {
             ));
         }
     }
+    Ok(data_offset)
+}
 
-    let architecture = match md.get("general.architecture") {
+/// `general.architecture`: a short, non-empty UTF-8 string.
+fn architecture(md: &HashMap<String, Kv>) -> Check<String> {
+    Ok(match md.get("general.architecture") {
         None => return Err("metadata has no general.architecture".into()),
         Some(Kv {
             val: Val::Str(Some(arch)),
@@ -745,25 +804,6 @@ fn check(file: &mut File) -> Check<GgufSummary> {
                 kv.describe()
             ))
         }
-    };
-    // Only families gen runs get the consistency checks; for any other the loader reports
-    // the architecture as unsupported, which is the more useful message.
-    if architecture == "llama" {
-        let model = Model {
-            md: &md,
-            tensors: &tensors,
-            by_name: &by_name,
-            arch: &architecture,
-        };
-        model.check_llama()?;
-    }
-
-    Ok(GgufSummary {
-        version,
-        tensor_count,
-        metadata: md.len(),
-        architecture,
-        data_offset,
     })
 }
 
@@ -823,6 +863,56 @@ impl Model<'_> {
     /// `Llama::from_checkpoint`), so a file that passes here does not fail there on shapes, and no
     /// size the loader allocates from (layers, context) comes unchecked from the metadata.
     fn check_llama(&self) -> Check<()> {
+        let (n_layer, d, h, kv, hd) = self.llama_hyper_parameters()?;
+        let vocab = self.vocabulary(d)?;
+        self.check_tokenizer(vocab)?;
+        self.check_blocks(n_layer)?;
+        let a = self.arch;
+        // Shapes, in GGUF order ([row width, rows]), as the loader expects them.
+        let overflow = || format!("{a}.attention head sizes overflow 64 bits");
+        let q_rows = h.checked_mul(hd).ok_or_else(overflow)?;
+        let kv_rows = kv.checked_mul(hd).ok_or_else(overflow)?;
+        let hp = format!("the {a}.* hyper-parameters");
+        for i in 0..n_layer {
+            let p = format!("blk.{i}");
+            self.expect(&format!("{p}.attn_norm.weight"), &[d], &hp)?;
+            self.expect(&format!("{p}.ffn_norm.weight"), &[d], &hp)?;
+            self.expect(&format!("{p}.attn_q.weight"), &[d, q_rows], &hp)?;
+            self.expect(&format!("{p}.attn_k.weight"), &[d, kv_rows], &hp)?;
+            self.expect(&format!("{p}.attn_v.weight"), &[d, kv_rows], &hp)?;
+            self.expect(&format!("{p}.attn_output.weight"), &[q_rows, d], &hp)?;
+            let gate_name = format!("{p}.ffn_gate.weight");
+            let gate = self
+                .tensor(&gate_name)
+                .ok_or_else(|| format!("tensor {gate_name} is missing"))?;
+            let ff = match gate.dims.as_slice() {
+                &[w, ff] if w == d => ff,
+                _ => {
+                    return Err(format!(
+                        "tensor {gate_name} has shape {:?}, but {hp} imply [{d}, _]",
+                        gate.dims
+                    ))
+                }
+            };
+            let why = format!("{hp} and {gate_name}");
+            self.expect(&format!("{p}.ffn_up.weight"), &[d, ff], &why)?;
+            self.expect(&format!("{p}.ffn_down.weight"), &[ff, d], &why)?;
+        }
+        self.expect("output_norm.weight", &[d], &hp)?;
+        if self.tensor("output.weight").is_some() {
+            self.expect(
+                "output.weight",
+                &[d, vocab],
+                &format!("{a}.embedding_length and the vocabulary"),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Token arrays and special token ids against a vocabulary of `vocab` tokens.
+
+    /// (layers, width, heads, kv heads, head width), each checked.
+    fn llama_hyper_parameters(&self) -> Check<(u64, u64, u64, u64, u64)> {
         let a = self.arch;
         let n_layer = self.required("block_count")?;
         let d = self.required("embedding_length")?;
@@ -869,7 +959,13 @@ impl Model<'_> {
                 "{a}.context_length is {ctx}; it must be from 1 to {MAX_CONTEXT_LENGTH}"
             ));
         }
+        Ok((n_layer, d, h, kv, hd))
+    }
 
+    /// The vocabulary's size: the token list when the file has one, else the embedding's rows;
+    /// both, and `vocab_size`, must agree.
+    fn vocabulary(&self, d: u64) -> Check<u64> {
+        let a = self.arch;
         // The vocabulary: the token list when the file has one, else the embedding's rows.
         let tokens = match self.md.get("tokenizer.ggml.tokens") {
             None => None,
@@ -922,8 +1018,13 @@ impl Model<'_> {
                 ));
             }
         }
-        self.check_tokenizer(vocab)?;
+        Ok(vocab)
+    }
 
+    /// Blocks: exactly blk.0 .. blk.{n_layer-1}. The loader allocates per layer, so the count
+    /// must be backed by tensors actually in the file.
+    fn check_blocks(&self, n_layer: u64) -> Check<()> {
+        let a = self.arch;
         // Blocks: exactly blk.0 .. blk.{n_layer-1}. The loader allocates per layer, so the
         // count must be backed by tensors actually in the file.
         if n_layer > self.tensors.len() as u64 {
@@ -962,49 +1063,9 @@ impl Model<'_> {
                 "{a}.block_count is {n_layer}, but there are no blk.{missing}.* tensors"
             ));
         }
-
-        // Shapes, in GGUF order ([row width, rows]), as the loader expects them.
-        let overflow = || format!("{a}.attention head sizes overflow 64 bits");
-        let q_rows = h.checked_mul(hd).ok_or_else(overflow)?;
-        let kv_rows = kv.checked_mul(hd).ok_or_else(overflow)?;
-        let hp = format!("the {a}.* hyper-parameters");
-        for i in 0..n_layer {
-            let p = format!("blk.{i}");
-            self.expect(&format!("{p}.attn_norm.weight"), &[d], &hp)?;
-            self.expect(&format!("{p}.ffn_norm.weight"), &[d], &hp)?;
-            self.expect(&format!("{p}.attn_q.weight"), &[d, q_rows], &hp)?;
-            self.expect(&format!("{p}.attn_k.weight"), &[d, kv_rows], &hp)?;
-            self.expect(&format!("{p}.attn_v.weight"), &[d, kv_rows], &hp)?;
-            self.expect(&format!("{p}.attn_output.weight"), &[q_rows, d], &hp)?;
-            let gate_name = format!("{p}.ffn_gate.weight");
-            let gate = self
-                .tensor(&gate_name)
-                .ok_or_else(|| format!("tensor {gate_name} is missing"))?;
-            let ff = match gate.dims.as_slice() {
-                &[w, ff] if w == d => ff,
-                _ => {
-                    return Err(format!(
-                        "tensor {gate_name} has shape {:?}, but {hp} imply [{d}, _]",
-                        gate.dims
-                    ))
-                }
-            };
-            let why = format!("{hp} and {gate_name}");
-            self.expect(&format!("{p}.ffn_up.weight"), &[d, ff], &why)?;
-            self.expect(&format!("{p}.ffn_down.weight"), &[ff, d], &why)?;
-        }
-        self.expect("output_norm.weight", &[d], &hp)?;
-        if self.tensor("output.weight").is_some() {
-            self.expect(
-                "output.weight",
-                &[d, vocab],
-                &format!("{a}.embedding_length and the vocabulary"),
-            )?;
-        }
         Ok(())
     }
 
-    /// Token arrays and special token ids against a vocabulary of `vocab` tokens.
     fn check_tokenizer(&self, vocab: u64) -> Check<()> {
         let array = |key: &str, ok: &dyn Fn(u32) -> bool, kind: &str| -> Check<()> {
             match self.md.get(key) {

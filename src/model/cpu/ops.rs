@@ -229,7 +229,7 @@ fn silu_mul_scalar(g: &[f32], u: &[f32], o: &mut [MaybeUninit<f32>]) {
 /// (each user says which indices are whose).
 #[derive(Clone, Copy)]
 pub(crate) struct SharedOut(pub(crate) *mut f32);
-// SAFETY: users give every task its own indices of the buffer (see `qlinear::CpuQWeight::
+// SAFETY: users give every task its own indices of the buffer (see `matmul::CpuQWeight::
 // matmul_parts` and `attention::causal_prefill_attention`).
 unsafe impl Send for SharedOut {}
 unsafe impl Sync for SharedOut {}

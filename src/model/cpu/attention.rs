@@ -93,7 +93,7 @@ fn decode_with(
 /// Whether the AVX2 attention code may run: decided once per process, since every layer of
 /// every pass asks (reading GEN_KERNEL each time took a lock and an allocation).
 fn avx2_available() -> bool {
-    super::host::simd_available()
+    super::ops::simd_available()
 }
 
 /// Most query heads the AVX2 decode kernel serves in one pass over a block's rows: its
@@ -349,7 +349,7 @@ fn prefill_with(
         .collect();
     let mut out = vec![0f32; t * heads * hd];
     // Each task writes only the rows of its own (kv head, tokens).
-    let dst = super::host::SharedOut(out.as_mut_ptr());
+    let dst = super::ops::SharedOut(out.as_mut_ptr());
     let tiles = t.div_ceil(QT);
     // Scratch once per rayon job (see decode_with).
     let scratch = || (Vec::new(), Vec::new());
@@ -470,7 +470,7 @@ fn softmax_unnormalised(row: &mut [f32], avx2: bool) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use crate::model::host::x86::exp_nonpositive;
+    use crate::model::cpu::ops::x86::exp_nonpositive;
     use std::arch::x86_64::*;
 
     /// Scores of up to QR queries against key panels (each (hd, KT), dimension-major), times

@@ -82,7 +82,7 @@ impl Checkpoint {
         let mut file =
             File::open(path).with_context(|| format!("cannot open model file {shown}"))?;
         // candle's reader trusts every count and size in the file: check them all first.
-        crate::gguf::validate(&mut file, path)?;
+        crate::format::gguf::validate(&mut file, path)?;
         let content = gguf_file::Content::read(&mut file)
             .map_err(|e| anyhow!("{shown} is not a readable GGUF file: {e}"))?;
         let arch = content
@@ -643,10 +643,16 @@ impl HfConfig {
 fn family_of(v: &Value) -> Result<&'static str> {
     let supported = || {
         let names: Vec<&str> = SUPPORTED_HF_ARCHS.iter().map(|(a, _, _)| *a).collect();
+        let mut families: Vec<&str> = Vec::new();
+        for (_, _, family) in SUPPORTED_HF_ARCHS {
+            if !families.contains(family) {
+                families.push(family);
+            }
+        }
         format!(
             "supported: {} (families {})",
             names.join(", "),
-            super::SUPPORTED_ARCHS.join(", ")
+            families.join(", ")
         )
     };
     let model_type = v.get("model_type").and_then(Value::as_str);
@@ -852,7 +858,7 @@ mod tests {
         assert_eq!(cfg.eos_token_ids, [2]);
         assert!(cfg.tie_word_embeddings);
         let md = cfg.gguf_metadata("smol");
-        let llama = crate::model::decoder::DecoderConfig::from_gguf(&md, "llama").unwrap();
+        let llama = crate::model::config::DecoderConfig::from_gguf(&md, "llama").unwrap();
         assert_eq!(
             (
                 llama.n_layer,
@@ -878,7 +884,7 @@ mod tests {
         assert_eq!(cfg.eos_token_ids, [128001, 128008]);
         let cfg = HfConfig::parse(&with("head_dim", "128")).unwrap();
         let md = cfg.gguf_metadata("x");
-        let llama = crate::model::decoder::DecoderConfig::from_gguf(&md, "llama").unwrap();
+        let llama = crate::model::config::DecoderConfig::from_gguf(&md, "llama").unwrap();
         assert_eq!(llama.head_dim, 128);
         let cfg = HfConfig::parse(&with("sliding_window", "4096")).unwrap();
         assert_eq!(cfg.context_length, 4096);
@@ -1034,7 +1040,7 @@ mod tests {
         assert_eq!(cfg.family, "gemma3");
         assert!(cfg.tie_word_embeddings, "Gemma ties by default");
         let md = cfg.gguf_metadata("g");
-        let dc = crate::model::decoder::DecoderConfig::from_gguf(&md, "gemma3").unwrap();
+        let dc = crate::model::config::DecoderConfig::from_gguf(&md, "gemma3").unwrap();
         assert_eq!((dc.head_dim, dc.context_len), (256, 32768));
         assert_eq!(dc.layer_window(0), Some(512));
         assert_eq!(dc.layer_window(5), None);

@@ -1,4 +1,4 @@
-//! gen's own CUDA kernels (src/model/kernels.cu, compiled to PTX by build.rs): the paged KV
+//! gen's own CUDA kernels (src/model/device/kernels.cu, compiled to PTX by build.rs): the paged KV
 //! cache write and one-token attention over the cache, each one launch where candle's operations
 //! take four and six or seven. Launched on candle's device and stream, on candle's buffers.
 //!
@@ -15,10 +15,10 @@ use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{Device, Storage, Tensor};
 
-/// GEN_CUDA_KERNELS as [`super::decoder::KernelMode`] reads it.
+/// GEN_CUDA_KERNELS as [`super::check::KernelMode`] reads it.
 pub const ENV: &str = "GEN_CUDA_KERNELS";
 
-use super::kv_cache::BLOCK_SIZE;
+use crate::model::kv_cache::BLOCK_SIZE;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gen_kernels.ptx"));
 const MODULE: &str = "gen_kernels";

@@ -1,0 +1,122 @@
+//! The CPU's KV cache storage: per layer, keys and values as f16 host memory (as llama.cpp keeps
+//! them: half the bytes for attention to read), in the blocks `PagedKv` hands out, laid out
+//! (kv, P, BLOCK_SIZE, hd) so that a sequence in consecutive blocks is one contiguous run per
+//! kv head, which the hardware prefetchers stream like an unpaged cache. Our attention kernels
+//! read it in place.
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+use crate::model::kv_cache::{gather_rows, store_row, BLOCK_SIZE};
+
+pub struct HostKv {
+    k: Vec<Vec<f16>>,
+    v: Vec<Vec<f16>>,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl HostKv {
+    /// A store with no blocks (before the first pool is reserved).
+    pub fn empty() -> Self {
+        Self::new(0, 0, 0, 0)
+    }
+
+    pub fn new(layers: usize, kv_heads: usize, head_dim: usize, blocks: usize) -> Self {
+        let rows = blocks * kv_heads * BLOCK_SIZE;
+        // Zeroed allocations: the OS hands out pages only as tokens land on them.
+        let mk = || {
+            (0..layers)
+                .map(|_| vec![f16::ZERO; rows * head_dim])
+                .collect()
+        };
+        HostKv {
+            k: mk(),
+            v: mk(),
+            kv_heads,
+            head_dim,
+        }
+    }
+
+    /// Blocks in the pool.
+    pub fn blocks(&self) -> usize {
+        self.k.first().map_or(0, |k| {
+            k.len() / (self.kv_heads * BLOCK_SIZE * self.head_dim).max(1)
+        })
+    }
+
+    /// Store one layer's keys and values of N tokens, (N, kv*hd) f32 each, at cache `slots`.
+    pub fn write(
+        &mut self,
+        layer: usize,
+        keys: &candle_core::Tensor,
+        values: &candle_core::Tensor,
+        slots: &[u32],
+    ) -> anyhow::Result<()> {
+        let (kv, hd) = (self.kv_heads, self.head_dim);
+        let p = self.blocks();
+        let row = |s: u32, j: usize| store_row(s, j, p) * hd;
+        // Ask for every destination row first: written one after the other, each write waited
+        // for its line to come from memory (most of the write's time in a batch's decode step,
+        // whose new rows are nowhere in cache).
+        #[cfg(target_arch = "x86_64")]
+        for pool in [&self.k[layer], &self.v[layer]] {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            for &s in slots.iter().take(64) {
+                for j in 0..kv {
+                    let at = pool[row(s, j)..].as_ptr() as *const i8;
+                    for off in (0..hd * 2).step_by(64) {
+                        // SAFETY: a prefetch is a hint: it cannot fault.
+                        unsafe { _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(off)) };
+                    }
+                }
+            }
+        }
+        for (src, dst) in [(keys, &mut self.k[layer]), (values, &mut self.v[layer])] {
+            let src = src.contiguous()?;
+            let (storage, layout) = src.storage_and_layout();
+            let candle_core::Storage::Cpu(cpu) = &*storage else {
+                anyhow::bail!("keys for the host cache are not on the host");
+            };
+            let src = &cpu.as_slice::<f32>()?[layout.start_offset()..];
+            for (i, &s) in slots.iter().enumerate() {
+                for j in 0..kv {
+                    let to = row(s, j);
+                    let from = (i * kv + j) * hd;
+                    dst[to..to + hd].convert_from_f32_slice(&src[from..from + hd]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Rows of the cache holding the tokens at `slots`, kv head by kv head (see [`gather_rows`]).
+    pub fn gather_rows(&self, slots: &[u32]) -> Vec<u32> {
+        gather_rows(self.kv_heads, self.blocks(), slots)
+    }
+
+    /// One layer's keys and values at `rows` (from `gather_rows`), widened: (kv, L, hd) each.
+    /// For checks against the device store; the kernels read the storage in place.
+    pub fn gather(
+        &self,
+        layer: usize,
+        rows: &[u32],
+    ) -> candle_core::Result<(candle_core::Tensor, candle_core::Tensor)> {
+        let (kv, hd) = (self.kv_heads, self.head_dim);
+        let l = rows.len() / kv.max(1);
+        let take = |pool: &[f16]| {
+            let mut out = vec![0f32; rows.len() * hd];
+            for (o, &r) in out.chunks_exact_mut(hd).zip(rows) {
+                let at = r as usize * hd;
+                pool[at..at + hd].convert_to_f32_slice(o);
+            }
+            candle_core::Tensor::from_vec(out, (kv, l, hd), &candle_core::Device::Cpu)
+        };
+        Ok((take(&self.k[layer])?, take(&self.v[layer])?))
+    }
+
+    /// One layer's storage, keys and values, (kv, P, BLOCK_SIZE, hd) each.
+    pub fn layer(&self, layer: usize) -> (&[f16], &[f16]) {
+        (&self.k[layer], &self.v[layer])
+    }
+}

@@ -1,0 +1,1115 @@
+//! gen's own quantized matrix kernels on the CPU: y = x W^T with W in GGUF blocks, repacked at
+//! load into our layout (8-row tiles for SIMD, plain rows for the portable fallback).
+//!
+//! Q4_1 and Q8_0 weights (the types of the default model) run here; [`crate::model::qlinear`]
+//! sends every other type to candle's `QMatMul`. Ours exist for two reasons. Accuracy: candle
+//! 0.11 rounds the Q8_1 block sum to f16 twice (`f16(sum) * f16(d)`), which shifts every Q4_1
+//! dot product enough to change greedy tokens within a few steps; here activations are
+//! quantized exactly as llama.cpp does (`s = f16(d * sum)` with `d` in f32). Speed: one pass
+//! over a multi-token input reads each weight row once for all tokens, and the dot products use
+//! AVX2 (or AVX-512 VNNI) chosen at run time, with a portable scalar fallback.
+//!
+//! Shape legend: T = input rows (tokens), K = input width, N = output width (weight rows).
+//! Blocks are 32 values: Q4_1 = {d: f16, m: f16, qs: [u8; 16]} (value = d * nibble + m),
+//! Q8_0 = {d: f16, qs: [i8; 32]}, Q8_1 = {d: f16, s: f16, qs: [i8; 32]} with s = d * sum(qs).
+
+use anyhow::{bail, Result};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use half::f16;
+use rayon::prelude::*;
+
+use super::ops::SharedOut;
+
+const QK: usize = 32;
+const Q4_1_BYTES: usize = 20;
+const Q8_0_BYTES: usize = 34;
+
+/// Which dot-product implementation to use; picked once from the CPU's features.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    Scalar,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Vnni,
+}
+
+impl Kernel {
+    /// The fastest kernel this CPU supports, unless `GEN_KERNEL=scalar` (or `avx2`) asks for a
+    /// slower one.
+    pub fn detect() -> Self {
+        if std::env::var("GEN_KERNEL").is_ok_and(|v| v == "scalar") {
+            return Kernel::Scalar;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
+            let vnni =
+                is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl");
+            if vnni && !std::env::var("GEN_KERNEL").is_ok_and(|v| v == "avx2") {
+                return Kernel::Vnni;
+            }
+            return Kernel::Avx2;
+        }
+        Kernel::Scalar
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Kernel::Scalar => "scalar",
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => "avx2",
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Vnni => "avx512-vnni",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WeightType {
+    Q4_1,
+    Q8_0,
+}
+
+/// Rows of 32-value blocks, repacked for the kernels: each block's scale (and Q4_1's minimum,
+/// or Q8_1's sum) as f32, converted from f16 once, and the packed quants apart from them, so
+/// the inner loop does no f16 conversion and loads aligned runs of quants.
+struct Blocks {
+    /// d of every block.
+    scale: Vec<f32>,
+    /// Q4_1 weights: m of every block. Q8_1 activations: s = d * sum(q). Q8_0: empty.
+    offset: Vec<f32>,
+    /// Quants, `per_block` bytes a block: 16 (two nibbles a byte) for Q4_1, 32 for Q8.
+    qs: Vec<u8>,
+    per_block: usize,
+    /// Blocks in a row: K / 32.
+    row_blocks: usize,
+}
+
+/// One row of `Blocks`, borrowed.
+#[derive(Clone, Copy)]
+struct Row<'a> {
+    scale: &'a [f32],
+    offset: &'a [f32],
+    qs: &'a [u8],
+}
+
+impl Blocks {
+    fn row(&self, r: usize) -> Row<'_> {
+        let (b0, b1) = (r * self.row_blocks, (r + 1) * self.row_blocks);
+        Row {
+            scale: &self.scale[b0..b1],
+            offset: if self.offset.is_empty() {
+                &[]
+            } else {
+                &self.offset[b0..b1]
+            },
+            qs: &self.qs[b0 * self.per_block..b1 * self.per_block],
+        }
+    }
+
+    /// Repack GGUF blocks (`block_bytes` each: f16 d, [f16 m,] quants).
+    fn from_gguf(raw: &[u8], ty: WeightType, row_blocks: usize) -> Self {
+        let (block_bytes, header, per_block) = match ty {
+            WeightType::Q4_1 => (Q4_1_BYTES, 4, 16),
+            WeightType::Q8_0 => (Q8_0_BYTES, 2, 32),
+        };
+        let n = raw.len() / block_bytes;
+        let mut b = Blocks {
+            scale: Vec::with_capacity(n),
+            offset: Vec::with_capacity(if ty == WeightType::Q4_1 { n } else { 0 }),
+            qs: Vec::with_capacity(n * per_block),
+            per_block,
+            row_blocks,
+        };
+        for blk in raw.chunks_exact(block_bytes) {
+            b.scale.push(f16_at(blk, 0));
+            if ty == WeightType::Q4_1 {
+                b.offset.push(f16_at(blk, 2));
+            }
+            b.qs.extend_from_slice(&blk[header..]);
+        }
+        b
+    }
+}
+
+/// Weight rows in groups of 8, interleaved so one 32-byte load holds 4 quants of each of the 8
+/// rows: a multiply-add of that against 4 activation quants broadcast to every lane gives the
+/// 8 rows' partial dot products in the 8 lanes of a register, with no horizontal sums, and
+/// each block's scales apply to 8 rows in one vector multiply.
+///
+/// Per group of 8 rows and per block: Q4_1 has 4 chunks of 32 bytes, chunk c holding bytes
+/// 4c..4c+4 of each row's 16 (low nibbles: values 4c..4c+4, high nibbles: values 16+4c..);
+/// Q8_0 has 8 chunks, chunk c holding values 4c..4c+4 of each row. Then the 8 rows' d (and m)
+/// as f16, as the file has them. Rows past N (the last group's padding) are zero.
+struct Tiles {
+    qs: Vec<u8>,
+    /// f16 bits, as in the file: widened in the kernel (one instruction per 8 rows and block),
+    /// so a decode step, which reads every weight once from memory, reads 20 bytes per 32
+    /// Q4_1 weights instead of 24 (34 instead of 36 for Q8_0).
+    d: Vec<u16>,
+    m: Vec<u16>,
+    groups: usize,
+    /// Blocks in a row: K / 32.
+    nb: usize,
+    /// Quant bytes of one block of one group: 128 (Q4_1) or 256 (Q8_0).
+    per_block: usize,
+}
+
+/// One group of 8 rows of `Tiles`, borrowed.
+#[derive(Clone, Copy)]
+struct Tile<'a> {
+    qs: &'a [u8],
+    d: &'a [u16],
+    m: &'a [u16],
+}
+
+impl Tiles {
+    fn from_rows(b: &Blocks, ty: WeightType, rows: usize) -> Self {
+        let nb = b.row_blocks;
+        let groups = rows.div_ceil(8);
+        let per_block = if ty == WeightType::Q4_1 { 128 } else { 256 };
+        let mut t = Tiles {
+            qs: vec![0; groups * nb * per_block],
+            d: vec![0; groups * nb * 8],
+            m: vec![
+                0;
+                if ty == WeightType::Q4_1 {
+                    groups * nb * 8
+                } else {
+                    0
+                }
+            ],
+            groups,
+            nb,
+            per_block,
+        };
+        for row in 0..rows {
+            let (g, r) = (row / 8, row % 8);
+            let src = b.row(row);
+            for blk in 0..nb {
+                let at = (g * nb + blk) * 8 + r;
+                // Exact: the scales were f16 in the file.
+                t.d[at] = f16::from_f32(src.scale[blk]).to_bits();
+                if ty == WeightType::Q4_1 {
+                    t.m[at] = f16::from_f32(src.offset[blk]).to_bits();
+                }
+                let q = &src.qs[blk * b.per_block..(blk + 1) * b.per_block];
+                let dst = (g * nb + blk) * per_block;
+                for c in 0..per_block / 32 {
+                    let to = dst + c * 32 + r * 4;
+                    t.qs[to..to + 4].copy_from_slice(&q[c * 4..c * 4 + 4]);
+                }
+            }
+        }
+        t
+    }
+
+    fn tile(&self, g: usize) -> Tile<'_> {
+        let nb = self.nb;
+        Tile {
+            qs: &self.qs[g * nb * self.per_block..(g + 1) * nb * self.per_block],
+            d: &self.d[g * nb * 8..(g + 1) * nb * 8],
+            m: if self.m.is_empty() {
+                &[]
+            } else {
+                &self.m[g * nb * 8..(g + 1) * nb * 8]
+            },
+        }
+    }
+
+    /// Groups of `other` after ours (both hold whole groups of 8 real rows).
+    fn append(&mut self, other: Tiles) {
+        self.qs.extend_from_slice(&other.qs);
+        self.d.extend_from_slice(&other.d);
+        self.m.extend_from_slice(&other.m);
+        self.groups += other.groups;
+    }
+}
+
+/// How a weight is laid out: plain rows for the portable scalar kernel, 8-row tiles for SIMD.
+enum Layout {
+    Rows(Blocks),
+    Tiles(Tiles),
+}
+
+/// A weight matrix (N, K) in our own CPU layout.
+pub struct CpuQWeight {
+    ty: WeightType,
+    rows: usize, // N
+    cols: usize, // K
+    layout: Layout,
+    kernel: Kernel,
+}
+
+impl CpuQWeight {
+    /// x: T rows of K values, row-major. Returns T rows of N values.
+    pub fn matmul(&self, x: &[f32], t: usize) -> Vec<f32> {
+        self.matmul_parts(x, t, &[self.rows])
+            .pop()
+            .expect("one part")
+    }
+
+    /// The product split by output columns: `widths` (summing to N) cut each token's N outputs
+    /// into consecutive parts, returned as T rows of widths[i] values each. Fused projections
+    /// (q, k, v) come out as separate buffers this way, with no copy after the product.
+    pub fn matmul_parts(&self, x: &[f32], t: usize, widths: &[usize]) -> Vec<Vec<f32>> {
+        let (n_rows, k) = (self.rows, self.cols);
+        debug_assert_eq!(x.len(), t * k);
+        debug_assert_eq!(widths.iter().sum::<usize>(), n_rows);
+        if t == 0 {
+            return widths.iter().map(|_| Vec::new()).collect();
+        }
+        let with_sums = self.ty == WeightType::Q4_1;
+        match &self.layout {
+            Layout::Rows(blocks) => {
+                let mut outs: Vec<Vec<f32>> = widths.iter().map(|&w| vec![0f32; t * w]).collect();
+                // Quantize every input row once; every weight row reuses them.
+                let act = quantize_rows(x, k, with_sums);
+                // Computed as (N, T), in parallel over chunks of weight rows, then transposed.
+                let mut out_nt = vec![0f32; n_rows * t];
+                let chunk_rows = (n_rows / (rayon::current_num_threads() * 8)).clamp(16, 512);
+                out_nt
+                    .par_chunks_mut(chunk_rows * t)
+                    .enumerate()
+                    .for_each(|(c, out)| {
+                        for (i, out_row) in out.chunks_mut(t).enumerate() {
+                            let w = blocks.row(c * chunk_rows + i);
+                            for (o, tt) in out_row.iter_mut().zip(0..) {
+                                *o = match self.ty {
+                                    WeightType::Q4_1 => dot_q4_1_q8_1_scalar(w, act.row(tt)),
+                                    WeightType::Q8_0 => dot_q8_0_q8_0_scalar(w, act.row(tt)),
+                                };
+                            }
+                        }
+                    });
+                let mut row0 = 0;
+                for (o, &w) in outs.iter_mut().zip(widths) {
+                    for n in 0..w {
+                        for tt in 0..t {
+                            o[tt * w + n] = out_nt[(row0 + n) * t + tt];
+                        }
+                    }
+                    row0 += w;
+                }
+                outs
+            }
+            Layout::Tiles(tiles) => {
+                let act = ActTiles::quantize(x, k, t, with_sums, self.kernel);
+                // Written by the kernels before it is read: not zeroed first (that memset was
+                // 2-3% of a batch run).
+                let mut outs: Vec<Vec<f32>> =
+                    widths.iter().map(|&w| Vec::with_capacity(t * w)).collect();
+                // Per part: its first row group, its width, where its output starts.
+                let mut parts = Vec::with_capacity(widths.len());
+                let mut first = 0;
+                for (o, &w) in outs.iter_mut().zip(widths) {
+                    parts.push((first, w, SharedOut(o.as_mut_ptr())));
+                    first += w.div_ceil(8);
+                }
+                debug_assert_eq!(first, tiles.groups);
+                let per_call = self.tokens_per_tile();
+                let chunk = (tiles.groups / (rayon::current_num_threads() * 4)).max(1);
+                let group_ranges: Vec<(usize, usize)> = (0..tiles.groups)
+                    .step_by(chunk)
+                    .map(|g| (g, (g + chunk).min(tiles.groups)))
+                    .collect();
+                // Many tokens (a prefill): the tokens go in blocks of about 48 KiB of quantized
+                // activations, each block through all of a task's row groups while it and the
+                // block's outputs sit in L2; otherwise a wide input (the down projection's,
+                // 1,536 values a token) streamed from L3 once per row group. (192 KiB measured
+                // 3-4% slower on a batch's prefill, 24 KiB the same as 48.)
+                let per_block = (48 * 1024 / (k * TOKENS)).max(1);
+                group_ranges.into_par_iter().for_each(|(g0, g1)| {
+                    for c_start in (0..act.chunks).step_by(per_block) {
+                        for g in g0..g1 {
+                            let p = parts.partition_point(|part| part.0 <= g) - 1;
+                            let (pg, w, out) = parts[p];
+                            let col = (g - pg) * 8;
+                            let real = (w - col).min(8);
+                            let tile = tiles.tile(g);
+                            for c in c_start..(c_start + per_block).min(act.chunks) {
+                                let in_chunk = (t - c * TOKENS).min(TOKENS);
+                                let mut i0 = 0;
+                                while i0 < in_chunk {
+                                    let n = (in_chunk - i0).min(per_call);
+                                    let token = c * TOKENS + i0;
+                                    // SAFETY: token + n <= T and col + real <= w, so every row
+                                    // written is inside this part's T x w buffer; row group g's
+                                    // columns are written by this task only.
+                                    unsafe {
+                                        self.tile_dot(
+                                            tile,
+                                            &act,
+                                            token,
+                                            n,
+                                            out.at(token * w + col),
+                                            w,
+                                            real,
+                                        )
+                                    };
+                                    i0 += n;
+                                }
+                            }
+                        }
+                    }
+                });
+                for (o, &w) in outs.iter_mut().zip(widths) {
+                    // SAFETY: every token's row of every part was written above: the row
+                    // groups cover each part's w columns (the last one its `real` ones) and
+                    // the chunks cover all T tokens; f32 has no invalid bit patterns.
+                    unsafe { o.set_len(t * w) };
+                }
+                outs
+            }
+        }
+    }
+
+    /// Most tokens per call of the tile kernel: each unpacked weight block serves this many.
+    /// VNNI comes with AVX-512VL's 32 vector registers, room for 8 accumulators beside the 8
+    /// unpacked weight registers; AVX2 has 16.
+    fn tokens_per_tile(&self) -> usize {
+        match self.kernel {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Vnni => 8,
+            _ => 4,
+        }
+    }
+
+    /// Tokens token..token + n (n <= 8, all in one chunk of `act`) against one group of 8
+    /// rows, written to out + i * stride (the first `real` of the 8 rows).
+    ///
+    /// # Safety
+    /// `out` must be valid for writes of `real` floats at out + i * stride for i < n.
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile_dot(
+        &self,
+        w: Tile<'_>,
+        act: &ActTiles,
+        token: usize,
+        n: usize,
+        out: *mut f32,
+        stride: usize,
+        real: usize,
+    ) {
+        debug_assert!(n >= 1 && token % TOKENS + n <= TOKENS && act.nb == self.cols / QK);
+        let a = act.chunk(token);
+        let stream = act.chunks <= STREAM_CHUNKS;
+        // SAFETY (all unsafe calls below): a SIMD kernel is only chosen when the CPU reports
+        // its features (Kernel::detect); tiles and activations hold the same block count.
+        macro_rules! call {
+            ($m:ident, $f:ident) => {{
+                macro_rules! with {
+                    ($k:literal) => {{
+                        unsafe { x86::$m::$f::<$k>(w, a, out, stride, real, stream) }
+                    }};
+                }
+                match n {
+                    1 => with!(1),
+                    2 => with!(2),
+                    3 => with!(3),
+                    4 => with!(4),
+                    5 => with!(5),
+                    6 => with!(6),
+                    7 => with!(7),
+                    _ => with!(8),
+                }
+            }};
+        }
+        match (self.ty, self.kernel) {
+            #[cfg(target_arch = "x86_64")]
+            (WeightType::Q4_1, Kernel::Avx2) => call!(avx2, tile_q4_1),
+            #[cfg(target_arch = "x86_64")]
+            (WeightType::Q4_1, Kernel::Vnni) => call!(vnni, tile_q4_1),
+            #[cfg(target_arch = "x86_64")]
+            (WeightType::Q8_0, Kernel::Avx2) => call!(avx2, tile_q8_0),
+            #[cfg(target_arch = "x86_64")]
+            (WeightType::Q8_0, Kernel::Vnni) => call!(vnni, tile_q8_0),
+            _ => unreachable!("tiles are only built for SIMD kernels"),
+        }
+    }
+}
+
+/// How far ahead of the block it works on (in bytes of quants) a kernel called for a few
+/// tokens asks for weights: the tile's next blocks, then the next tile's (tiles of a task are
+/// consecutive in memory). A decode step streams every weight from memory once, with little
+/// arithmetic per byte, and the hardware prefetchers restart at each 4 KiB page; asking ~2 KiB
+/// ahead, two cache lines a block, took a batch-size-8 decode pass's Q4_1 products from ~4.9
+/// to ~4.3 ms and single-sequence decode 10-20% up (1,536-3,072 measured alike; 4,096 and
+/// more, and whole tiles at a time, slower). Prefill calls, which reuse each tile for many
+/// tokens, do not ask.
+const PREFETCH_AHEAD: usize = 2048;
+
+/// Calls with activations of at most this many chunks (of 8 tokens) prefetch weights.
+const STREAM_CHUNKS: usize = 4;
+
+/// Tokens per chunk of `ActTiles`.
+const TOKENS: usize = 8;
+
+/// Activations quantized for the tile kernels: tokens in chunks of 8 and, within a chunk, per
+/// block, the 8 tokens' 32 quants side by side (256 bytes), and their 8 scales (and Q8_1 sums,
+/// or Q8_0 integer sums) side by side: one kernel call walks one contiguous run per block.
+/// The last chunk's padding tokens are zero.
+struct ActTiles {
+    qs: Vec<u8>,
+    scale: Vec<f32>,
+    /// Q8_1: s = d * sum(q). Empty for Q8_0.
+    offset: Vec<f32>,
+    /// Q8_0: sum(q). Empty for Q8_1.
+    isum: Vec<i32>,
+    /// Blocks in a token's row.
+    nb: usize,
+    chunks: usize,
+}
+
+/// Where one token's run of a chunk starts: block b of token i of the call is at
+/// qs + b * 256 + i * 32 and scale (offset, isum) + b * 8 + i.
+#[derive(Clone, Copy)]
+struct ActChunk {
+    qs: *const u8,
+    scale: *const f32,
+    offset: *const f32,
+    isum: *const i32,
+}
+
+impl ActTiles {
+    /// T rows of K values into Q8_1 (`with_sums`) or Q8_0 blocks, rounded exactly as
+    /// `quantize_rows` (and llama.cpp) do.
+    fn quantize(x: &[f32], k: usize, t: usize, with_sums: bool, kernel: Kernel) -> Self {
+        let nb = k / QK;
+        let chunks = t.div_ceil(TOKENS);
+        let slots = chunks * nb * TOKENS;
+        let mut a = ActTiles {
+            qs: vec![0; slots * QK],
+            scale: vec![0.0; slots],
+            offset: if with_sums {
+                vec![0.0; slots]
+            } else {
+                Vec::new()
+            },
+            isum: if with_sums {
+                Vec::new()
+            } else {
+                vec![0; slots]
+            },
+            nb,
+            chunks,
+        };
+        // One chunk of 8 tokens: its quants, scales and sums (offset or isum, the other empty).
+        let fill =
+            |c: usize, qs: &mut [u8], scale: &mut [f32], offset: &mut [f32], isum: &mut [i32]| {
+                for (i, row) in x
+                    .chunks_exact(k)
+                    .skip(c * TOKENS)
+                    .take(TOKENS.min(t - c * TOKENS))
+                    .enumerate()
+                {
+                    for (b, blk) in row.chunks_exact(QK).enumerate() {
+                        let at = b * TOKENS + i;
+                        let q = &mut qs[at * QK..at * QK + QK];
+                        let (d, sum) = match kernel {
+                            // SAFETY: a SIMD kernel is only chosen on CPUs with AVX2.
+                            #[cfg(target_arch = "x86_64")]
+                            Kernel::Avx2 | Kernel::Vnni => unsafe { x86::quantize_block(blk, q) },
+                            _ => quantize_block(blk, q),
+                        };
+                        scale[at] = through_f16(d);
+                        if with_sums {
+                            offset[at] = through_f16(d * sum as f32);
+                        } else {
+                            isum[at] = sum;
+                        }
+                    }
+                }
+            };
+        let per = nb * TOKENS;
+        // Chunks by index; the unused one of offset/isum gets empty slices.
+        let offsets: Vec<&mut [f32]> = if with_sums {
+            a.offset.chunks_mut(per).collect()
+        } else {
+            (0..chunks).map(|_| <&mut [f32]>::default()).collect()
+        };
+        let isums: Vec<&mut [i32]> = if with_sums {
+            (0..chunks).map(|_| <&mut [i32]>::default()).collect()
+        } else {
+            a.isum.chunks_mut(per).collect()
+        };
+        let work =
+            a.qs.chunks_mut(per * QK)
+                .zip(a.scale.chunks_mut(per))
+                .zip(offsets.into_iter().zip(isums))
+                .enumerate()
+                .collect::<Vec<_>>();
+        // A prefill's tokens (T in the hundreds: milliseconds of work a layer) in parallel; a
+        // decode step's few serially.
+        let run = |(c, ((qs, scale), (offset, isum))): (usize, _)| fill(c, qs, scale, offset, isum);
+        if t >= 64 {
+            work.into_par_iter().for_each(run);
+        } else {
+            work.into_iter().for_each(run);
+        }
+        a
+    }
+
+    /// The run of `token` (its chunk, from its place in the chunk on).
+    fn chunk(&self, token: usize) -> ActChunk {
+        let (c, i) = (token / TOKENS, token % TOKENS);
+        debug_assert!(c < self.chunks);
+        let at = c * self.nb * TOKENS + i;
+        // wrapping_add: the empty one of offset/isum is never read.
+        ActChunk {
+            qs: self.qs.as_ptr().wrapping_add(at * QK),
+            scale: self.scale.as_ptr().wrapping_add(at),
+            offset: self.offset.as_ptr().wrapping_add(at),
+            isum: self.isum.as_ptr().wrapping_add(at),
+        }
+    }
+}
+
+impl CpuQWeight {
+    /// Repack a GGUF weight of a type these kernels run (Q4_1, Q8_0); None for other types.
+    pub fn from_qtensor(q: &QTensor, kernel: Kernel) -> Result<Option<Self>> {
+        let ty = match q.dtype() {
+            GgmlDType::Q4_1 => WeightType::Q4_1,
+            GgmlDType::Q8_0 => WeightType::Q8_0,
+            _ => return Ok(None),
+        };
+        let (rows, cols) = q.shape().dims2()?;
+        if cols % QK != 0 {
+            bail!("a weight's width {cols} is not a multiple of the block size {QK}");
+        }
+        let raw = q.data()?;
+        let block_bytes = if ty == WeightType::Q4_1 {
+            Q4_1_BYTES
+        } else {
+            Q8_0_BYTES
+        };
+        let expected = rows * cols / QK * block_bytes;
+        if raw.len() != expected {
+            bail!(
+                "a {rows}x{cols} weight holds {} bytes, expected {expected}",
+                raw.len()
+            );
+        }
+        let blocks = Blocks::from_gguf(&raw, ty, cols / QK);
+        let layout = if kernel == Kernel::Scalar {
+            Layout::Rows(blocks)
+        } else {
+            Layout::Tiles(Tiles::from_rows(&blocks, ty, rows))
+        };
+        Ok(Some(CpuQWeight {
+            ty,
+            rows,
+            cols,
+            layout,
+            kernel,
+        }))
+    }
+
+    /// Whether these weights can be stacked into one matrix ([`Self::concat`]): one type, one
+    /// width, one kernel, and (tiles concatenate only so) no padding rows but in the last.
+    pub fn can_concat(parts: &[&CpuQWeight]) -> bool {
+        parts
+            .iter()
+            .all(|w| matches!(w.layout, Layout::Rows(_)) || w.rows % 8 == 0)
+            && parts
+                .windows(2)
+                .all(|p| p[0].ty == p[1].ty && p[0].cols == p[1].cols && p[0].kernel == p[1].kernel)
+    }
+
+    /// The parts' rows stacked in order (they passed [`Self::can_concat`]), and each part's row
+    /// count.
+    pub fn concat(parts: impl IntoIterator<Item = CpuQWeight>) -> (CpuQWeight, Vec<usize>) {
+        let mut ws = parts.into_iter();
+        let mut all = ws.next().expect("at least one part");
+        let mut widths = vec![all.rows];
+        for w in ws {
+            widths.push(w.rows);
+            all.rows += w.rows;
+            match (&mut all.layout, w.layout) {
+                (Layout::Rows(a), Layout::Rows(b)) => {
+                    a.scale.extend_from_slice(&b.scale);
+                    a.offset.extend_from_slice(&b.offset);
+                    a.qs.extend_from_slice(&b.qs);
+                }
+                (Layout::Tiles(a), Layout::Tiles(b)) => a.append(b),
+                _ => unreachable!("same kernel, same layout"),
+            }
+        }
+        (all, widths)
+    }
+
+    /// x: (..., K) -> (..., N).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(self
+            .forward_parts(x, &[self.rows])?
+            .pop()
+            .expect("one part"))
+    }
+
+    /// x: (..., K) -> one (..., widths[i]) per consecutive part of the N outputs.
+    pub fn forward_parts(&self, x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>> {
+        let dims = x.dims().to_vec();
+        let k = *dims.last().unwrap_or(&0);
+        if k != self.cols {
+            bail!(
+                "linear layer expects width {}, got input of shape {dims:?}",
+                self.cols
+            );
+        }
+        let t = x.elem_count() / k.max(1);
+        let ys = super::ops::with_f32(x, |x| self.matmul_parts(x, t, widths))?;
+        ys.into_iter()
+            .zip(widths)
+            .map(|(y, &width)| {
+                let mut out_dims = dims.clone();
+                *out_dims.last_mut().unwrap() = width;
+                Ok(Tensor::from_vec(y, out_dims, &Device::Cpu)?)
+            })
+            .collect()
+    }
+}
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
+}
+
+/// f32 -> f16 -> f32: the precision llama.cpp stores activation scales in.
+fn through_f16(v: f32) -> f32 {
+    f16::from_f32(v).to_f32()
+}
+
+/// Round to the nearest integer, ties to even, for |v| <= 2^22: adding and removing 1.5 * 2^23
+/// leaves no fraction bits, so the FPU's own rounding does the work (inlined, unlike libm's
+/// rintf, which showed up in profiles).
+#[inline(always)]
+fn round_half_even(v: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    (v + MAGIC) - MAGIC
+}
+
+/// Rows of K values into Q8_1 blocks (`with_sums`: s = d * sum(q) computed in f32, then rounded
+/// to f16 once, as llama.cpp does) or Q8_0 blocks, for the scalar kernels. d is kept at f16
+/// precision.
+fn quantize_rows(x: &[f32], k: usize, with_sums: bool) -> Blocks {
+    let n = x.len() / QK;
+    let mut b = Blocks {
+        scale: Vec::with_capacity(n),
+        offset: Vec::with_capacity(if with_sums { n } else { 0 }),
+        qs: vec![0u8; n * QK],
+        per_block: QK,
+        row_blocks: k / QK,
+    };
+    for (blk, q) in x.chunks_exact(QK).zip(b.qs.chunks_exact_mut(QK)) {
+        let (d, sum) = quantize_block(blk, q);
+        b.scale.push(through_f16(d));
+        if with_sums {
+            b.offset.push(through_f16(d * sum as f32));
+        }
+    }
+    b
+}
+
+/// One block of 32 values to 8 bits, as llama.cpp does: d = amax / 127, q = round-half-even(x *
+/// 127 / amax). Returns d (before any f16 rounding) and sum(q).
+#[inline]
+fn quantize_block(blk: &[f32], q: &mut [u8]) -> (f32, i32) {
+    let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+    let mut sum = 0i32;
+    for (v, q) in blk.iter().zip(q.iter_mut()) {
+        let qi = round_half_even(v * id) as i8;
+        *q = qi as u8;
+        sum += qi as i32;
+    }
+    (d, sum)
+}
+
+/// Q4_1 weights against Q8_1 activations: sum over blocks of d_w*d_a*sum(q_w*q_a) + m_w*s_a.
+fn dot_q4_1_q8_1_scalar(w: Row<'_>, a: Row<'_>) -> f32 {
+    let mut acc = 0f32;
+    for b in 0..w.scale.len() {
+        let qw = &w.qs[b * 16..b * 16 + 16];
+        let qa = &a.qs[b * QK..b * QK + QK];
+        let mut sumi = 0i32;
+        for j in 0..QK / 2 {
+            let lo = (qw[j] & 0x0F) as i32;
+            let hi = (qw[j] >> 4) as i32;
+            sumi += lo * (qa[j] as i8) as i32 + hi * (qa[j + QK / 2] as i8) as i32;
+        }
+        acc += w.scale[b] * a.scale[b] * sumi as f32 + w.offset[b] * a.offset[b];
+    }
+    acc
+}
+
+/// Q8_0 weights against Q8_0 activations.
+fn dot_q8_0_q8_0_scalar(w: Row<'_>, a: Row<'_>) -> f32 {
+    let mut acc = 0f32;
+    for b in 0..w.scale.len() {
+        let mut sumi = 0i32;
+        for j in 0..QK {
+            sumi += (w.qs[b * QK + j] as i8) as i32 * (a.qs[b * QK + j] as i8) as i32;
+        }
+        acc += w.scale[b] * a.scale[b] * sumi as f32;
+    }
+    acc
+}
+
+/// The x86 kernels, written once and instantiated per instruction set: `avx2` multiplies
+/// unsigned by signed bytes with maddubs + madd (two instructions), `vnni` with one dpbusd.
+#[cfg(target_arch = "x86_64")]
+macro_rules! x86_kernels {
+    ($name:ident, $features:literal, $dot_u4:ident, $prep_i8:ident, $dot_i8:ident, $bias:expr) => {
+        pub mod $name {
+            use super::super::{ActChunk, Tile};
+            use std::arch::x86_64::*;
+
+            /// N tokens' activations (Q8_1) against a tile of 8 Q4_1 rows, written to
+            /// out + i * stride for token i (the first `real` rows).
+            ///
+            /// # Safety
+            /// The CPU must support the features; `a` holds N tokens of as many blocks as the
+            /// tile; `out` is valid for those writes.
+            #[target_feature(enable = $features)]
+            pub unsafe fn tile_q4_1<const N: usize>(
+                w: Tile<'_>,
+                a: ActChunk,
+                out: *mut f32,
+                stride: usize,
+                real: usize,
+                stream: bool,
+            ) {
+                let nb = w.d.len() / 8;
+                debug_assert!(w.qs.len() >= nb * 128 && w.m.len() >= nb * 8);
+                let mask = _mm256_set1_epi8(0x0F);
+                let mut acc = [_mm256_setzero_ps(); N];
+                // Quants 128 bytes a block, scales and minimums 16 each: the same distance in
+                // blocks is an eighth of the bytes for them (one line every 4 blocks).
+                const AHEAD: usize = super::super::PREFETCH_AHEAD;
+                for b in 0..nb {
+                    let base = w.qs.as_ptr().add(b * 128);
+                    if stream {
+                        prefetch(base.wrapping_add(AHEAD));
+                        prefetch(base.wrapping_add(AHEAD + 64));
+                        if b % 4 == 0 {
+                            prefetch(w.d.as_ptr().wrapping_add(b * 8 + AHEAD / 16));
+                            prefetch(w.m.as_ptr().wrapping_add(b * 8 + AHEAD / 16));
+                        }
+                    }
+                    let mut wv = [_mm256_setzero_si256(); 8];
+                    for c in 0..4 {
+                        let raw = _mm256_loadu_si256(base.add(c * 32) as *const __m256i);
+                        wv[c] = _mm256_and_si256(raw, mask);
+                        wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+                    }
+                    let dw = widen(w.d.as_ptr().add(b * 8));
+                    let mw = widen(w.m.as_ptr().add(b * 8));
+                    let qb = a.qs.add(b * 256);
+                    let (sb, ob) = (a.scale.add(b * 8), a.offset.add(b * 8));
+                    for (i, acc) in acc.iter_mut().enumerate() {
+                        let q = qb.add(i * 32) as *const i32;
+                        // Two independent chains of multiply-adds.
+                        let mut s0 = _mm256_setzero_si256();
+                        let mut s1 = _mm256_setzero_si256();
+                        for g in (0..8).step_by(2) {
+                            s0 = super::$dot_u4(
+                                s0,
+                                wv[g],
+                                _mm256_set1_epi32(q.add(g).read_unaligned()),
+                            );
+                            s1 = super::$dot_u4(
+                                s1,
+                                wv[g + 1],
+                                _mm256_set1_epi32(q.add(g + 1).read_unaligned()),
+                            );
+                        }
+                        let s = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+                        let d = _mm256_mul_ps(dw, _mm256_set1_ps(*sb.add(i)));
+                        *acc = _mm256_fmadd_ps(s, d, *acc);
+                        *acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(*ob.add(i)), *acc);
+                    }
+                }
+                store(&acc, out, stride, real);
+            }
+
+            /// N tokens' activations (Q8_0) against a tile of 8 Q8_0 rows, written as
+            /// `tile_q4_1` writes.
+            ///
+            /// # Safety
+            /// As for `tile_q4_1`.
+            #[target_feature(enable = $features)]
+            pub unsafe fn tile_q8_0<const N: usize>(
+                w: Tile<'_>,
+                a: ActChunk,
+                out: *mut f32,
+                stride: usize,
+                real: usize,
+                stream: bool,
+            ) {
+                let nb = w.d.len() / 8;
+                debug_assert!(w.qs.len() >= nb * 256);
+                let mut acc = [_mm256_setzero_ps(); N];
+                // Quants 256 bytes a block, scales 16.
+                const AHEAD: usize = super::super::PREFETCH_AHEAD;
+                for b in 0..nb {
+                    let base = w.qs.as_ptr().add(b * 256);
+                    if stream {
+                        for l in 0..4 {
+                            prefetch(base.wrapping_add(AHEAD + l * 64));
+                        }
+                        if b % 4 == 0 {
+                            prefetch(w.d.as_ptr().wrapping_add(b * 8 + AHEAD / 32));
+                        }
+                    }
+                    let mut wv = [_mm256_setzero_si256(); 8];
+                    for c in 0..8 {
+                        wv[c] =
+                            super::$prep_i8(_mm256_loadu_si256(base.add(c * 32) as *const __m256i));
+                    }
+                    let dw = widen(w.d.as_ptr().add(b * 8));
+                    let qb = a.qs.add(b * 256);
+                    let (sb, ib) = (a.scale.add(b * 8), a.isum.add(b * 8));
+                    for (i, acc) in acc.iter_mut().enumerate() {
+                        let q = qb.add(i * 32) as *const i32;
+                        let mut s0 = _mm256_setzero_si256();
+                        let mut s1 = _mm256_setzero_si256();
+                        for g in (0..8).step_by(2) {
+                            s0 = super::$dot_i8(
+                                s0,
+                                wv[g],
+                                _mm256_set1_epi32(q.add(g).read_unaligned()),
+                            );
+                            s1 = super::$dot_i8(
+                                s1,
+                                wv[g + 1],
+                                _mm256_set1_epi32(q.add(g + 1).read_unaligned()),
+                            );
+                        }
+                        let s = _mm256_add_epi32(s0, s1);
+                        let s = _mm256_sub_epi32(s, _mm256_set1_epi32($bias * *ib.add(i)));
+                        let d = _mm256_mul_ps(dw, _mm256_set1_ps(*sb.add(i)));
+                        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, *acc);
+                    }
+                }
+                store(&acc, out, stride, real);
+            }
+
+            /// Ask for the cache line holding `at` (a hint: it never faults, wherever `at`
+            /// points).
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn prefetch<T>(at: *const T) {
+                _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
+            }
+
+            /// 8 f16 values (bits) at `at` as 8 f32 lanes.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn widen(at: *const u16) -> __m256 {
+                _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i))
+            }
+
+            /// Token i's 8 sums to out + i * stride, the first `real` of them.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn store<const N: usize>(
+                acc: &[__m256; N],
+                out: *mut f32,
+                stride: usize,
+                real: usize,
+            ) {
+                if real == 8 {
+                    for (i, acc) in acc.iter().enumerate() {
+                        _mm256_storeu_ps(out.add(i * stride), *acc);
+                    }
+                } else {
+                    let mut buf = [0f32; 8];
+                    for (i, acc) in acc.iter().enumerate() {
+                        _mm256_storeu_ps(buf.as_mut_ptr(), *acc);
+                        std::ptr::copy_nonoverlapping(buf.as_ptr(), out.add(i * stride), real);
+                    }
+                }
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// acc + per lane, sum over 4 bytes of u8 * i8 (the u8 below 16, so the i16 pairs of
+    /// maddubs cannot saturate).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot_u4_avx2(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        let pairs = _mm256_maddubs_epi16(u, s);
+        _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+    }
+
+    /// The same in one VNNI instruction.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+    unsafe fn dot_u4_vnni(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(acc, u, s)
+    }
+
+    /// AVX2 multiplies signed bytes through maddubs by moving w's sign onto a: |w| * ±a.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn keep_i8(w: __m256i) -> __m256i {
+        w
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot_i8_avx2(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
+        let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+        _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+    }
+
+    /// VNNI takes w + 128 as unsigned bytes (flipping the top bit) and the kernel subtracts
+    /// 128 * sum(a) afterwards: exact in 32-bit integers.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+    unsafe fn bias_i8(w: __m256i) -> __m256i {
+        _mm256_xor_si256(w, _mm256_set1_epi8(-128))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+    unsafe fn dot_i8_vnni(acc: __m256i, w_biased: __m256i, a: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(acc, w_biased, a)
+    }
+
+    /// `super::quantize_block` with AVX2, bit for bit: the same amax, the same products
+    /// rounded half to even, the same integer sum.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; blk and q hold 32 values.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn quantize_block(blk: &[f32], q: &mut [u8]) -> (f32, i32) {
+        assert!(blk.len() >= 32 && q.len() >= 32);
+        let p = blk.as_ptr();
+        let v = [
+            _mm256_loadu_ps(p),
+            _mm256_loadu_ps(p.add(8)),
+            _mm256_loadu_ps(p.add(16)),
+            _mm256_loadu_ps(p.add(24)),
+        ];
+        let sign = _mm256_set1_ps(-0.0);
+        let mut m = _mm256_andnot_ps(sign, v[0]);
+        for x in &v[1..] {
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, *x));
+        }
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+        let amax = _mm_cvtss_f32(m);
+        let d = amax / 127.0;
+        let id = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+        let r = v.map(|x| {
+            _mm256_cvtps_epi32(_mm256_round_ps(
+                _mm256_mul_ps(x, id),
+                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+            ))
+        });
+        // i32 -> i8 in two packing steps; the packs work within 128-bit lanes, so the 4-byte
+        // groups come out as 0 2 4 6 1 3 5 7 and one permute puts them back in order.
+        let lo = _mm256_packs_epi32(r[0], r[1]);
+        let hi = _mm256_packs_epi32(r[2], r[3]);
+        let bytes = _mm256_packs_epi16(lo, hi);
+        let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, bytes);
+        let s = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+        let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        (d, _mm_cvtsi128_si32(s))
+    }
+
+    x86_kernels!(avx2, "avx2,fma,f16c", dot_u4_avx2, keep_i8, dot_i8_avx2, 0);
+    x86_kernels!(
+        vnni,
+        "avx2,fma,f16c,avx512vnni,avx512vl",
+        dot_u4_vnni,
+        bias_i8,
+        dot_i8_vnni,
+        128
+    );
+}
+
+#[cfg(test)]
+/// A deterministic pseudo-random matrix with a spread of magnitudes and signs.
+pub(crate) fn test_data(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) as f32 / (1u64 << 31) as f32 - 0.5) * 4.0
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_data as data;
+    use super::*;
+
+    #[test]
+    fn q8_1_sum_is_rounded_once_like_llama_cpp() {
+        // 32 values at the top of the range: sum(q) = 32 * 127 = 4064, which f16 cannot hold
+        // exactly; s must be f16(d * 4064), not f16(f16(4064) * f16(d)).
+        let x = vec![1.2345f32; 32];
+        let b = quantize_rows(&x, 32, true);
+        let d = 1.2345f32 / 127.0;
+        assert_eq!(b.offset[0], f16::from_f32(d * 4064.0).to_f32());
+        assert_eq!(b.scale[0], f16::from_f32(d).to_f32());
+        assert!(b.qs.iter().all(|&q| q as i8 == 127));
+    }
+
+    /// The AVX2 quantizer gives the scalar one's bytes, scale and sum exactly, ties and zero
+    /// blocks included.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn simd_quantization_equals_scalar() {
+        if !is_x86_feature_detected!("avx2") || !is_x86_feature_detected!("fma") {
+            return;
+        }
+        let mut blocks: Vec<Vec<f32>> = (0..200).map(|i| data(32, 11 + i)).collect();
+        blocks.push(vec![0.0; 32]);
+        // amax 127 makes the factor exactly 1: every other value is a tie, k + 0.5.
+        blocks.push(
+            (0..32)
+                .map(|i| if i == 0 { 127.0 } else { i as f32 - 15.5 })
+                .collect(),
+        );
+        blocks.push((0..32).map(|i| if i == 3 { -1e-30 } else { 0.0 }).collect());
+        for (i, blk) in blocks.iter().enumerate() {
+            let (mut a, mut b) = ([0u8; 32], [0u8; 32]);
+            let want = quantize_block(blk, &mut a);
+            // SAFETY: checked above.
+            let got = unsafe { x86::quantize_block(blk, &mut b) };
+            assert_eq!(got, want, "block {i}");
+            assert_eq!(a, b, "block {i}");
+        }
+    }
+
+    #[test]
+    fn rounding_matches_round_ties_even() {
+        for i in -2540..=2540 {
+            let v = i as f32 * 0.05;
+            assert_eq!(round_half_even(v), v.round_ties_even(), "{v}");
+        }
+        assert_eq!(round_half_even(2.5), 2.0);
+        assert_eq!(round_half_even(-3.5), -4.0);
+    }
+
+}

@@ -1,0 +1,368 @@
+//! The forward pass through candle's operations: what a GPU runs (CUDA, Metal), and what
+//! `GEN_ATTENTION=candle` runs on the CPU so tests can check it against gen's CPU kernels. With
+//! the `cuda` feature, gen's own CUDA kernels ([`cuda`], `kernels.cu`) take the cache write and
+//! one-token attention where GEN_CUDA_KERNELS asks ([`check`]).
+//!
+//! Activations go heads-first, (1, heads, N, hd), for candle's norms and rope, and back to
+//! token-major for the cache. Every input of a pass (gathered key rows, masks, the write plan,
+//! rope tables, the rows that get logits) is uploaded before the layers queue any work: a copy
+//! from ordinary host memory may wait for the device to finish what is queued.
+//!
+//! A layer, top to bottom: q/k/v, biases, per-head q/k norms, rope, the cache write, attention
+//! (the one-token steps of the pass together, [`decode::DeviceDecode`]; each prompt chunk
+//! against its gathered keys with a mask), the output projection, the residual add, the FFN's
+//! norm, gate/up, the activation, the down projection, the residual add.
+
+pub mod check;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+mod decode;
+pub mod kv_store;
+
+use anyhow::Result;
+use candle_core::{Device, Tensor};
+
+use self::check::{KernelCheck, KernelMode};
+use self::decode::{attention_mask, DeviceDecode, DeviceStep};
+use self::kv_store::{DeviceKv, WritePlan};
+use super::config::{Activation, DecoderConfig, Rope};
+use super::plan::PassPlan;
+use super::profile::Profile;
+use super::weights::{Layer, Weights};
+
+pub struct DeviceBackend {
+    device: Device,
+    store: DeviceKv,
+    /// gen's CUDA kernels for the cache write and one-token attention.
+    kernels: KernelMode,
+    check: KernelCheck,
+}
+
+/// A prompt chunk's keys, for one kind of layer (window): the cache rows it may see, on the
+/// device, and its mask.
+struct Chunk {
+    rows: Vec<u32>,
+    on_device: Tensor,
+    mask: Tensor,
+}
+
+/// How one step reaches its keys, for one kind of layer.
+enum StepKeys {
+    /// A prompt chunk.
+    Chunk(Chunk),
+    /// A one-token step, attended with every other such step of the pass at once
+    /// ([`DeviceDecode`]), row `usize` of its output.
+    Batched(usize),
+}
+
+/// One kind of layer's (one window's) view of the pass.
+struct View {
+    steps: Vec<StepKeys>,
+    decode: Option<DeviceDecode>,
+    /// When one-token steps and prompt chunks mix: where each step's rows sit in [batched
+    /// output; the chunks' outputs], to put them back in step order.
+    order: Option<Tensor>,
+}
+
+/// What the layers need of a pass beyond its plan, prepared (and uploaded) once.
+struct DevicePass<'p, 'a> {
+    plan: &'p PassPlan<'a>,
+    views: Vec<View>,
+    write: WritePlan,
+    /// Per rope base: cos and sin, (N, hd/2) each.
+    ropes: Vec<(Tensor, Tensor)>,
+}
+
+impl DeviceBackend {
+    pub fn new(device: &Device, cfg: &DecoderConfig) -> Self {
+        let kernels = KernelMode::for_device(device, cfg);
+        Self {
+            device: device.clone(),
+            store: DeviceKv::empty(),
+            kernels,
+            check: KernelCheck::new(kernels == KernelMode::Check),
+        }
+    }
+
+    /// A new cache of `blocks` blocks; the old one goes first.
+    pub fn reserve(&mut self, cfg: &DecoderConfig, blocks: usize) -> Result<()> {
+        self.store = DeviceKv::empty();
+        self.store = DeviceKv::new(
+            &self.device,
+            cfg.n_layer,
+            cfg.n_kv_head,
+            cfg.head_dim,
+            blocks,
+        )?;
+        Ok(())
+    }
+
+    /// Bytes of one cached value (f32).
+    pub fn value_bytes(&self) -> usize {
+        4
+    }
+
+    /// The pass through every layer; returns the hidden state of each step's last token, (B, d).
+    pub fn forward(
+        &mut self,
+        plan: &PassPlan<'_>,
+        w: &Weights,
+        cfg: &DecoderConfig,
+        profile: &mut Profile,
+    ) -> Result<Tensor> {
+        let dev = self.device.clone();
+        let views = (0..plan.windows.len())
+            .map(|v| self.view(plan, v, cfg))
+            .collect::<Result<Vec<_>>>()?;
+        let write = self
+            .store
+            .plan_write(&plan.slots, &dev, self.kernels != KernelMode::Off)?;
+        let views = views
+            .into_iter()
+            .map(|(steps, decode)| -> Result<View> {
+                let order = step_order(plan, &steps, decode.as_ref(), &dev)?;
+                Ok(View {
+                    steps,
+                    decode,
+                    order,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let ropes = w
+            .rope_bases
+            .iter()
+            .map(|&base| {
+                let (cos, sin) = plan.rope_angles(cfg.head_dim, base);
+                let shape = (plan.tokens(), cfg.head_dim / 2);
+                Ok((
+                    Tensor::from_vec(cos, shape, &dev)?,
+                    Tensor::from_vec(sin, shape, &dev)?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let pass = DevicePass {
+            plan,
+            views,
+            write,
+            ropes,
+        };
+        let mut x = w.embed(&plan.ids, cfg, &dev)?;
+        let last_rows = plan
+            .last_rows()
+            .map(|rows| Tensor::new(rows.as_slice(), &dev))
+            .transpose()?;
+        profile.mark(&dev, "prepare, embed");
+        for (l, layer) in w.layers.iter().enumerate() {
+            let xn = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?;
+            let y = self.attention(l, layer, &xn, &pass, cfg, profile)?;
+            let mut o = layer.wo.forward(&y)?;
+            if let Some(w) = &layer.post_attn_norm {
+                o = candle_nn::ops::rms_norm(&o, w, cfg.rms_eps)?;
+            }
+            x = (x + o)?;
+            let xn = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps)?;
+            profile.mark(&dev, "attn out, add, norm");
+            let [gate, up]: [Tensor; 2] = layer
+                .gate_up
+                .forward(&xn)?
+                .try_into()
+                .expect("two projections");
+            profile.mark(&dev, "gate/up");
+            let act = match cfg.family.activation() {
+                Activation::Silu => (candle_nn::ops::silu(&gate)? * up)?,
+                Activation::GeluTanh => (gate.gelu()? * up)?,
+            };
+            profile.mark(&dev, "activation");
+            let mut o = layer.w_down.forward(&act)?;
+            if let Some(w) = &layer.post_ffn_norm {
+                o = candle_nn::ops::rms_norm(&o, w, cfg.rms_eps)?;
+            }
+            x = (x + o)?;
+            profile.mark(&dev, "down, add, norm");
+        }
+        Ok(match &last_rows {
+            Some(rows) => x.index_select(rows, 0)?,
+            None => x,
+        })
+    }
+
+    /// How each step of the pass reaches its keys under window `v`: prompt chunks get the
+    /// cache rows they may see and a mask; one-token steps are attended together.
+    fn view(
+        &self,
+        plan: &PassPlan<'_>,
+        v: usize,
+        cfg: &DecoderConfig,
+    ) -> Result<(Vec<StepKeys>, Option<DeviceDecode>)> {
+        let dev = &self.device;
+        let kv = cfg.n_kv_head;
+        let g = cfg.n_head / kv;
+        let window = plan.windows[v];
+        let mut keys = Vec::with_capacity(plan.steps.len());
+        let mut batched = Vec::new();
+        for step in &plan.steps {
+            // candle's path gathers the keys; the kernel reads the block table.
+            let rows = if step.len == 1 && self.kernels == KernelMode::On {
+                Vec::new()
+            } else {
+                let slots: Vec<u32> = step.slots(step.keys(v)).collect();
+                self.store.gather_rows(&slots)
+            };
+            if step.len == 1 {
+                keys.push(StepKeys::Batched(batched.len()));
+                batched.push(DeviceStep {
+                    at: step.at,
+                    table: step.blocks,
+                    end: step.end(),
+                    lo: step.lo[v],
+                    rows,
+                });
+                continue;
+            }
+            let on_device = Tensor::new(rows.as_slice(), dev)?;
+            let mask = attention_mask(step.len, step.pos, step.lo[v], window, g, dev)?;
+            keys.push(StepKeys::Chunk(Chunk {
+                rows,
+                on_device,
+                mask,
+            }));
+        }
+        let n = plan.tokens();
+        let decode = (!batched.is_empty())
+            .then(|| DeviceDecode::new(n, &batched, kv, self.kernels, dev))
+            .transpose()?;
+        Ok((keys, decode))
+    }
+
+    /// Layer `l`'s attention block up to the output projection: q/k/v, rope, the cache write,
+    /// attention. xn: (N, d) normalised. Returns (N, h*hd).
+    fn attention(
+        &mut self,
+        l: usize,
+        layer: &Layer,
+        xn: &Tensor,
+        pass: &DevicePass<'_, '_>,
+        cfg: &DecoderConfig,
+        profile: &mut Profile,
+    ) -> Result<Tensor> {
+        let dev = self.device.clone();
+        let plan = pass.plan;
+        let (n, h, kv, hd) = (plan.tokens(), cfg.n_head, cfg.n_kv_head, cfg.head_dim);
+        let g = h / kv;
+        let [mut q, mut k, mut v]: [Tensor; 3] = layer
+            .qkv
+            .forward(xn)?
+            .try_into()
+            .expect("three projections");
+        if let Some([bq, bk, bv]) = &layer.qkv_bias {
+            q = q.broadcast_add(bq)?;
+            k = k.broadcast_add(bk)?;
+            v = v.broadcast_add(bv)?;
+        }
+        profile.mark(&dev, "q/k/v");
+        let heads_first = |t: Tensor, heads: usize| -> Result<Tensor> {
+            Ok(t.reshape((n, heads, hd))?
+                .transpose(0, 1)?
+                .contiguous()?
+                .unsqueeze(0)?)
+        };
+        let (mut q, mut k) = (heads_first(q, h)?, heads_first(k, kv)?); // (1, h|kv, N, hd)
+        if let Some((qn, kn)) = &layer.qk_norm {
+            q = candle_nn::ops::rms_norm(&q, qn, cfg.rms_eps)?;
+            k = candle_nn::ops::rms_norm(&k, kn, cfg.rms_eps)?;
+        }
+        let (cos, sin) = &pass.ropes[layer.rope];
+        let (q, k) = match cfg.family.rope() {
+            Rope::Interleaved => (
+                candle_nn::rotary_emb::rope_i(&q, cos, sin)?,
+                candle_nn::rotary_emb::rope_i(&k, cos, sin)?,
+            ),
+            Rope::Halves => (
+                candle_nn::rotary_emb::rope(&q, cos, sin)?,
+                candle_nn::rotary_emb::rope(&k, cos, sin)?,
+            ),
+        };
+        let q = q.squeeze(0)?.transpose(0, 1)?.contiguous()?; // (N, h, hd)
+        let k = k.squeeze(0)?.transpose(0, 1)?.reshape((n, kv * hd))?; // (N, kv*hd)
+        profile.mark(&dev, "rope");
+        self.store.write(l, &k, &v, &pass.write, &self.check)?;
+        profile.mark(&dev, "kv write");
+
+        let view = &pass.views[layer.view];
+        let scale = cfg.attn_scale;
+        let batched = match &view.decode {
+            Some(d) => {
+                let (k_pool, v_pool) = self.store.layer(l);
+                Some(d.attend(&q, k_pool, v_pool, cfg, scale, &self.check)?)
+            }
+            None => None,
+        };
+        let every_step = view.decode.as_ref().map(|d| d.steps) == Some(plan.steps.len());
+        let y = match batched {
+            // Every step is a one-token step, in order: (N, h*hd).
+            Some(out) if every_step => out,
+            batched => {
+                let mut parts = Vec::with_capacity(plan.steps.len());
+                for (step, keys) in plan.steps.iter().zip(&view.steps) {
+                    let StepKeys::Chunk(chunk) = keys else {
+                        continue;
+                    };
+                    let t = step.len;
+                    let (keys, values) =
+                        self.store
+                            .gather(l, &chunk.rows, Some(&chunk.on_device), &dev)?; // (kv, L, hd)
+                                                                                    // Heads sharing a kv head sit next to each other: fold them into the row
+                                                                                    // axis so the cache is used as is, never repeated.
+                    let qs = q
+                        .narrow(0, step.at, t)?
+                        .transpose(0, 1)?
+                        .contiguous()?
+                        .reshape((kv, g * t, hd))?;
+                    let att = (qs.matmul(&keys.t()?)? * scale)?; // (kv, g*T, L)
+                    let att = att.broadcast_add(&chunk.mask)?;
+                    let att = candle_nn::ops::softmax_last_dim(&att)?;
+                    let y = att.matmul(&values)?; // (kv, g*T, hd)
+                    parts.push(
+                        y.reshape((h, t, hd))?
+                            .transpose(0, 1)?
+                            .reshape((t, h * hd))?,
+                    );
+                }
+                match (batched, &view.order) {
+                    (Some(out), Some(order)) => {
+                        parts.insert(0, out);
+                        Tensor::cat(&parts, 0)?.index_select(order, 0)?
+                    }
+                    _ => Tensor::cat(&parts, 0)?,
+                }
+            }
+        };
+        profile.mark(&dev, "attention");
+        Ok(y)
+    }
+}
+
+/// Passes mixing batched one-token steps with prompt chunks: where each step's rows sit in
+/// [batched output; the chunks' outputs], to put them back in the order of the steps. None
+/// when nothing is batched, or everything is.
+fn step_order(
+    plan: &PassPlan<'_>,
+    steps: &[StepKeys],
+    decode: Option<&DeviceDecode>,
+    dev: &Device,
+) -> Result<Option<Tensor>> {
+    let Some(d) = decode.filter(|d| d.steps < plan.steps.len()) else {
+        return Ok(None);
+    };
+    let mut order = Vec::with_capacity(plan.tokens());
+    let mut part_rows = 0;
+    for (step, k) in plan.steps.iter().zip(steps) {
+        if let StepKeys::Batched(i) = k {
+            order.push(*i as u32);
+        } else {
+            order.extend((0..step.len).map(|r| (d.steps + part_rows + r) as u32));
+            part_rows += step.len;
+        }
+    }
+    Ok(Some(Tensor::new(order.as_slice(), dev)?))
+}

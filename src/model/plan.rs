@@ -1,0 +1,238 @@
+//! The plan of one forward pass: what every backend needs to know about a batch of steps,
+//! whatever the device, worked out once before any layer runs. Plain data.
+//!
+//! N = tokens of all steps of the pass. Per token: its id, its position in its sequence, and
+//! the cache slot its keys and values are written to. Per step: where its tokens start among
+//! the N rows, its block table, and for each distinct sliding window of the model (one entry,
+//! `None`, for layers that see the whole context) the first position its first query may see.
+
+use std::ops::Range;
+
+use super::kv_cache::{slot, PagedKv};
+use super::SeqStep;
+
+/// One step of the pass as the backends see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepPlan<'a> {
+    /// Its first token's row among the N.
+    pub at: usize,
+    /// Its first token's position in its sequence.
+    pub pos: usize,
+    /// Its tokens (T).
+    pub len: usize,
+    /// Its sequence's block table (token `p` is in block `blocks[p / BLOCK_SIZE]`).
+    pub blocks: &'a [u32],
+    /// Per window (as [`PassPlan::windows`]): the first position its first query may see.
+    pub lo: Vec<usize>,
+}
+
+impl StepPlan<'_> {
+    /// Positions in the cache after the step (its own tokens included).
+    pub fn end(&self) -> usize {
+        self.pos + self.len
+    }
+
+    /// The positions its queries may see under window `w`: from the first query's first
+    /// visible key through its last token.
+    pub fn keys(&self, w: usize) -> Range<usize> {
+        self.lo[w]..self.end()
+    }
+
+    /// The cache slots of its sequence's positions `range`.
+    pub fn slots(&self, range: Range<usize>) -> impl Iterator<Item = u32> + '_ {
+        range.map(|p| slot(self.blocks, p))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct PassPlan<'a> {
+    /// Per token (N): id, position, cache slot.
+    pub ids: Vec<u32>,
+    pub positions: Vec<usize>,
+    pub slots: Vec<u32>,
+    pub steps: Vec<StepPlan<'a>>,
+    /// The model's distinct sliding windows (`None`: the whole context); a layer's index into
+    /// this list is its view.
+    pub windows: &'a [Option<usize>],
+}
+
+impl<'a> PassPlan<'a> {
+    /// The plan of `batch` (checked by `check_batch`: every step's room is reserved) against
+    /// the block tables of `kv`.
+    pub fn new(kv: &'a PagedKv, batch: &[SeqStep<'_>], windows: &'a [Option<usize>]) -> Self {
+        let n: usize = batch.iter().map(|s| s.tokens.len()).sum();
+        let mut ids = Vec::with_capacity(n);
+        let mut positions = Vec::with_capacity(n);
+        let mut slots = Vec::with_capacity(n);
+        let mut steps = Vec::with_capacity(batch.len());
+        for step in batch {
+            let end = step.pos + step.tokens.len();
+            steps.push(StepPlan {
+                at: ids.len(),
+                pos: step.pos,
+                len: step.tokens.len(),
+                blocks: kv.blocks(step.seq),
+                lo: windows
+                    .iter()
+                    .map(|w| w.map_or(0, |w| (step.pos + 1).saturating_sub(w)))
+                    .collect(),
+            });
+            ids.extend_from_slice(step.tokens);
+            positions.extend(step.pos..end);
+            slots.extend(kv.slots(step.seq, step.pos, end));
+        }
+        Self {
+            ids,
+            positions,
+            slots,
+            steps,
+            windows,
+        }
+    }
+
+    /// Tokens in the pass (N).
+    pub fn tokens(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Whether every step is one token (a decode pass).
+    pub fn all_single(&self) -> bool {
+        self.tokens() == self.steps.len()
+    }
+
+    /// The row of each step's last token among the N (the rows that get logits); None when
+    /// that is every row.
+    pub fn last_rows(&self) -> Option<Vec<u32>> {
+        (!self.all_single()).then(|| {
+            self.steps
+                .iter()
+                .map(|s| (s.at + s.len - 1) as u32)
+                .collect()
+        })
+    }
+
+    /// cos and sin of the rotation angles of each token's position for a rope `base` over
+    /// heads of `head_dim`: N * hd/2 values each, token by token. Computed per pass rather
+    /// than tabled for the whole context, whose length comes from the file and may be huge.
+    pub fn rope_angles(&self, head_dim: usize, base: f32) -> (Vec<f32>, Vec<f32>) {
+        let half = head_dim / 2;
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| 1.0 / base.powf((2 * i) as f32 / head_dim as f32))
+            .collect();
+        let mut cos = Vec::with_capacity(self.positions.len() * half);
+        let mut sin = Vec::with_capacity(self.positions.len() * half);
+        for &p in &self.positions {
+            for f in &inv_freq {
+                let a = p as f32 * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        (cos, sin)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::kv_cache::BLOCK_SIZE;
+
+    /// Two sequences in one pool: a prompt chunk of 20 tokens after 3 cached ones, and a
+    /// one-token step at position 40; the model has a whole-context view and an 8-token window.
+    #[test]
+    fn a_mixed_pass_is_laid_out_token_by_token_and_step_by_step() {
+        let mut kv = PagedKv::new(8);
+        let (a, b) = (kv.new_sequence(), kv.new_sequence());
+        assert!(kv.reserve(a, 23) && kv.reserve(b, 41));
+        kv.advance(a, 3);
+        kv.advance(b, 40);
+        let prompt: Vec<u32> = (100..120).collect();
+        let batch = [
+            SeqStep {
+                seq: a,
+                tokens: &prompt,
+                pos: 3,
+            },
+            SeqStep {
+                seq: b,
+                tokens: &[7],
+                pos: 40,
+            },
+        ];
+        let windows = [None, Some(8)];
+        let plan = PassPlan::new(&kv, &batch, &windows);
+        assert_eq!(plan.tokens(), 21);
+        assert!(!plan.all_single());
+        assert_eq!(plan.ids[..20], prompt[..]);
+        assert_eq!(plan.ids[20], 7);
+        assert_eq!(plan.positions[0], 3);
+        assert_eq!(plan.positions[19], 22);
+        assert_eq!(plan.positions[20], 40);
+        // Slots follow the block tables: token p of a sequence is in blocks[p / 16], row p % 16.
+        let slot = |blocks: &[u32], p: usize| blocks[p / BLOCK_SIZE] * 16 + (p % 16) as u32;
+        assert_eq!(plan.slots[0], slot(kv.blocks(a), 3));
+        assert_eq!(plan.slots[19], slot(kv.blocks(a), 22));
+        assert_eq!(plan.slots[20], slot(kv.blocks(b), 40));
+        let (sa, sb) = (&plan.steps[0], &plan.steps[1]);
+        assert_eq!((sa.at, sa.pos, sa.len, sa.end()), (0, 3, 20, 23));
+        assert_eq!((sb.at, sb.pos, sb.len, sb.end()), (20, 40, 1, 41));
+        assert_eq!(sa.blocks, kv.blocks(a));
+        // Whole context: from 0. Window 8: the first query (at 3) sees 0..=3; the step at 40
+        // sees 33..=40.
+        assert_eq!((sa.keys(0), sa.keys(1)), (0..23, 0..23));
+        assert_eq!((sb.keys(0), sb.keys(1)), (0..41, 33..41));
+        assert_eq!(plan.last_rows(), Some(vec![19, 20]));
+    }
+
+    #[test]
+    fn a_decode_pass_needs_no_row_selection() {
+        let mut kv = PagedKv::new(4);
+        let seqs: Vec<_> = (0..3).map(|_| kv.new_sequence()).collect();
+        for &s in &seqs {
+            assert!(kv.reserve(s, 5));
+            kv.advance(s, 4);
+        }
+        let toks = [[1u32], [2], [3]];
+        let batch: Vec<SeqStep<'_>> = seqs
+            .iter()
+            .zip(&toks)
+            .map(|(&seq, t)| SeqStep {
+                seq,
+                tokens: t,
+                pos: 4,
+            })
+            .collect();
+        let plan = PassPlan::new(&kv, &batch, &[None]);
+        assert!(plan.all_single());
+        assert_eq!(plan.last_rows(), None);
+        assert_eq!(plan.ids, [1, 2, 3]);
+        assert_eq!(
+            plan.steps.iter().map(|s| s.at).collect::<Vec<_>>(),
+            [0, 1, 2]
+        );
+    }
+
+    /// The angles are those of rope's definition: position p, pair i turns by
+    /// p / base^(2i / hd).
+    #[test]
+    fn rope_angles_follow_positions() {
+        let mut kv = PagedKv::new(1);
+        let s = kv.new_sequence();
+        assert!(kv.reserve(s, 3));
+        let batch = [SeqStep {
+            seq: s,
+            tokens: &[1, 2, 3],
+            pos: 0,
+        }];
+        let plan = PassPlan::new(&kv, &batch, &[None]);
+        let (cos, sin) = plan.rope_angles(4, 100.0);
+        assert_eq!(cos.len(), 6);
+        for (t, p) in [0f32, 1.0, 2.0].iter().enumerate() {
+            for i in 0..2 {
+                let a = p / 100f32.powf(2.0 * i as f32 / 4.0);
+                assert!((cos[t * 2 + i] - a.cos()).abs() < 1e-6);
+                assert!((sin[t * 2 + i] - a.sin()).abs() < 1e-6);
+            }
+        }
+    }
+}

@@ -1,0 +1,240 @@
+//! A decoder's weights, read from a checkpoint and checked against its configuration: the
+//! embedding matrix, each layer's norms and projections, the final norm and the output layer,
+//! and which layers share a sliding window or a rope base. Both backends read them; neither
+//! owns them.
+
+use anyhow::{bail, Context, Result};
+use candle_core::quantized::QTensor;
+use candle_core::{Device, Tensor};
+
+use super::config::{DecoderConfig, Family};
+use super::qlinear::{DeviceWeights, Projections, QLinear};
+use crate::format::checkpoint::Checkpoint;
+
+pub struct Layer {
+    pub attn_norm: Tensor, // (d)
+    /// q (h*hd, d), k (kv*hd, d), v (kv*hd, d): three matrices, or one of (h+2kv)*hd rows.
+    pub qkv: Projections,
+    pub qkv_bias: Option<[Tensor; 3]>, // (h*hd), (kv*hd), (kv*hd)
+    pub qk_norm: Option<(Tensor, Tensor)>, // (hd), (hd)
+    pub wo: QLinear,                   // (d, h*hd)
+    pub post_attn_norm: Option<Tensor>, // (d)
+    pub ffn_norm: Tensor,              // (d)
+    pub gate_up: Projections,          // gate (ff, d), up (ff, d); or one of 2ff rows
+    pub w_down: QLinear,               // (d, ff)
+    pub post_ffn_norm: Option<Tensor>, // (d)
+    /// Index into [`Weights::windows`] (the pass plan's key ranges) and into
+    /// [`Weights::rope_bases`].
+    pub view: usize,
+    pub rope: usize,
+}
+
+pub struct Weights {
+    pub embedding: QTensor, // (V, d)
+    pub layers: Vec<Layer>,
+    pub out_norm: Tensor, // (d)
+    pub output: QLinear,  // (V, d)
+    /// Distinct sliding windows (`None`: whole context) and rope bases among the layers.
+    pub windows: Vec<Option<usize>>,
+    pub rope_bases: Vec<f32>,
+    pub vocab_size: usize,
+}
+
+/// Reads a checkpoint's tensors onto one device, quantized weights kept as `kind` says.
+struct Reader<'a> {
+    ckpt: &'a Checkpoint,
+    device: &'a Device,
+    kind: DeviceWeights,
+}
+
+impl Reader<'_> {
+    fn tensor(&self, n: &str) -> Result<QTensor> {
+        self.ckpt
+            .tensor(n, self.device)
+            .with_context(|| format!("reading tensor {n}"))
+    }
+
+    /// A norm's weight or a bias: `len` values, widened.
+    fn vector(&self, n: &str, len: usize) -> Result<Tensor> {
+        let t = self.tensor(n)?.dequantize(self.device)?;
+        if t.dims() != [len] {
+            bail!("{n} has shape {:?}, expected [{len}]", t.dims());
+        }
+        Ok(t)
+    }
+
+    /// The matrix `n` of `rows` (any, if None) by `cols`, and its row count.
+    fn matrix(&self, n: &str, rows: Option<usize>, cols: usize) -> Result<(QLinear, usize)> {
+        let q = self.tensor(n)?;
+        let dims = q.shape().dims().to_vec();
+        if dims.len() != 2 || rows.is_some_and(|r| r != dims[0]) || dims[1] != cols {
+            bail!(
+                "{n} has shape {dims:?}, expected [{}, {cols}]",
+                rows.map_or("_".into(), |r| r.to_string())
+            );
+        }
+        Ok((QLinear::for_device(q, self.device, self.kind)?, dims[0]))
+    }
+}
+
+impl Weights {
+    /// Every weight of `ckpt` for `cfg`, on `device`; quantized matrices kept as `kind` says.
+    pub fn load(
+        ckpt: &Checkpoint,
+        cfg: &DecoderConfig,
+        device: &Device,
+        kind: DeviceWeights,
+    ) -> Result<Self> {
+        let r = Reader { ckpt, device, kind };
+        let embedding = r.tensor("token_embd.weight")?;
+        let (vocab_size, emb_width) = embedding.shape().dims2()?;
+        if emb_width != cfg.d_model {
+            bail!(
+                "token_embd.weight is {vocab_size}x{emb_width}, expected width {}",
+                cfg.d_model
+            );
+        }
+        let mut windows: Vec<Option<usize>> = Vec::new();
+        let mut rope_bases: Vec<f32> = Vec::new();
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for i in 0..cfg.n_layer {
+            let view = index_of(&mut windows, cfg.layer_window(i));
+            let rope = index_of(&mut rope_bases, cfg.layer_rope_base(i));
+            layers.push(load_layer(&r, cfg, i, view, rope)?);
+        }
+        let out_norm = r.vector("output_norm.weight", cfg.d_model)?;
+        // Tied embeddings (SmolLM2, Gemma, small Qwens): the output layer is the embedding matrix.
+        let output = if ckpt.has_tensor("output.weight") {
+            let q = r.tensor("output.weight")?;
+            if q.shape().dims() != [vocab_size, cfg.d_model] {
+                bail!(
+                    "output.weight has shape {:?}, expected [{vocab_size}, {}]",
+                    q.shape().dims(),
+                    cfg.d_model
+                );
+            }
+            QLinear::for_device(q, device, kind)?
+        } else {
+            QLinear::for_device(r.tensor("token_embd.weight")?, device, kind)?
+        };
+        Ok(Self {
+            embedding,
+            layers,
+            out_norm,
+            output,
+            windows,
+            rope_bases,
+            vocab_size,
+        })
+    }
+
+    /// The embeddings of a pass's tokens, scaled where the family says: (N, d).
+    pub fn embed(&self, ids: &[u32], cfg: &DecoderConfig, device: &Device) -> Result<Tensor> {
+        let ids = Tensor::new(ids, device)?;
+        let mut x = self.embedding.embedding(&ids)?; // (N, d)
+        if cfg.family.scales_embeddings() {
+            x = (x * (cfg.d_model as f32).sqrt() as f64)?;
+        }
+        Ok(x)
+    }
+}
+
+/// Layer `i`'s weights (`view` and `rope`: its window's and rope base's index).
+fn load_layer(
+    r: &Reader<'_>,
+    cfg: &DecoderConfig,
+    i: usize,
+    view: usize,
+    rope: usize,
+) -> Result<Layer> {
+    let family = cfg.family;
+    let p = format!("blk.{i}");
+    let mm = |n: &str, rows: Option<usize>, cols: usize| {
+        r.matrix(&format!("{p}.{n}.weight"), rows, cols)
+    };
+    let has = |n: &str| r.ckpt.has_tensor(&format!("{p}.{n}.weight"));
+    let (d, h, kv, hd) = (cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.head_dim);
+    let qkv = if has("attn_qkv") {
+        let (w, _) = mm("attn_qkv", Some((h + 2 * kv) * hd), d)?;
+        Projections::Fused {
+            linear: w,
+            widths: vec![h * hd, kv * hd, kv * hd],
+        }
+    } else {
+        let (wq, _) = mm("attn_q", Some(h * hd), d)?;
+        let (wk, _) = mm("attn_k", Some(kv * hd), d)?;
+        let (wv, _) = mm("attn_v", Some(kv * hd), d)?;
+        Projections::new(vec![wq, wk, wv])
+    };
+    let qkv_bias = family
+        .qkv_bias()
+        .then(|| -> Result<[Tensor; 3]> {
+            Ok([
+                r.vector(&format!("{p}.attn_q.bias"), h * hd)?,
+                r.vector(&format!("{p}.attn_k.bias"), kv * hd)?,
+                r.vector(&format!("{p}.attn_v.bias"), kv * hd)?,
+            ])
+        })
+        .transpose()?;
+    let qk_norm = family
+        .qk_norm()
+        .then(|| -> Result<(Tensor, Tensor)> {
+            Ok((
+                r.vector(&format!("{p}.attn_q_norm.weight"), hd)?,
+                r.vector(&format!("{p}.attn_k_norm.weight"), hd)?,
+            ))
+        })
+        .transpose()?;
+    let (wo, _) = mm("attn_output", Some(d), h * hd)?;
+    // Phi-3 keeps gate and up in one matrix, gate first.
+    let (gate_up, ff) = if has("ffn_gate") {
+        let (w_gate, ff) = mm("ffn_gate", None, d)?;
+        let (w_up, _) = mm("ffn_up", Some(ff), d)?;
+        (Projections::new(vec![w_gate, w_up]), ff)
+    } else if family == Family::Phi3 {
+        let (w, rows) = mm("ffn_up", None, d)?;
+        if rows % 2 != 0 {
+            bail!("{p}.ffn_up.weight holds gate and up, but has an odd number of rows ({rows})");
+        }
+        let ff = rows / 2;
+        let fused = Projections::Fused {
+            linear: w,
+            widths: vec![ff, ff],
+        };
+        (fused, ff)
+    } else {
+        bail!("tensor {p}.ffn_gate.weight is missing");
+    };
+    let (w_down, _) = mm("ffn_down", Some(d), ff)?;
+    let sandwich = |n: &str| -> Result<Option<Tensor>> {
+        family
+            .sandwich_norms()
+            .then(|| r.vector(&format!("{p}.{n}.weight"), d))
+            .transpose()
+    };
+    Ok(Layer {
+        attn_norm: r.vector(&format!("{p}.attn_norm.weight"), d)?,
+        qkv,
+        qkv_bias,
+        qk_norm,
+        wo,
+        post_attn_norm: sandwich("post_attention_norm")?,
+        ffn_norm: r.vector(&format!("{p}.ffn_norm.weight"), d)?,
+        gate_up,
+        w_down,
+        post_ffn_norm: sandwich("post_ffw_norm")?,
+        view,
+        rope,
+    })
+}
+
+/// The index of `v` in `list`, added if new.
+fn index_of<T: PartialEq>(list: &mut Vec<T>, v: T) -> usize {
+    match list.iter().position(|x| *x == v) {
+        Some(i) => i,
+        None => {
+            list.push(v);
+            list.len() - 1
+        }
+    }
+}
