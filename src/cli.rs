@@ -27,6 +27,11 @@ Exit status: 0 done, 1 error (with --batch: any prompt failed), 2 bad usage, 130
 #[derive(Debug, Parser)]
 #[command(name = "gen", version, about, after_help = AFTER_HELP, args_override_self = true)]
 pub struct Args {
+    /// `chat`: a conversation in the terminal (or one user turn per line of standard input),
+    /// the KV cache reused across turns.
+    #[arg(value_enum, value_name = "COMMAND")]
+    pub command: Option<Command>,
+
     /// The prompt. Without it, or with `-`, the prompt is all of standard input.
     #[arg(short, long, allow_hyphen_values = true)]
     pub prompt: Option<String>,
@@ -117,9 +122,14 @@ pub struct Args {
     #[arg(long)]
     pub chat: bool,
 
-    /// System message for --chat.
-    #[arg(long, requires = "chat")]
+    /// System message for --chat and gen chat.
+    #[arg(long)]
     pub system: Option<String>,
+
+    /// A conversation to continue: a JSON array of {"role", "content"} messages (system, user,
+    /// assistant). gen chat starts from it; gen --chat generates its next assistant turn.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt", "prompt_file", "batch", "system"])]
+    pub messages: Option<PathBuf>,
 
     /// Print the prompt to stdout before the reply.
     #[arg(long)]
@@ -160,6 +170,12 @@ pub struct Args {
     /// Print no report and no progress bars.
     #[arg(short, long)]
     pub quiet: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Command {
+    /// A multi-turn conversation.
+    Chat,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -243,7 +259,11 @@ pub struct Config {
     /// Some: a batch run over many prompts (`prompt` is unused).
     pub batch: Option<BatchConfig>,
     pub chat: bool,
+    /// `gen chat`: the conversation loop (`chat` is then true too).
+    pub interactive: bool,
     pub system: Option<String>,
+    /// A conversation file to continue (--messages).
+    pub messages: Option<PathBuf>,
     pub echo: bool,
     pub max_new: usize,
     pub stops: Vec<String>,
@@ -274,6 +294,16 @@ impl Args {
         }
         if self.kv_blocks == Some(0) {
             bail!("--kv-blocks must be at least 1");
+        }
+        let interactive = self.command == Some(Command::Chat);
+        if interactive && (self.batch.is_some() || self.prompt.is_some() || self.prompt_file.is_some()) {
+            bail!("gen chat takes its turns from the terminal or standard input: drop --prompt, --prompt-file and --batch");
+        }
+        if self.system.is_some() && !(self.chat || interactive) {
+            bail!("--system applies to --chat and gen chat");
+        }
+        if self.messages.is_some() && !(self.chat || interactive) {
+            bail!("--messages applies to --chat and gen chat");
         }
         let batch = self.batch.map(|file| BatchConfig {
             file: (file.as_os_str() != "-").then_some(file),
@@ -321,8 +351,10 @@ impl Args {
             offline,
             prompt,
             batch,
-            chat: self.chat,
+            chat: self.chat || interactive,
+            interactive,
             system: self.system,
+            messages: self.messages,
             echo: self.echo,
             max_new: self.max_new,
             stops: self.stop,

@@ -73,6 +73,9 @@ pub struct Limits {
 #[derive(Debug, Clone)]
 pub struct Generation {
     pub prompt_tokens: usize,
+    /// Of the prompt's tokens, how many were already in the sequence's KV cache (a
+    /// conversation's earlier turns): the prefill pass ran over the others only.
+    pub reused_tokens: usize,
     /// Generated ids, EOS excluded.
     pub tokens: Vec<u32>,
     pub stop: StopReason,
@@ -84,6 +87,20 @@ pub struct Generation {
 }
 
 impl Generation {
+    /// Tokens the sequence's KV cache holds after the run: the prompt, and every generated token
+    /// but the last (the last one sampled was never fed back, unless an end-of-sequence token
+    /// came after it).
+    pub fn cached_len(&self) -> usize {
+        if self.forward_passes == 0 {
+            return self.reused_tokens; // stopped before the prefill
+        }
+        let fed = match self.stop {
+            StopReason::Eos => self.tokens.len(),
+            _ => self.tokens.len().saturating_sub(1),
+        };
+        self.prompt_tokens + fed
+    }
+
     /// Passes after prefill: each one sampled one token (the last may have been EOS).
     pub fn decode_passes(&self) -> usize {
         self.forward_passes.saturating_sub(1)
@@ -115,14 +132,48 @@ pub fn generate(
         model.free_sequence(seq);
         anyhow::bail!("the KV cache has no room for {capacity} tokens");
     }
-    let result = run_loop(model, seq, prompt, sampler, eos, limits, sink);
+    let result = run_loop(model, seq, 0, prompt, sampler, eos, limits, sink);
     model.free_sequence(seq);
     result
 }
 
+/// Generate a reply to `prompt` on a sequence that lives on between calls (a conversation):
+/// its KV cache already holds `prompt[..cached]`, and the prefill pass runs over the rest only.
+/// `seq` must have room for the whole context (`limits.context_len`). Whatever it held past
+/// `cached` is forgotten first. Afterwards it holds the prompt and the reply's tokens but the
+/// last one sampled (see [`Generation::cached_len`]).
+#[allow(clippy::too_many_arguments)]
+pub fn continue_sequence(
+    model: &mut dyn LanguageModel,
+    seq: usize,
+    cached: usize,
+    prompt: &[u32],
+    sampler: &mut Sampler,
+    eos: &[u32],
+    limits: &Limits,
+    sink: &mut dyn TokenSink,
+) -> Result<Generation> {
+    anyhow::ensure!(cached < prompt.len(), "a turn must prefill at least one token");
+    anyhow::ensure!(limits.max_new > 0, "max-new must be at least 1");
+    anyhow::ensure!(
+        prompt.len() < limits.context_len,
+        "the conversation ({} tokens) does not fit the context window ({} tokens) with room for a reply",
+        prompt.len(),
+        limits.context_len
+    );
+    model.truncate(seq, cached);
+    anyhow::ensure!(
+        model.kv().len(seq) == Some(cached),
+        "the sequence holds fewer than the {cached} tokens it was said to hold"
+    );
+    run_loop(model, seq, cached, prompt, sampler, eos, limits, sink)
+}
+
+#[allow(clippy::too_many_arguments)]
 fn run_loop(
     model: &mut dyn LanguageModel,
     seq: usize,
+    cached: usize,
     prompt: &[u32],
     sampler: &mut Sampler,
     eos: &[u32],
@@ -132,6 +183,7 @@ fn run_loop(
     let mut history = prompt.to_vec(); // prompt, then the reply: what repetition penalty sees
     let mut gen = Generation {
         prompt_tokens: prompt.len(),
+        reused_tokens: cached,
         tokens: Vec::with_capacity(limits.max_new),
         stop: StopReason::MaxNew,
         forward_passes: 0,
@@ -143,12 +195,13 @@ fn run_loop(
         return Ok(gen);
     }
 
-    // Prefill: one pass over the whole prompt gives the first token.
+    // Prefill: one pass over the whole prompt (what the cache does not hold of it) gives the
+    // first token.
     let start = Instant::now();
     let logits = model.forward(&[SeqStep {
         seq,
-        tokens: prompt,
-        pos: 0,
+        tokens: &prompt[cached..],
+        pos: cached,
     }])?;
     gen.forward_passes += 1;
     let mut next = sampler.sample(&logits, &history)?;

@@ -1,5 +1,6 @@
 //! Ctrl-C: the first press asks the running phase to stop cleanly (the partial reply is flushed
-//! and the report printed, exit 130); a second press exits at once.
+//! and the report printed, exit 130); a second press exits at once. `gen chat` clears a handled
+//! press, so Ctrl-C there stops one reply and returns to the prompt.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -20,4 +21,10 @@ pub fn install() {
 
 pub fn requested() -> bool {
     REQUESTED.load(Ordering::SeqCst)
+}
+
+/// Forget a Ctrl-C that was handled (a chat's interrupted reply): the next press asks again
+/// instead of exiting.
+pub fn clear() {
+    REQUESTED.store(false, Ordering::SeqCst);
 }

@@ -8,6 +8,7 @@ pub mod app;
 pub mod batch;
 pub mod batch_input;
 pub mod chat;
+pub mod conversation;
 pub mod cli;
 pub mod format;
 pub mod generate;

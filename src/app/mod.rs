@@ -17,6 +17,7 @@ use crate::tokenizer::TextStream;
 use crate::{chat, interrupt, model};
 
 mod batch;
+mod chat_repl;
 
 /// How a run ended, for the exit status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,22 +78,37 @@ impl Session {
     /// --chat), checked against the context window with room for `max_new` tokens (or for one
     /// with --stop-at-context).
     pub fn prompt_ids(&self, cfg: &Config, prompt_text: &str, max_new: usize) -> Result<Vec<u32>> {
+        if cfg.chat {
+            let messages = chat::one_shot(cfg.system.as_deref(), prompt_text);
+            return self.conversation_ids(cfg, &messages, max_new);
+        }
+        self.text_ids(cfg, prompt_text, max_new)
+    }
+
+    /// The token ids of a conversation through the model's chat template, with the opening of
+    /// the assistant's turn, checked like [`Self::prompt_ids`].
+    pub fn conversation_ids(
+        &self,
+        cfg: &Config,
+        messages: &[chat::Message],
+        max_new: usize,
+    ) -> Result<Vec<u32>> {
+        let template = self.loaded.chat_template.as_ref().with_context(|| {
+            format!(
+                "{} has no chat template: drop --chat, or use a chat model",
+                self.path.display()
+            )
+        })?;
+        let text = template.render(messages, true)?;
+        self.text_ids(cfg, &text, max_new)
+    }
+
+    fn text_ids(&self, cfg: &Config, text: &str, max_new: usize) -> Result<Vec<u32>> {
         let loaded = &self.loaded;
         let context_len = self.context_len;
-        let text = if cfg.chat {
-            let template = loaded.chat_template.as_ref().with_context(|| {
-                format!(
-                    "{} has no chat template: drop --chat, or use a chat model",
-                    self.path.display()
-                )
-            })?;
-            template.render(&chat::one_shot(cfg.system.as_deref(), prompt_text), true)?
-        } else {
-            prompt_text.to_string()
-        };
         // No token stands for more than max_token_bytes of text, so this many tokens at least:
         // a prompt far over the window is refused now, without tokenizing all of it first.
-        let at_least = loaded.tokenizer.min_tokens(&text);
+        let at_least = loaded.tokenizer.min_tokens(text);
         if at_least > context_len {
             bail!(
                 "the prompt is {} bytes, so at least {at_least} tokens (no token is longer than {} \
@@ -104,7 +120,7 @@ impl Session {
         // A chat template writes its own BOS where it wants one.
         let prompt = loaded
             .tokenizer
-            .encode(&text, loaded.add_bos && !cfg.chat)?;
+            .encode(text, loaded.add_bos && !cfg.chat)?;
         if prompt.is_empty() {
             bail!("the prompt encodes to no tokens");
         }
@@ -133,14 +149,29 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
     if let Some(batch) = &cfg.batch {
         return batch::run(cfg, batch);
     }
-    let prompt_text = read_prompt(&cfg.prompt)?;
-    if prompt_text.trim().is_empty() {
+    if cfg.interactive {
+        return chat_repl::run(cfg);
+    }
+    // A saved conversation is the prompt itself.
+    let conversation = cfg
+        .messages
+        .as_deref()
+        .map(crate::conversation::Conversation::load)
+        .transpose()?;
+    let prompt_text = match &conversation {
+        Some(_) => String::new(),
+        None => read_prompt(&cfg.prompt)?,
+    };
+    if conversation.is_none() && prompt_text.trim().is_empty() {
         bail!("the prompt is empty: give one with --prompt, --prompt-file or on standard input");
     }
     let Some(mut session) = Session::open(cfg)? else {
         return Ok(Outcome::Interrupted);
     };
-    let prompt = session.prompt_ids(cfg, &prompt_text, cfg.max_new)?;
+    let prompt = match &conversation {
+        Some(conv) => session.conversation_ids(cfg, &conv.messages(), cfg.max_new)?,
+        None => session.prompt_ids(cfg, &prompt_text, cfg.max_new)?,
+    };
     let loaded = &mut session.loaded;
     let context_len = session.context_len;
 

@@ -221,6 +221,14 @@ impl PagedKv {
             .map(|s| s.blocks.len() * BLOCK_SIZE)
     }
 
+    /// Forget the sequence's tokens from `len` on (a conversation whose next turn diverges
+    /// from what is cached there). Its blocks stay reserved; the next steps overwrite them.
+    pub fn truncate(&mut self, seq: SeqId, len: usize) {
+        if let Some(Some(s)) = self.seqs.get_mut(seq) {
+            s.len = s.len.min(len);
+        }
+    }
+
     /// Record that `n` more tokens were written.
     pub fn advance(&mut self, seq: SeqId, n: usize) {
         if let Some(Some(s)) = self.seqs.get_mut(seq) {

@@ -80,6 +80,11 @@ pub trait LanguageModel {
         self.kv_mut().expect(seq, tokens)
     }
 
+    /// Forget `seq`'s tokens from `len` on; its room stays reserved.
+    fn truncate(&mut self, seq: SeqId, len: usize) {
+        self.kv_mut().truncate(seq, len)
+    }
+
     /// Make room for `seq` to hold `tokens` tokens in all; false when the pool is short.
     fn reserve(&mut self, seq: SeqId, tokens: usize) -> bool {
         self.kv_mut().reserve(seq, tokens)

@@ -1,0 +1,572 @@
+//! `gen chat`: a conversation with the model in the terminal, or over standard input.
+//!
+//! The conversation lives in one sequence of the model's KV cache for the whole chat. Each turn
+//! renders the whole conversation through the chat template and prefills only what the cache
+//! does not hold already (the longest common prefix of the cached ids and the new rendering is
+//! reused), so a turn costs its new tokens, not the conversation's length.
+//!
+//! On a terminal, input comes from a line editor (reedline, on crossterm): history kept in a
+//! file, multi-line input (a trailing backslash, Alt-Enter or Shift-Enter, or a bracketed
+//! paste), slash commands. Ctrl-C during a reply stops it (the partial reply stays in the
+//! conversation) and returns to the prompt; Ctrl-D, or Ctrl-C on an empty line, ends the chat.
+//! Without a terminal each line of standard input is one user turn, and each reply is written
+//! to stdout followed by a blank line. stdout carries only replies; everything else is stderr.
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{bail, Context, Result};
+
+use super::{Outcome, Session};
+use crate::cli::Config;
+use crate::conversation::Conversation;
+use crate::generate::{self, Flow, Generation, Limits, StopReason, TokenSink};
+use crate::model::SeqId;
+use crate::output::{StopMatcher, TextOut};
+use crate::report::Report;
+use crate::sampler::{Sampler, SamplingParams};
+use crate::tokenizer::TextStream;
+use crate::{interrupt, model::kv_cache::blocks_for};
+
+const HELP: &str = "\
+commands:
+  /help                 this list
+  /reset                start over (the system message stays)
+  /system TEXT          set the system message (/system alone removes it)
+  /undo                 drop the last exchange
+  /save FILE            write the conversation as JSON ({\"role\", \"content\"} messages)
+  /load FILE            continue a conversation saved with /save (or --messages)
+  /set NAME VALUE       temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
+                        seed, max_new
+  /stats                the last reply's full report
+  /exit                 end the chat (also Ctrl-D, or Ctrl-C on an empty line)
+A line ending in \\ continues on the next line (also Alt-Enter); Ctrl-C stops a reply.";
+
+/// The chat's state between turns.
+struct Chat {
+    session: Session,
+    conv: Conversation,
+    seq: SeqId,
+    /// The token ids the sequence's KV cache holds, in order.
+    cached: Vec<u32>,
+    params: SamplingParams,
+    sampler: Sampler,
+    max_new: usize,
+    stops: Vec<String>,
+    last: Option<Generation>,
+    /// Dim status lines on stderr (a terminal without NO_COLOR).
+    colour: bool,
+    quiet: bool,
+}
+
+/// How a turn ended, for the loop.
+enum Turn {
+    Replied,
+    Interrupted,
+}
+
+pub fn run(cfg: &Config) -> Result<Outcome> {
+    let conv = match &cfg.messages {
+        Some(path) => Conversation::load(path)?,
+        None => Conversation::new(cfg.system.clone()),
+    };
+    let Some(session) = Session::open(cfg)? else {
+        return Ok(Outcome::Interrupted);
+    };
+    if session.loaded.chat_template.is_none() {
+        bail!(
+            "{} has no chat template: gen chat needs a chat model (or --chat-template FILE)",
+            session.path.display()
+        );
+    }
+    let mut chat = Chat::new(session, conv, cfg)?;
+    if std::io::stdin().is_terminal() {
+        chat.interactive()
+    } else {
+        chat.scripted()
+    }
+}
+
+impl Chat {
+    fn new(mut session: Session, conv: Conversation, cfg: &Config) -> Result<Self> {
+        let context = session.context_len;
+        let model = session.loaded.model.as_mut();
+        // One sequence with room for the whole window, for the whole chat.
+        model.reserve_pool(blocks_for(context))?;
+        let seq = model.new_sequence();
+        if !model.reserve(seq, context) {
+            bail!("the KV cache has no room for a {context}-token conversation");
+        }
+        let stderr_tty = std::io::stderr().is_terminal();
+        Ok(Self {
+            session,
+            conv,
+            seq,
+            cached: Vec::new(),
+            params: cfg.sampling.clone(),
+            sampler: Sampler::new(cfg.sampling.clone()),
+            max_new: cfg.max_new,
+            stops: cfg.stops.clone(),
+            last: None,
+            colour: stderr_tty && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
+            quiet: cfg.quiet,
+        })
+    }
+
+    /// Standard input, one user turn per line; replies to stdout, each followed by a blank line.
+    fn scripted(&mut self) -> Result<Outcome> {
+        let stdin = std::io::stdin();
+        for line in stdin.lock().lines() {
+            let line = line.context("cannot read standard input")?;
+            let line = line.trim_end_matches('\r');
+            if line.trim().is_empty() {
+                continue;
+            }
+            if let Some(cmd) = line.strip_prefix('/') {
+                if !self.command(cmd)? {
+                    break;
+                }
+                continue;
+            }
+            if let Turn::Interrupted = self.turn(line)? {
+                return Ok(Outcome::Interrupted);
+            }
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(b"\n\n");
+            let _ = out.flush();
+        }
+        Ok(Outcome::Done)
+    }
+
+    /// The line editor's loop.
+    fn interactive(&mut self) -> Result<Outcome> {
+        use reedline::Signal;
+        let (mut editor, last_buffer) = editor()?;
+        let prompt = ChatPrompt;
+        self.note(&format!(
+            "chatting with {} ({} tokens of context); /help for commands, Ctrl-D to end",
+            self.session.loaded.model.info().name,
+            self.session.context_len
+        ));
+        loop {
+            let signal = editor.read_line(&prompt).context("reading the terminal")?;
+            let line = match signal {
+                Signal::Success(line) => line.replace("\\\n", "\n"),
+                Signal::CtrlD => break,
+                Signal::CtrlC => {
+                    // Ctrl-C clears a line being typed; on an empty line it ends the chat.
+                    let had_text = last_buffer.lock().map(|b| !b.is_empty()).unwrap_or(false);
+                    if had_text {
+                        continue;
+                    }
+                    break;
+                }
+                _ => continue,
+            };
+            if line.trim().is_empty() {
+                continue;
+            }
+            if let Some(cmd) = line.trim_start().strip_prefix('/') {
+                match self.command(cmd) {
+                    Ok(true) => continue,
+                    Ok(false) => break,
+                    Err(e) => {
+                        eprintln!("gen: {e:#}");
+                        continue;
+                    }
+                }
+            }
+            match self.turn(&line) {
+                Ok(_) => {}
+                Err(e) => eprintln!("gen: {e:#}"),
+            }
+            // A reply ends where it ends; the prompt starts on a line of its own.
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(b"\n");
+            let _ = out.flush();
+        }
+        Ok(Outcome::Done)
+    }
+
+    /// One exchange: the user's message, the reply streamed to stdout.
+    fn turn(&mut self, user: &str) -> Result<Turn> {
+        self.conv.push("user", user);
+        let ids = match self.fit() {
+            Ok(ids) => ids,
+            Err(e) => {
+                self.conv.undo();
+                return Err(e);
+            }
+        };
+        let common = self
+            .cached
+            .iter()
+            .zip(&ids)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(ids.len() - 1);
+        let limits = Limits {
+            max_new: self.max_new.min(self.session.context_len - ids.len()),
+            context_len: self.session.context_len,
+        };
+        let loaded = &mut self.session.loaded;
+        let eos = loaded.tokenizer.eos_ids().to_vec();
+        let stdout = std::io::stdout();
+        let mut out = TextOut::new(stdout.lock());
+        let mut sink = ChatSink {
+            text: loaded.tokenizer.stream(),
+            stops: StopMatcher::new(self.stops.clone()),
+            out: &mut out,
+            reply: String::new(),
+        };
+        let result = generate::continue_sequence(
+            loaded.model.as_mut(),
+            self.seq,
+            common,
+            &ids,
+            &mut self.sampler,
+            &eos,
+            &limits,
+            &mut sink,
+        );
+        let gen = match result {
+            Ok(gen) => gen,
+            Err(e) => {
+                // What the cache holds is unknown now: the next turn prefills everything.
+                self.cached.clear();
+                self.conv.undo();
+                return Err(e);
+            }
+        };
+        sink.finish(gen.stop)?;
+        let reply = std::mem::take(&mut sink.reply);
+        drop(out);
+        self.conv.push("assistant", &reply);
+        self.cached = ids;
+        self.cached.extend_from_slice(&gen.tokens);
+        self.cached.truncate(gen.cached_len());
+        let interrupted = gen.stop == StopReason::Interrupted;
+        self.status(&gen);
+        self.last = Some(gen);
+        if interrupted {
+            interrupt::clear();
+            return Ok(Turn::Interrupted);
+        }
+        Ok(Turn::Replied)
+    }
+
+    /// The conversation rendered and tokenized with room for a reply; the oldest exchanges go
+    /// (the system message stays) while it does not fit.
+    fn fit(&mut self) -> Result<Vec<u32>> {
+        let context = self.session.context_len;
+        let mut dropped = 0;
+        loop {
+            let ids = self.render_ids()?;
+            if ids.len() + self.max_new.min(context / 2) <= context {
+                if dropped > 0 {
+                    self.note(&format!(
+                        "the conversation no longer fit the {context}-token window: dropped the \
+                         {dropped} oldest exchange{}",
+                        if dropped == 1 { "" } else { "s" }
+                    ));
+                }
+                return Ok(ids);
+            }
+            if !self.conv.drop_oldest() {
+                bail!(
+                    "this message ({} tokens with the system message) leaves no room for a reply \
+                     in the {context}-token window; send a shorter one",
+                    ids.len()
+                );
+            }
+            dropped += 1;
+        }
+    }
+
+    fn render_ids(&self) -> Result<Vec<u32>> {
+        let loaded = &self.session.loaded;
+        let template = loaded
+            .chat_template
+            .as_ref()
+            .context("the model has no chat template")?;
+        let text = template.render(&self.conv.messages(), true)?;
+        // The template writes its own BOS where it wants one.
+        loaded.tokenizer.encode(&text, false)
+    }
+
+    /// A slash command (without its slash). False: the chat ends.
+    fn command(&mut self, cmd: &str) -> Result<bool> {
+        let (name, arg) = match cmd.trim().split_once(char::is_whitespace) {
+            Some((n, a)) => (n, a.trim()),
+            None => (cmd.trim(), ""),
+        };
+        match name {
+            "help" => eprintln!("{HELP}"),
+            "exit" | "quit" => return Ok(false),
+            "reset" => {
+                self.conv.turns.clear();
+                self.note("a new conversation");
+            }
+            "system" => {
+                self.conv.system = (!arg.is_empty()).then(|| arg.to_string());
+                self.note(if arg.is_empty() {
+                    "no system message"
+                } else {
+                    "system message set"
+                });
+            }
+            "undo" => {
+                let msg = if self.conv.undo() {
+                    "dropped the last exchange"
+                } else {
+                    "nothing to undo"
+                };
+                self.note(msg);
+            }
+            "save" => {
+                let path = file_arg(arg, "/save")?;
+                self.conv.save(&path)?;
+                self.note(&format!("saved to {}", path.display()));
+            }
+            "load" => {
+                let path = file_arg(arg, "/load")?;
+                self.conv = Conversation::load(&path)?;
+                self.note(&format!(
+                    "loaded {} messages from {}",
+                    self.conv.messages().len(),
+                    path.display()
+                ));
+            }
+            "set" => self.set(arg)?,
+            "stats" => match &self.last {
+                Some(gen) => {
+                    let report = Report::new(
+                        self.session.loaded.model.info().name.as_str(),
+                        &self.session.device_name,
+                        self.session.load_s,
+                        gen,
+                        (!self.params.is_greedy()).then_some(self.params.seed),
+                    );
+                    report.write_human(&mut std::io::stderr().lock())?;
+                }
+                None => self.note("no reply yet"),
+            },
+            other => bail!("unknown command /{other}; /help lists them"),
+        }
+        Ok(true)
+    }
+
+    /// `/set NAME VALUE`: a sampling option or max_new, validated like the flag.
+    fn set(&mut self, arg: &str) -> Result<()> {
+        let (name, value) = arg
+            .split_once(char::is_whitespace)
+            .map(|(n, v)| (n.trim(), v.trim()))
+            .context("usage: /set NAME VALUE (e.g. /set temperature 0.3)")?;
+        let mut p = self.params.clone();
+        let bad = || format!("/set {name}: {value:?} is not a valid value");
+        match name.replace('-', "_").as_str() {
+            "temperature" => p.temperature = value.parse().with_context(bad)?,
+            "top_k" => p.top_k = value.parse().with_context(bad)?,
+            "top_p" => p.top_p = value.parse().with_context(bad)?,
+            "min_p" => p.min_p = value.parse().with_context(bad)?,
+            "repeat_penalty" => p.repeat_penalty = value.parse().with_context(bad)?,
+            "repeat_last_n" => p.repeat_last_n = value.parse().with_context(bad)?,
+            "seed" => p.seed = value.parse().with_context(bad)?,
+            "max_new" => {
+                let n: usize = value.parse().with_context(bad)?;
+                if n == 0 {
+                    bail!("/set max_new: must be at least 1");
+                }
+                self.max_new = n;
+                self.note(&format!("max_new = {n}"));
+                return Ok(());
+            }
+            other => bail!(
+                "/set: unknown option {other:?} (temperature, top_k, top_p, min_p, \
+                 repeat_penalty, repeat_last_n, seed, max_new)"
+            ),
+        }
+        p.validate()?;
+        self.sampler = Sampler::new(p.clone());
+        self.params = p;
+        self.note(&format!("{name} = {value}"));
+        Ok(())
+    }
+
+    /// After a reply: what it cost, one dim line on stderr.
+    fn status(&self, gen: &Generation) {
+        if self.quiet {
+            return;
+        }
+        let prefilled = gen.prompt_tokens - gen.reused_tokens;
+        let decode = gen.decode_time.as_secs_f64();
+        let rate = if decode > 0.0 {
+            format!("{:.1} tok/s", gen.decode_passes() as f64 / decode)
+        } else {
+            "- tok/s".into()
+        };
+        let stop = match gen.stop {
+            StopReason::Eos => String::new(),
+            s => format!(" · stop: {}", s.as_str()),
+        };
+        self.note(&format!(
+            "{prefilled} tokens prefilled, {} reused · first token {:.0} ms · {rate} · {} passes{stop}",
+            gen.reused_tokens,
+            gen.time_to_first_token.as_secs_f64() * 1000.0,
+            gen.forward_passes
+        ));
+    }
+
+    /// One line on stderr, dim on a terminal.
+    fn note(&self, text: &str) {
+        if self.colour {
+            eprintln!("\x1b[2m{text}\x1b[0m");
+        } else {
+            eprintln!("{text}");
+        }
+    }
+}
+
+fn file_arg(arg: &str, cmd: &str) -> Result<PathBuf> {
+    if arg.is_empty() {
+        bail!("usage: {cmd} FILE");
+    }
+    Ok(PathBuf::from(arg))
+}
+
+/// The chat history file: GEN_CHAT_HISTORY, else gen's data folder ($XDG_DATA_HOME/gen or
+/// ~/.local/share/gen).
+fn history_path() -> PathBuf {
+    let var = |n: &str| std::env::var_os(n).filter(|v| !v.is_empty());
+    if let Some(p) = var("GEN_CHAT_HISTORY") {
+        return PathBuf::from(p);
+    }
+    let base = var("XDG_DATA_HOME")
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute())
+        .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".local").join("share")))
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("gen").join("chat_history")
+}
+
+/// The line editor, and what its buffer held when last drawn (to tell Ctrl-C on an empty line
+/// from Ctrl-C clearing a line being typed).
+fn editor() -> Result<(reedline::Reedline, Arc<Mutex<String>>)> {
+    use reedline::{FileBackedHistory, Reedline};
+    let path = history_path();
+    if let Some(dir) = path.parent() {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    let last = Arc::new(Mutex::new(String::new()));
+    let mut editor = Reedline::create()
+        .use_bracketed_paste(true)
+        .with_validator(Box::new(Continuation))
+        .with_highlighter(Box::new(Watch(last.clone())));
+    match FileBackedHistory::with_file(1000, path.clone()) {
+        Ok(h) => editor = editor.with_history(Box::new(h)),
+        Err(e) => eprintln!(
+            "gen: chat history off: cannot use {} ({e})",
+            path.display()
+        ),
+    }
+    Ok((editor, last))
+}
+
+/// A line ending in a backslash continues on the next.
+struct Continuation;
+
+impl reedline::Validator for Continuation {
+    fn validate(&self, line: &str) -> reedline::ValidationResult {
+        if line.ends_with('\\') {
+            reedline::ValidationResult::Incomplete
+        } else {
+            reedline::ValidationResult::Complete
+        }
+    }
+}
+
+/// Draws the line as typed, and remembers it.
+struct Watch(Arc<Mutex<String>>);
+
+impl reedline::Highlighter for Watch {
+    fn highlight(&self, line: &str, _cursor: usize) -> reedline::StyledText {
+        if let Ok(mut last) = self.0.lock() {
+            last.clear();
+            last.push_str(line);
+        }
+        let mut styled = reedline::StyledText::new();
+        styled.push((Default::default(), line.to_string()));
+        styled
+    }
+}
+
+struct ChatPrompt;
+
+impl reedline::Prompt for ChatPrompt {
+    fn render_prompt_left(&self) -> std::borrow::Cow<'_, str> {
+        "".into()
+    }
+    fn render_prompt_right(&self) -> std::borrow::Cow<'_, str> {
+        "".into()
+    }
+    fn render_prompt_indicator(
+        &self,
+        _mode: reedline::PromptEditMode,
+    ) -> std::borrow::Cow<'_, str> {
+        "> ".into()
+    }
+    fn render_prompt_multiline_indicator(&self) -> std::borrow::Cow<'_, str> {
+        ". ".into()
+    }
+    fn render_prompt_history_search_indicator(
+        &self,
+        search: reedline::PromptHistorySearch,
+    ) -> std::borrow::Cow<'_, str> {
+        format!("(search: {}) ", search.term).into()
+    }
+}
+
+/// Streams a reply out and keeps its text.
+struct ChatSink<'a, 'w, W: Write> {
+    text: TextStream<'a>,
+    stops: StopMatcher,
+    out: &'w mut TextOut<W>,
+    reply: String,
+}
+
+impl<W: Write> ChatSink<'_, '_, W> {
+    fn emit(&mut self, text: &str) -> Result<bool> {
+        self.reply.push_str(text);
+        Ok(self.out.write(text)?)
+    }
+
+    fn finish(&mut self, stop: StopReason) -> Result<()> {
+        if matches!(stop, StopReason::Stop | StopReason::OutputClosed) {
+            return Ok(());
+        }
+        let mut rest = self.text.finish();
+        rest.push_str(&self.stops.push("").text);
+        rest.push_str(&self.stops.finish());
+        self.emit(&rest)?;
+        Ok(())
+    }
+}
+
+impl<W: Write> TokenSink for ChatSink<'_, '_, W> {
+    fn on_token(&mut self, id: u32) -> Result<Flow> {
+        let piece = self.text.push(id)?;
+        let release = self.stops.push(&piece);
+        if !self.emit(&release.text)? {
+            return Ok(Flow::Stop(StopReason::OutputClosed));
+        }
+        if release.stopped {
+            return Ok(Flow::Stop(StopReason::Stop));
+        }
+        Ok(Flow::Continue)
+    }
+
+    fn cancelled(&self) -> Option<StopReason> {
+        interrupt::requested().then_some(StopReason::Interrupted)
+    }
+}
