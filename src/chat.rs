@@ -1,15 +1,32 @@
 //! Chat prompts: render the model's own chat template (Jinja, from the GGUF metadata or a
 //! tokenizer_config.json) into the text the model was trained on.
 //!
+//! The render is the one Hugging Face transformers' `apply_chat_template` makes with Python's
+//! jinja2: trim_blocks and lstrip_blocks, loop controls, `raise_exception`, `strftime_now`,
+//! `tojson` as `json.dumps`, Python's str/dict/list methods, `tools` and `documents` as None,
+//! and its `{% generation %}` tag. tests/chat_templates.rs holds gen to that, byte for byte,
+//! on the real templates under assets/chat-templates.
+//!
 //! A template is code that came with a file from a stranger: rendering runs on a fuel budget
 //! and a bounded recursion depth, so a template that loops forever fails with an error.
 
-use anyhow::{Context, Result};
-use minijinja::{context, Environment, Error, ErrorKind};
+use std::borrow::Cow;
+
+use anyhow::Result;
+use minijinja::value::{Kwargs, Value};
+use minijinja::{context, Environment, Error, ErrorKind, State};
 use serde::Serialize;
+
+mod clock;
+mod python;
+
+pub use clock::LocalTime;
 
 /// Enough for any real template over a long conversation; a runaway loop exhausts it quickly.
 const TEMPLATE_FUEL: u64 = 2_000_000;
+
+/// What `{% generation %}` blocks become: a call block of this function, which renders its body.
+const GENERATION_FN: &str = "__gen_generation_block";
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Message {
@@ -35,26 +52,145 @@ impl ChatTemplate {
     }
 
     /// Render `messages` and, with `add_generation_prompt`, the opening of the assistant's turn.
+    /// A template that asks for the date (`strftime_now`) gets today's, in local time.
     pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
-        let mut env = Environment::new();
-        env.set_fuel(Some(TEMPLATE_FUEL));
-        env.set_recursion_limit(64);
-        // Templates written for Python's Jinja call str methods such as .strip() and .startswith().
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
-            Err(Error::new(ErrorKind::InvalidOperation, msg))
-        });
-        env.add_template("chat", &self.source)
-            .context("the model's chat template does not parse")?;
-        let tmpl = env.get_template("chat")?;
+        self.render_at(messages, add_generation_prompt, LocalTime::now())
+    }
+
+    /// [`ChatTemplate::render`] with `now` as the time `strftime_now` reads.
+    ///
+    /// The text is what Hugging Face transformers' `apply_chat_template` renders (Python's
+    /// jinja2 with trim_blocks and lstrip_blocks, `tools` and `documents` set to none). A
+    /// template that does not parse, raises, or runs out of fuel is an error of one line.
+    pub fn render_at(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+        now: LocalTime,
+    ) -> Result<String> {
+        let env = environment(now);
+        let source = rewrite_generation_tags(&self.source);
+        let tmpl = env
+            .template_from_named_str("chat template", &source)
+            .map_err(|e| {
+                anyhow::anyhow!("the model's chat template does not parse: {}", one_line(&e))
+            })?;
         tmpl.render(context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
+            tools => Value::from_object(python::PyNone),
+            documents => Value::from_object(python::PyNone),
         })
-        .map_err(|e| anyhow::anyhow!("rendering the model's chat template failed: {e}"))
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "rendering the model's chat template failed: {}",
+                one_line(&e)
+            )
+        })
     }
+}
+
+/// A Jinja environment set up as transformers sets up jinja2 for chat templates, on a fuel
+/// budget and a bounded recursion depth.
+fn environment(now: LocalTime) -> Environment<'static> {
+    let mut env = Environment::new();
+    env.set_fuel(Some(TEMPLATE_FUEL));
+    env.set_recursion_limit(64);
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    // Templates written for Python's Jinja call str, dict and list methods such as .strip(),
+    // .startswith(), .items() and .get().
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    // `{{ value }}` and `|string` write Python's str(value): None, True, ['a'].
+    env.set_formatter(|out, _state, value| {
+        out.write_str(&python::py_str(value))
+            .map_err(|_| Error::new(ErrorKind::WriteFailure, "cannot write the render"))
+    });
+    env.add_filter("string", |v: &Value| python::py_str(v));
+    env.add_filter("tojson", python::tojson);
+    python::add_empty_on_false_filters(&mut env);
+    env.add_test("none", python::is_none);
+    env.add_test("iterable", python::is_iterable);
+    env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
+        Err(Error::new(ErrorKind::InvalidOperation, msg))
+    });
+    env.add_function("strftime_now", move |format: String| now.strftime(&format));
+    env.add_function(GENERATION_FN, generation_block);
+    env
+}
+
+/// The body of a `{% generation %}` block, rendered as it stands (transformers uses the block
+/// only to find the assistant's tokens).
+fn generation_block(state: &State, kwargs: Kwargs) -> Result<Value, Error> {
+    let caller: Value = kwargs.get("caller")?;
+    kwargs.assert_all_used()?;
+    caller.call(state, &[])
+}
+
+/// `{% generation %}` and `{% endgeneration %}` (transformers' own tag) as a call block of
+/// [`GENERATION_FN`], keeping their whitespace control, so minijinja can parse the template.
+fn rewrite_generation_tags(source: &str) -> Cow<'_, str> {
+    if !source.contains("generation") {
+        return Cow::Borrowed(source);
+    }
+    let mut out = String::with_capacity(source.len() + 64);
+    let mut rest = source;
+    while let Some(at) = rest.find("{%") {
+        out.push_str(&rest[..at]);
+        rest = &rest[at..];
+        let tag = &rest[2..];
+        let (open, tag) = split_control(tag);
+        let body = tag.trim_start();
+        let word_end = body
+            .find(|c: char| !c.is_ascii_alphanumeric() && c != '_')
+            .unwrap_or(body.len());
+        let (word, after) = body.split_at(word_end);
+        let after = after.trim_start();
+        let close = tag_end(after);
+        match (word, close) {
+            ("generation" | "endgeneration", Some((close, len))) => {
+                let inner = if word == "generation" {
+                    format!("call {GENERATION_FN}()")
+                } else {
+                    "endcall".to_string()
+                };
+                out.push_str(&format!("{{%{open} {inner} {close}%}}"));
+                rest = &after[len..];
+            }
+            _ => {
+                out.push_str("{%");
+                rest = &rest[2..];
+            }
+        }
+    }
+    out.push_str(rest);
+    Cow::Owned(out)
+}
+
+/// A tag's leading whitespace control (`-` or `+`), if any, and the rest of the tag.
+fn split_control(tag: &str) -> (&str, &str) {
+    match tag.as_bytes().first() {
+        Some(b'-' | b'+') => tag.split_at(1),
+        _ => ("", tag),
+    }
+}
+
+/// The end of a block tag at the start of `s`: its whitespace control and its length.
+fn tag_end(s: &str) -> Option<(&str, usize)> {
+    if s.starts_with("%}") {
+        Some(("", 2))
+    } else if s.starts_with("-%}") || s.starts_with("+%}") {
+        Some((&s[..1], 3))
+    } else {
+        None
+    }
+}
+
+/// A template error as one line: its kind, its message and where in the template it stopped.
+fn one_line(e: &Error) -> String {
+    e.to_string().replace(['\n', '\r'], " ")
 }
 
 /// The conversation for a one-shot prompt: an optional system message, then the user's text.
@@ -130,6 +266,84 @@ mod tests {
         let recursive = "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}";
         assert!(t(recursive).render(&one_shot(None, "x"), true).is_err());
         assert!(t("{% for %}").render(&one_shot(None, "x"), true).is_err());
+    }
+
+    const PI_DAY: LocalTime = LocalTime {
+        year: 2026,
+        month: 3,
+        day: 14,
+        hour: 9,
+        minute: 26,
+        second: 53,
+    };
+
+    #[test]
+    fn block_tags_leave_no_stray_newlines_or_indentation() {
+        // jinja2 under transformers: trim_blocks drops the newline after a block tag,
+        // lstrip_blocks the indentation before one.
+        let src = "{% for m in messages %}\n    {% if m.role == 'user' %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}\n";
+        let out = t(src).render(&one_shot(Some("s"), "u"), false).unwrap();
+        assert_eq!(out, "[u]\n");
+    }
+
+    #[test]
+    fn strftime_now_reads_the_given_clock_or_today() {
+        let src = "{{ strftime_now('%d %b %Y') }}|{{ strftime_now('%B %d, %Y') }}";
+        let msgs = one_shot(None, "x");
+        assert_eq!(
+            t(src).render_at(&msgs, true, PI_DAY).unwrap(),
+            "14 Mar 2026|March 14, 2026"
+        );
+        let before = LocalTime::now().strftime("%Y-%m-%d");
+        let today = t("{{ strftime_now('%Y-%m-%d') }}")
+            .render(&msgs, true)
+            .unwrap();
+        let after = LocalTime::now().strftime("%Y-%m-%d");
+        assert!(
+            today == before || today == after,
+            "{today} vs {before}..{after}"
+        );
+    }
+
+    #[test]
+    fn loop_controls_and_generation_blocks_work() {
+        let src = "{%- for m in messages -%}{%- if m.role == 'system' %}{% continue %}{% endif -%}\n{%- generation -%}\n{%- set seen = m.content -%}<{{ seen }}>\n{%- endgeneration -%}{% break %}{%- endfor -%}({{ seen }})";
+        let mut msgs = one_shot(Some("s"), "a");
+        msgs.extend(one_shot(None, "b"));
+        // As in jinja2, a `set` inside the block stays inside it.
+        assert_eq!(t(src).render(&msgs, true).unwrap(), "<a>()");
+    }
+
+    #[test]
+    fn tools_and_documents_are_python_none() {
+        let src = "{{ tools is none }} {{ tools is defined }} {{ documents }} {{ tools|tojson }} {{ tools|selectattr('type')|list|length }}";
+        assert_eq!(
+            t(src).render(&one_shot(None, "x"), true).unwrap(),
+            "True True None null 0"
+        );
+        // jinja2 cannot iterate None: the template fails rather than rendering without tools.
+        let err = t("{% for tool in tools %}{{ tool }}{% endfor %}")
+            .render(&one_shot(None, "x"), true)
+            .unwrap_err();
+        assert!(format!("{err:#}").contains("not iterable"), "{err:#}");
+    }
+
+    #[test]
+    fn bad_templates_fail_in_one_line() {
+        for src in [
+            "{% for %}",
+            "{% if x %}\nunclosed\n",
+            "{{ messages[0].content.nope.deeper }}",
+            "{{ raise_exception('bad\nrole') }}",
+            "{% generation %}never closed",
+        ] {
+            let err = t(src).render(&one_shot(None, "x"), true).unwrap_err();
+            let text = format!("{err:#}");
+            assert!(
+                !text.contains('\n') && text.contains("chat template"),
+                "{text:?}"
+            );
+        }
     }
 
     /// Gemma 3's template (google/gemma-3-270m-it's tokenizer_config.json): the system message
