@@ -28,7 +28,7 @@ const TEMPLATE_FUEL: u64 = 2_000_000;
 /// What `{% generation %}` blocks become: a call block of this function, which renders its body.
 const GENERATION_FN: &str = "__gen_generation_block";
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Message {
     pub role: String,
     pub content: String,

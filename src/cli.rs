@@ -296,7 +296,9 @@ impl Args {
             bail!("--kv-blocks must be at least 1");
         }
         let interactive = self.command == Some(Command::Chat);
-        if interactive && (self.batch.is_some() || self.prompt.is_some() || self.prompt_file.is_some()) {
+        if interactive
+            && (self.batch.is_some() || self.prompt.is_some() || self.prompt_file.is_some())
+        {
             bail!("gen chat takes its turns from the terminal or standard input: drop --prompt, --prompt-file and --batch");
         }
         if self.system.is_some() && !(self.chat || interactive) {

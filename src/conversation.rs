@@ -122,7 +122,10 @@ impl Conversation {
         let what = format!("conversation file {}", path.display());
         let meta = std::fs::metadata(path).with_context(|| format!("cannot read {what}"))?;
         if meta.len() > MAX_FILE_BYTES {
-            bail!("{what} is {} bytes, over the {MAX_FILE_BYTES} gen reads", meta.len());
+            bail!(
+                "{what} is {} bytes, over the {MAX_FILE_BYTES} gen reads",
+                meta.len()
+            );
         }
         let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {what}"))?;
         Self::from_json(&text, &what)
@@ -152,7 +155,10 @@ impl Conversation {
         };
         write().map_err(|e| {
             let _ = std::fs::remove_file(&tmp);
-            e.context(format!("cannot save the conversation to {}", path.display()))
+            e.context(format!(
+                "cannot save the conversation to {}",
+                path.display()
+            ))
         })
     }
 }
@@ -163,7 +169,12 @@ mod tests {
 
     fn conv() -> Conversation {
         let mut c = Conversation::new(Some("Be brief.".into()));
-        for (r, t) in [("user", "a"), ("assistant", "A"), ("user", "b"), ("assistant", "B")] {
+        for (r, t) in [
+            ("user", "a"),
+            ("assistant", "A"),
+            ("user", "b"),
+            ("assistant", "B"),
+        ] {
             c.push(r, t);
         }
         c
@@ -185,7 +196,10 @@ mod tests {
             ("not json", "not a JSON array"),
             ("[]", "holds no messages"),
             (r#"[{"role": "tool", "content": "x"}]"#, "role \"tool\""),
-            (r#"[{"role": "user", "content": "x"}, {"role": "system", "content": "y"}]"#, "only the first"),
+            (
+                r#"[{"role": "user", "content": "x"}, {"role": "system", "content": "y"}]"#,
+                "only the first",
+            ),
             (r#"{"role": "user"}"#, "not a JSON array"),
         ] {
             let err = format!("{:#}", Conversation::from_json(text, "f").unwrap_err());
@@ -217,7 +231,10 @@ mod tests {
         std::fs::write(&path, "old").unwrap();
         conv().save(&path).unwrap();
         assert_eq!(Conversation::load(&path).unwrap(), conv());
-        let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        let names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
         assert_eq!(names.len(), 1, "{names:?}");
         // A target that cannot be written leaves the old file whole.
         let blocked = dir.join("sub");

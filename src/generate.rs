@@ -153,7 +153,10 @@ pub fn continue_sequence(
     limits: &Limits,
     sink: &mut dyn TokenSink,
 ) -> Result<Generation> {
-    anyhow::ensure!(cached < prompt.len(), "a turn must prefill at least one token");
+    anyhow::ensure!(
+        cached < prompt.len(),
+        "a turn must prefill at least one token"
+    );
     anyhow::ensure!(limits.max_new > 0, "max-new must be at least 1");
     anyhow::ensure!(
         prompt.len() < limits.context_len,

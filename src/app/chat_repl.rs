@@ -58,6 +58,7 @@ struct Chat {
     /// Dim status lines on stderr (a terminal without NO_COLOR).
     colour: bool,
     quiet: bool,
+    ignore_eos: bool,
 }
 
 /// How a turn ended, for the loop.
@@ -111,6 +112,7 @@ impl Chat {
             last: None,
             colour: stderr_tty && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
             quiet: cfg.quiet,
+            ignore_eos: cfg.ignore_eos,
         })
     }
 
@@ -135,6 +137,8 @@ impl Chat {
             let mut out = std::io::stdout().lock();
             let _ = out.write_all(b"\n\n");
             let _ = out.flush();
+            drop(out);
+            self.status();
         }
         Ok(Outcome::Done)
     }
@@ -177,14 +181,16 @@ impl Chat {
                     }
                 }
             }
-            match self.turn(&line) {
-                Ok(_) => {}
-                Err(e) => eprintln!("gen: {e:#}"),
-            }
-            // A reply ends where it ends; the prompt starts on a line of its own.
+            let done = self.turn(&line);
+            // The reply ends its line; its status follows, then the next prompt.
             let mut out = std::io::stdout().lock();
             let _ = out.write_all(b"\n");
             let _ = out.flush();
+            drop(out);
+            match done {
+                Ok(_) => self.status(),
+                Err(e) => eprintln!("gen: {e:#}"),
+            }
         }
         Ok(Outcome::Done)
     }
@@ -211,7 +217,11 @@ impl Chat {
             context_len: self.session.context_len,
         };
         let loaded = &mut self.session.loaded;
-        let eos = loaded.tokenizer.eos_ids().to_vec();
+        let eos = if self.ignore_eos {
+            Vec::new()
+        } else {
+            loaded.tokenizer.eos_ids().to_vec()
+        };
         let stdout = std::io::stdout();
         let mut out = TextOut::new(stdout.lock());
         let mut sink = ChatSink {
@@ -243,11 +253,15 @@ impl Chat {
         let reply = std::mem::take(&mut sink.reply);
         drop(out);
         self.conv.push("assistant", &reply);
+        // What the next turn may reuse: the conversation up to this reply, whose keys and
+        // values prefill passes computed. The reply's own came from one-token decode passes,
+        // whose attention sums in another order: reused, they would make the next reply differ
+        // in the last bits from a fresh run over the same conversation, so they are prefilled
+        // again with the next turn (a prefill pass reads ~100 tokens in the time decode takes
+        // for a few).
         self.cached = ids;
-        self.cached.extend_from_slice(&gen.tokens);
         self.cached.truncate(gen.cached_len());
         let interrupted = gen.stop == StopReason::Interrupted;
-        self.status(&gen);
         self.last = Some(gen);
         if interrupted {
             interrupt::clear();
@@ -395,10 +409,10 @@ impl Chat {
     }
 
     /// After a reply: what it cost, one dim line on stderr.
-    fn status(&self, gen: &Generation) {
-        if self.quiet {
+    fn status(&self) {
+        let Some(gen) = self.last.as_ref().filter(|_| !self.quiet) else {
             return;
-        }
+        };
         let prefilled = gen.prompt_tokens - gen.reused_tokens;
         let decode = gen.decode_time.as_secs_f64();
         let rate = if decode > 0.0 {
@@ -465,10 +479,7 @@ fn editor() -> Result<(reedline::Reedline, Arc<Mutex<String>>)> {
         .with_highlighter(Box::new(Watch(last.clone())));
     match FileBackedHistory::with_file(1000, path.clone()) {
         Ok(h) => editor = editor.with_history(Box::new(h)),
-        Err(e) => eprintln!(
-            "gen: chat history off: cannot use {} ({e})",
-            path.display()
-        ),
+        Err(e) => eprintln!("gen: chat history off: cannot use {} ({e})", path.display()),
     }
     Ok((editor, last))
 }

@@ -118,9 +118,7 @@ impl Session {
             );
         }
         // A chat template writes its own BOS where it wants one.
-        let prompt = loaded
-            .tokenizer
-            .encode(text, loaded.add_bos && !cfg.chat)?;
+        let prompt = loaded.tokenizer.encode(text, loaded.add_bos && !cfg.chat)?;
         if prompt.is_empty() {
             bail!("the prompt encodes to no tokens");
         }

@@ -1111,5 +1111,4 @@ mod tests {
         assert_eq!(round_half_even(2.5), 2.0);
         assert_eq!(round_half_even(-3.5), -4.0);
     }
-
 }

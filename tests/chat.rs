@@ -1,0 +1,346 @@
+//! `gen chat` on the real default model: driven over standard input (one turn per line), and
+//! on a real pseudo-terminal (tmux, a terminal emulator, so the line editor meets what it meets
+//! on a user's screen: cursor queries answered, Ctrl-C as a signal, Ctrl-D as end of input).
+
+mod common;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn temp(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("gen-chat-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// `gen chat` fed `input` on a pipe; (stdout, stderr, success).
+fn scripted(args: &[&str], input: &str) -> (String, String, bool) {
+    let mut child = common::gen()
+        .arg("chat")
+        .arg("--model")
+        .arg(common::smollm2())
+        .args(["--temperature", "0"])
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        common::text(&out.stdout),
+        common::text(&out.stderr),
+        out.status.success(),
+    )
+}
+
+/// (prefilled, reused) of each status line.
+fn turns(stderr: &str) -> Vec<(usize, usize)> {
+    stderr
+        .lines()
+        .filter_map(|l| {
+            let (p, rest) = l.split_once(" tokens prefilled, ")?;
+            let (r, _) = rest.split_once(" reused")?;
+            Some((p.parse().ok()?, r.parse().ok()?))
+        })
+        .collect()
+}
+
+fn messages(path: &Path) -> Vec<(String, String)> {
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["role"].as_str().unwrap().to_string(),
+                m["content"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// The second turn prefills only what the first did not leave in the cache, and its greedy
+/// reply is the one a fresh run over the whole conversation gives.
+#[test]
+fn turns_reuse_the_cache_and_reply_as_a_fresh_run_would() {
+    let dir = temp("reuse");
+    let saved = dir.join("conv.json");
+    let input = format!(
+        "Name three colours.\nNow name three animals.\n/save {}\n",
+        saved.display()
+    );
+    let (stdout, stderr, ok) = scripted(&["--max-new", "24"], &input);
+    assert!(ok, "{stderr}");
+    let t = turns(&stderr);
+    assert_eq!(t.len(), 2, "{stderr}");
+    assert_eq!(t[0].1, 0, "nothing to reuse in the first turn");
+    // The first turn's prompt stays in the cache; the second prefills the rest only.
+    assert_eq!(t[1].1, t[0].0, "{stderr}");
+    assert!(t[1].0 > 0 && t[1].0 < t[0].0 + 24 + 20, "{stderr}");
+    let conv = messages(&saved);
+    assert_eq!(conv.len(), 4);
+    assert_eq!(conv[2], ("user".into(), "Now name three animals.".into()));
+    // Replies on stdout, each followed by a blank line.
+    assert_eq!(stdout, format!("{}\n\n{}\n\n", conv[1].1, conv[3].1));
+
+    // The same conversation, fresh: one-shot --chat over its first three messages.
+    let first3 = dir.join("first3.json");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&saved).unwrap()).unwrap();
+    std::fs::write(
+        &first3,
+        serde_json::to_string(&v.as_array().unwrap()[..3]).unwrap(),
+    )
+    .unwrap();
+    let out = common::gen()
+        .arg("--model")
+        .arg(common::smollm2())
+        .args([
+            "--chat",
+            "--temperature",
+            "0",
+            "--max-new",
+            "24",
+            "-q",
+            "--messages",
+        ])
+        .arg(&first3)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", common::text(&out.stderr));
+    assert_eq!(common::text(&out.stdout), conv[3].1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn undo_save_and_messages_round_trip() {
+    let dir = temp("undo");
+    let (a, b) = (dir.join("a.json"), dir.join("b.json"));
+    let input = format!(
+        "Hello.\nTell me a joke.\n/undo\n/system Be brief.\n/save {}\n",
+        a.display()
+    );
+    let (_, stderr, ok) = scripted(&["--max-new", "8"], &input);
+    assert!(ok, "{stderr}");
+    let conv = messages(&a);
+    assert_eq!(conv.len(), 3, "{conv:?}");
+    assert_eq!(conv[0], ("system".into(), "Be brief.".into()));
+    assert_eq!(conv[1], ("user".into(), "Hello.".into()));
+    // Started from the file, saved again at once: the same conversation.
+    let (_, stderr, ok) = scripted(
+        &["--messages", a.to_str().unwrap()],
+        &format!("/save {}\n", b.display()),
+    );
+    assert!(ok, "{stderr}");
+    assert_eq!(messages(&b), conv);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_conversation_files_are_one_line_and_a_failure() {
+    let dir = temp("bad");
+    for (name, text, want) in [
+        ("notjson.json", "hello", "not a JSON array"),
+        ("empty.json", "[]", "holds no messages"),
+        (
+            "role.json",
+            r#"[{"role": "robot", "content": "x"}]"#,
+            "role \"robot\"",
+        ),
+    ] {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        for chat in [true, false] {
+            let mut cmd = common::gen();
+            if chat {
+                cmd.arg("chat");
+            } else {
+                cmd.args(["--chat"]);
+            }
+            let out = cmd
+                .arg("--model")
+                .arg(common::smollm2())
+                .arg("--messages")
+                .arg(&path)
+                .stdin(Stdio::null())
+                .output()
+                .unwrap();
+            assert_eq!(out.status.code(), Some(1), "{name}");
+            let line = common::one_error_line(&out);
+            assert!(line.contains(want), "{name}: {line}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A tmux session running one command on a 100x40 terminal.
+struct Tmux {
+    name: String,
+}
+
+impl Tmux {
+    fn start(tag: &str, command: &str) -> Self {
+        let name = format!("gen-chat-{tag}-{}", std::process::id());
+        let status = Command::new("tmux")
+            .args([
+                "new-session",
+                "-d",
+                "-x",
+                "100",
+                "-y",
+                "40",
+                "-s",
+                &name,
+                command,
+            ])
+            .status()
+            .expect("tmux (the chat tests run gen on a real terminal through it)");
+        assert!(status.success());
+        Tmux { name }
+    }
+
+    fn screen(&self) -> String {
+        let out = Command::new("tmux")
+            .args(["capture-pane", "-p", "-J", "-S", "-200", "-t", &self.name])
+            .output()
+            .unwrap();
+        common::text(&out.stdout)
+    }
+
+    fn keys(&self, keys: &[&str]) {
+        let status = Command::new("tmux")
+            .args(["send-keys", "-t", &self.name])
+            .args(keys)
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// Wait until the screen satisfies `ok`; panics with the screen after `secs`.
+    fn wait(&self, secs: u64, what: &str, ok: impl Fn(&str) -> bool) -> String {
+        let start = Instant::now();
+        loop {
+            let s = self.screen();
+            if ok(&s) {
+                return s;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(secs),
+                "waited {secs} s for {what}; the screen:\n{s}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = Command::new("tmux")
+            .args(["kill-session", "-t", &self.name])
+            .status();
+    }
+}
+
+fn chat_command(dir: &Path, extra: &str) -> String {
+    format!(
+        "NO_COLOR=1 GEN_CHAT_HISTORY={} {} chat --model {} --temperature 0 {extra}; echo \"exit=$?\" > {}; sleep 30",
+        dir.join("history").display(),
+        env!("CARGO_BIN_EXE_gen"),
+        common::smollm2().display(),
+        dir.join("status").display(),
+    )
+}
+
+fn exit_status(dir: &Path) -> String {
+    let start = Instant::now();
+    loop {
+        if let Ok(s) = std::fs::read_to_string(dir.join("status")) {
+            return s.trim().to_string();
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "gen chat did not exit"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Two turns typed, the second stopped by Ctrl-C mid-reply, a third that works, /undo and
+/// /save, then Ctrl-D: exit 0, history written.
+#[test]
+fn a_terminal_chat_with_ctrl_c_mid_reply_and_ctrl_d() {
+    let dir = temp("tty");
+    let saved = dir.join("saved.json");
+    let t = Tmux::start("tty", &chat_command(&dir, "--max-new 600 --ignore-eos"));
+    let count = |s: &str| s.matches(" tokens prefilled, ").count();
+    t.wait(60, "the prompt", |s| {
+        s.contains("chatting with") && s.contains("> ")
+    });
+    t.keys(&["Name three colours.", "Enter"]);
+    // 600 tokens take seconds: stop the reply once it has begun.
+    t.wait(60, "the reply to begin", |s| {
+        s.lines()
+            .skip_while(|l| !l.contains("Name three colours."))
+            .nth(1)
+            .is_some_and(|l| !l.trim().is_empty())
+    });
+    t.keys(&["C-c"]);
+    t.wait(60, "the interrupted reply's status", |s| {
+        count(s) == 1 && s.contains("stop: interrupted")
+    });
+    t.keys(&["/set max_new 8", "Enter"]);
+    t.wait(10, "/set", |s| s.contains("max_new = 8"));
+    t.keys(&["Thanks.", "Enter"]);
+    let screen = t.wait(60, "the second reply", |s| count(s) == 2);
+    assert!(screen.contains("stop: max-new"), "{screen}");
+    t.keys(&["/undo", "Enter"]);
+    t.wait(10, "/undo", |s| s.contains("dropped the last exchange"));
+    t.keys(&[&format!("/save {}", saved.display()), "Enter"]);
+    t.wait(10, "/save", |s| s.contains("saved to"));
+    t.keys(&["C-d"]);
+    assert_eq!(exit_status(&dir), "exit=0", "{}", t.screen());
+    let conv = messages(&saved);
+    assert_eq!(conv.len(), 2, "{conv:?}");
+    assert_eq!(conv[0].1, "Name three colours.");
+    assert!(
+        !conv[1].1.is_empty(),
+        "the partial reply stays in the conversation"
+    );
+    let history = std::fs::read_to_string(dir.join("history")).unwrap();
+    assert!(
+        history.contains("Name three colours.") && history.contains("Thanks."),
+        "{history}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn ctrl_c_on_an_empty_line_ends_the_chat_and_on_a_typed_one_clears_it() {
+    let dir = temp("ctrlc");
+    let t = Tmux::start("ctrlc", &chat_command(&dir, "--max-new 4"));
+    t.wait(60, "the prompt", |s| {
+        s.contains("chatting with") && s.contains("> ")
+    });
+    t.keys(&["half a line"]);
+    t.wait(10, "the typed text", |s| s.contains("half a line"));
+    t.keys(&["C-c"]);
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        !dir.join("status").exists(),
+        "Ctrl-C on a typed line must not end the chat"
+    );
+    t.keys(&["C-c"]);
+    assert_eq!(exit_status(&dir), "exit=0", "{}", t.screen());
+    let _ = std::fs::remove_dir_all(&dir);
+}
