@@ -131,6 +131,15 @@ pub struct Args {
     #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt", "prompt_file", "batch", "system"])]
     pub messages: Option<PathBuf>,
 
+    /// Use this Jinja chat template instead of the model's own (for --chat and gen chat).
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
+
+    /// Print the exact text the model would see (after the chat template) to stdout and its
+    /// token count to stderr, and exit without generating.
+    #[arg(long, conflicts_with = "batch")]
+    pub dry_run: bool,
+
     /// Print the prompt to stdout before the reply.
     #[arg(long)]
     pub echo: bool,
@@ -264,6 +273,9 @@ pub struct Config {
     pub system: Option<String>,
     /// A conversation file to continue (--messages).
     pub messages: Option<PathBuf>,
+    /// A chat template file replacing the model's (--chat-template).
+    pub chat_template: Option<PathBuf>,
+    pub dry_run: bool,
     pub echo: bool,
     pub max_new: usize,
     pub stops: Vec<String>,
@@ -303,6 +315,12 @@ impl Args {
         }
         if self.system.is_some() && !(self.chat || interactive) {
             bail!("--system applies to --chat and gen chat");
+        }
+        if interactive && self.dry_run {
+            bail!("--dry-run applies to one prompt: use it with --chat (and --messages) instead of gen chat");
+        }
+        if self.chat_template.is_some() && !(self.chat || interactive) {
+            bail!("--chat-template applies to --chat and gen chat");
         }
         if self.messages.is_some() && !(self.chat || interactive) {
             bail!("--messages applies to --chat and gen chat");
@@ -357,6 +375,8 @@ impl Args {
             interactive,
             system: self.system,
             messages: self.messages,
+            chat_template: self.chat_template,
+            dry_run: self.dry_run,
             echo: self.echo,
             max_new: self.max_new,
             stops: self.stop,

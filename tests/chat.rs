@@ -344,3 +344,34 @@ fn ctrl_c_on_an_empty_line_ends_the_chat_and_on_a_typed_one_clears_it() {
     assert_eq!(exit_status(&dir), "exit=0", "{}", t.screen());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn dry_run_prints_what_the_model_sees_and_chat_template_replaces_the_models() {
+    let run = |args: &[&str]| {
+        common::gen()
+            .arg("--model")
+            .arg(common::smollm2())
+            .args(["--chat", "--prompt", "Hi"])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = run(&["--system", "Be brief.", "--dry-run"]);
+    assert!(out.status.success());
+    assert_eq!(
+        common::text(&out.stdout),
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    assert!(common::text(&out.stderr).trim_end().ends_with(" tokens"));
+    let dir = temp("template");
+    let own = dir.join("own.jinja");
+    std::fs::write(&own, "{{ 'Q: ' + messages[-1]['content'] + '\\nA:' }}").unwrap();
+    let out = run(&["--chat-template", own.to_str().unwrap(), "--dry-run"]);
+    assert_eq!(common::text(&out.stdout), "Q: Hi\nA:");
+    let bad = dir.join("bad.jinja");
+    std::fs::write(&bad, "{% for %}").unwrap();
+    let out = run(&["--chat-template", bad.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(common::one_error_line(&out).contains("bad.jinja"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -56,7 +56,25 @@ impl Session {
         }
         let (device, device_name) = pick_device(cfg.device, cfg.threads)?;
         let load_start = Instant::now();
-        let loaded = model::load(&path, &device, cfg.tokenizer.as_deref(), cfg.dtype)?;
+        let mut loaded = model::load(&path, &device, cfg.tokenizer.as_deref(), cfg.dtype)?;
+        if let Some(file) = &cfg.chat_template {
+            let source = std::fs::read_to_string(file)
+                .with_context(|| format!("cannot read the chat template {}", file.display()))?;
+            let text = |id: Option<u32>| {
+                id.and_then(|id| loaded.tokenizer.token_text(id))
+                    .unwrap_or_default()
+            };
+            let (bos, eos) = (
+                text(loaded.tokenizer.bos_id()),
+                text(loaded.tokenizer.eos_ids().first().copied()),
+            );
+            let template = chat::ChatTemplate::new(source, bos, eos);
+            // A template that does not parse is refused now, not at the first turn.
+            template
+                .render(&chat::one_shot(None, "check"), true)
+                .with_context(|| format!("chat template {}", file.display()))?;
+            loaded.chat_template = Some(template);
+        }
         let load_s = load_start.elapsed().as_secs_f64();
         if interrupt::requested() {
             eprintln!("gen: interrupted");
@@ -170,6 +188,15 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         Some(conv) => session.conversation_ids(cfg, &conv.messages(), cfg.max_new)?,
         None => session.prompt_ids(cfg, &prompt_text, cfg.max_new)?,
     };
+    if cfg.dry_run {
+        // The exact text the model would see: the ids decoded back (special tokens included).
+        let text = session.loaded.tokenizer.decode(&prompt)?;
+        let mut out = std::io::stdout().lock();
+        out.write_all(text.as_bytes())?;
+        out.flush()?;
+        eprintln!("{} tokens", prompt.len());
+        return Ok(Outcome::Done);
+    }
     let loaded = &mut session.loaded;
     let context_len = session.context_len;
 
