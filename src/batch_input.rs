@@ -24,6 +24,9 @@ pub struct Entry {
     pub line: usize,
     pub id: Option<serde_json::Value>,
     pub prompt: String,
+    /// A conversation instead of a prompt (`"messages"`: `[{"role", "content"}, ...]`), rendered
+    /// through the chat template with the opening of the assistant's turn.
+    pub messages: Option<crate::conversation::Conversation>,
     pub max_new: Option<usize>,
     pub temperature: Option<f64>,
     pub seed: Option<u64>,
@@ -52,6 +55,8 @@ struct Record {
     #[serde(default)]
     id: Option<serde_json::Value>,
     prompt: Option<serde_json::Value>,
+    #[serde(default)]
+    messages: Option<serde_json::Value>,
     #[serde(default)]
     max_new: Option<serde_json::Value>,
     #[serde(default)]
@@ -84,6 +89,7 @@ pub fn parse(input: &str, format: BatchFormat) -> Vec<Result<Entry, LineError>> 
                     line,
                     id: None,
                     prompt: l.to_string(),
+                    messages: None,
                     max_new: None,
                     temperature: None,
                     seed: None,
@@ -112,10 +118,16 @@ fn parse_record(line: usize, text: &str) -> Result<Entry, LineError> {
         Some(_) => return Err(fail(None, "\"id\" must be a string or a number".into())),
     };
     let fail = |message: &str| fail(id.clone(), message.to_string());
-    let prompt = match r.prompt {
-        Some(serde_json::Value::String(p)) => p,
-        Some(_) => return Err(fail("\"prompt\" must be a string")),
-        None => return Err(fail("no \"prompt\" field")),
+    let (prompt, messages) = match (r.prompt, r.messages) {
+        (Some(_), Some(_)) => return Err(fail("give \"prompt\" or \"messages\", not both")),
+        (Some(serde_json::Value::String(p)), None) => (p, None),
+        (Some(_), None) => return Err(fail("\"prompt\" must be a string")),
+        (None, Some(m)) => {
+            let conv = crate::conversation::Conversation::from_json(&m.to_string(), "\"messages\"")
+                .map_err(|e| fail(&format!("{e:#}")))?;
+            (String::new(), Some(conv))
+        }
+        (None, None) => return Err(fail("no \"prompt\" field (or \"messages\")")),
     };
     let max_new = match r.max_new {
         None | Some(serde_json::Value::Null) => None,
@@ -163,6 +175,7 @@ fn parse_record(line: usize, text: &str) -> Result<Entry, LineError> {
         line,
         id,
         prompt,
+        messages,
         max_new,
         temperature,
         seed,

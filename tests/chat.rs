@@ -375,3 +375,75 @@ fn dry_run_prints_what_the_model_sees_and_chat_template_replaces_the_models() {
     assert!(common::one_error_line(&out).contains("bad.jinja"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A --batch line may carry "messages" instead of "prompt": the same reply as one-shot
+/// --chat --messages over that conversation.
+#[test]
+fn batch_lines_may_carry_a_conversation() {
+    let dir = temp("batch");
+    let conv = r#"[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]"#;
+    let file = dir.join("conv.json");
+    std::fs::write(&file, conv).unwrap();
+    let input = format!(
+        "{{\"id\": 1, \"messages\": {conv}}}\n{{\"id\": 2, \"messages\": [], \"x\": 1}}\n{{\"id\": 3, \"prompt\": \"a\", \"messages\": {conv}}}\n"
+    );
+    let mut child = common::gen()
+        .arg("--model")
+        .arg(common::smollm2())
+        .args([
+            "--batch",
+            "-",
+            "--temperature",
+            "0",
+            "--max-new",
+            "12",
+            "-q",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let lines: Vec<serde_json::Value> = common::text(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3);
+    assert!(
+        lines[1]["error"].as_str().unwrap().contains("no messages"),
+        "{}",
+        lines[1]
+    );
+    assert!(
+        lines[2]["error"].as_str().unwrap().contains("not both"),
+        "{}",
+        lines[2]
+    );
+    let one = common::gen()
+        .arg("--model")
+        .arg(common::smollm2())
+        .args([
+            "--chat",
+            "--temperature",
+            "0",
+            "--max-new",
+            "12",
+            "-q",
+            "--messages",
+        ])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert_eq!(
+        lines[0]["text"].as_str().unwrap(),
+        common::text(&one.stdout)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -220,13 +220,15 @@ fn prepare(
         id: entry.id.clone(),
         message: format!("{e:#}"),
     };
-    if entry.prompt.trim().is_empty() {
+    if entry.messages.is_none() && entry.prompt.trim().is_empty() {
         return Err(fail(anyhow::anyhow!("the prompt is empty")));
     }
     let max_new = entry.max_new.unwrap_or(cfg.max_new);
-    let ids = session
-        .prompt_ids(cfg, &entry.prompt, max_new)
-        .map_err(fail)?;
+    let ids = match &entry.messages {
+        Some(conv) => session.conversation_ids(cfg, &conv.messages(), max_new),
+        None => session.prompt_ids(cfg, &entry.prompt, max_new),
+    }
+    .map_err(fail)?;
     let mut sampling = cfg.sampling.clone();
     if let Some(t) = entry.temperature {
         sampling.temperature = t;

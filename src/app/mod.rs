@@ -100,7 +100,7 @@ impl Session {
             let messages = chat::one_shot(cfg.system.as_deref(), prompt_text);
             return self.conversation_ids(cfg, &messages, max_new);
         }
-        self.text_ids(cfg, prompt_text, max_new)
+        self.text_ids(cfg, prompt_text, max_new, false)
     }
 
     /// The token ids of a conversation through the model's chat template, with the opening of
@@ -118,10 +118,17 @@ impl Session {
             )
         })?;
         let text = template.render(messages, true)?;
-        self.text_ids(cfg, &text, max_new)
+        self.text_ids(cfg, &text, max_new, true)
     }
 
-    fn text_ids(&self, cfg: &Config, text: &str, max_new: usize) -> Result<Vec<u32>> {
+    /// `templated`: the text came from the chat template, which writes its own BOS.
+    fn text_ids(
+        &self,
+        cfg: &Config,
+        text: &str,
+        max_new: usize,
+        templated: bool,
+    ) -> Result<Vec<u32>> {
         let loaded = &self.loaded;
         let context_len = self.context_len;
         // No token stands for more than max_token_bytes of text, so this many tokens at least:
@@ -136,7 +143,9 @@ impl Session {
             );
         }
         // A chat template writes its own BOS where it wants one.
-        let prompt = loaded.tokenizer.encode(text, loaded.add_bos && !cfg.chat)?;
+        let prompt = loaded
+            .tokenizer
+            .encode(text, loaded.add_bos && !templated)?;
         if prompt.is_empty() {
             bail!("the prompt encodes to no tokens");
         }
