@@ -447,3 +447,97 @@ fn batch_lines_may_carry_a_conversation() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A conversation longer than the window: the oldest exchanges go, with a line saying so, and
+/// the chat goes on.
+#[test]
+fn a_conversation_over_the_window_drops_its_oldest_exchanges() {
+    let dir = temp("window");
+    let saved = dir.join("c.json");
+    let turns: String = (0..6)
+        .map(|i| format!("Question number {i}: tell me something about the number {i}.\n"))
+        .collect();
+    let input = format!("{turns}/save {}\n", saved.display());
+    let (stdout, stderr, ok) = scripted(
+        &[
+            "--ctx-size",
+            "160",
+            "--max-new",
+            "24",
+            "--system",
+            "Be brief.",
+        ],
+        &input,
+    );
+    assert!(ok, "{stderr}");
+    assert!(
+        stderr.contains("no longer fit the 160-token window"),
+        "{stderr}"
+    );
+    assert_eq!(turns_of(&stdout), 6, "{stdout}");
+    let conv = messages(&saved);
+    assert_eq!(conv[0], ("system".into(), "Be brief.".into()));
+    assert!(conv.len() < 13, "older exchanges were dropped: {conv:?}");
+    assert_eq!(
+        conv[conv.len() - 2].1,
+        "Question number 5: tell me something about the number 5."
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn turns_of(stdout: &str) -> usize {
+    stdout.matches("\n\n").count()
+}
+
+/// The terminal goes away (SIGHUP) in the middle of a reply: gen ends, and nothing it wrote to
+/// the terminal before the end (tmux logs the pane to a file) is a panic.
+#[test]
+fn a_terminal_that_goes_away_ends_the_chat_without_a_panic() {
+    let dir = temp("hup");
+    let log = dir.join("pane.log");
+    let history = dir.join("history");
+    let cmd = format!(
+        "NO_COLOR=1 GEN_CHAT_HISTORY={} {} chat --model {} --temperature 0 --max-new 2000 --ignore-eos",
+        history.display(),
+        env!("CARGO_BIN_EXE_gen"),
+        common::smollm2().display(),
+    );
+    let t = Tmux::start("hup", &cmd);
+    let status = Command::new("tmux")
+        .args(["pipe-pane", "-t", &t.name, "-o"])
+        .arg(format!("cat >> {}", log.display()))
+        .status()
+        .unwrap();
+    assert!(status.success());
+    t.wait(60, "the prompt", |s| s.contains("> "));
+    t.keys(&["Tell me a long story.", "Enter"]);
+    t.wait(60, "the reply to begin", |s| {
+        s.lines()
+            .skip_while(|l| !l.contains("Tell me a long story."))
+            .nth(1)
+            .is_some_and(|l| !l.trim().is_empty())
+    });
+    drop(t); // kill-session: the pane's processes get SIGHUP
+    let start = Instant::now();
+    let running = || {
+        Command::new("pgrep")
+            .args(["-f", &history.display().to_string()])
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false)
+    };
+    while running() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "gen chat outlived its terminal"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        text.contains("Tell me a long story."),
+        "the pane was logged: {text}"
+    );
+    assert!(!text.contains("panicked"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
