@@ -10,6 +10,7 @@
 //! GEN_BENCH_MAX_NEW (128), GEN_BENCH_SIZES (1,4,8,16), GEN_BENCH_MODEL (default model),
 //! GEN_BENCH_SKIP_LOOP (set: skip the one-process-per-prompt runs, for quick batch-only
 //! measurements), GEN_BENCH_KEEP (set: keep the prompt files and print where they are).
+//! The prompts are cut from assets/bench-prompt-1000.txt; there is no peer here (gen against gen).
 //! Not a test: nothing here asserts a speed.
 
 mod common;
@@ -77,10 +78,10 @@ fn main() {
         .split(',')
         .filter_map(|s| s.trim().parse().ok())
         .collect();
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let model = common::bench_model();
-    let text = std::fs::read_to_string(root.join("../shared/bench/prompt-1000.txt"))
-        .expect("read ../shared/bench/prompt-1000.txt");
+    let text_path = common::bench_text();
+    let text = std::fs::read_to_string(&text_path)
+        .unwrap_or_else(|e| common::fail(&format!("cannot read {}: {e}", text_path.display())));
     let prompts = prompts(&model, &text, count);
     let dir = std::env::temp_dir().join(format!("gen-bench-batch-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -179,6 +179,11 @@ pub struct Args {
     /// Print no report and no progress bars.
     #[arg(short, long)]
     pub quiet: bool,
+
+    /// Show the output of the tools gen runs: pip's own lines (and, on a terminal, its progress
+    /// bar) while fetching a known model, instead of gen's one bar.
+    #[arg(short, long, conflicts_with = "quiet")]
+    pub verbose: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -287,6 +292,8 @@ pub struct Config {
     pub threads: Option<usize>,
     pub stats: StatsFormat,
     pub quiet: bool,
+    /// Show the fetch tools' own output (`--verbose`).
+    pub verbose: bool,
 }
 
 impl Args {
@@ -388,6 +395,7 @@ impl Args {
             threads: self.threads,
             stats: self.stats,
             quiet: self.quiet,
+            verbose: self.verbose,
         })
     }
 }

