@@ -20,7 +20,7 @@ use std::path::{Component, Path, PathBuf};
 const HOSTILE_INPUTS: &[(&str, &str)] = &[
     ("src/source/hub.rs", "../x"),
     ("src/source/hub.rs", "a/../../b"),
-    ("src/model/checkpoint.rs", "../x.safetensors"),
+    ("src/format/checkpoint.rs", "../x.safetensors"),
     ("tests/hub.rs", "../../x.gguf"),
     ("tests/hub.rs", "../x"),
 ];
