@@ -14,6 +14,8 @@ const AFTER_HELP: &str = "\
 Examples:
   gen --prompt \"Once upon a time\" --max-new 200
   echo \"Write a haiku about rust\" | gen --chat --temperature 0.7
+  gen chat --system \"Answer briefly.\"
+  gen chat --messages saved.json < more-turns.txt
   gen --prompt-file question.txt --stop \"\\n\\n\" --stats json 2>stats.json
   gen --batch prompts.jsonl --temperature 0 > replies.jsonl
   gen --model ./my-model.gguf --prompt \"Hello\"
