@@ -107,6 +107,19 @@ impl Generation {
     }
 }
 
+/// A prompt generation can start from: not empty, with room for a reply in the window.
+fn check_fits(prompt: &[u32], limits: &Limits) -> Result<()> {
+    anyhow::ensure!(!prompt.is_empty(), "the prompt has no tokens");
+    anyhow::ensure!(limits.max_new > 0, "max-new must be at least 1");
+    anyhow::ensure!(
+        prompt.len() < limits.context_len,
+        "the prompt ({} tokens) does not fit the context window ({} tokens) with room for a reply",
+        prompt.len(),
+        limits.context_len
+    );
+    Ok(())
+}
+
 /// Generate a reply to `prompt` (token ids, not empty).
 pub fn generate(
     model: &mut dyn LanguageModel,
@@ -116,14 +129,7 @@ pub fn generate(
     limits: &Limits,
     sink: &mut dyn TokenSink,
 ) -> Result<Generation> {
-    anyhow::ensure!(!prompt.is_empty(), "the prompt has no tokens");
-    anyhow::ensure!(limits.max_new > 0, "max-new must be at least 1");
-    anyhow::ensure!(
-        prompt.len() < limits.context_len,
-        "the prompt ({} tokens) does not fit the context window ({} tokens) with room for a reply",
-        prompt.len(),
-        limits.context_len
-    );
+    check_fits(prompt, limits)?;
     let capacity = (prompt.len() + limits.max_new).min(limits.context_len);
     // One sequence: a pool just big enough for it, its blocks taken up front.
     model.reserve_pool(crate::model::kv_cache::blocks_for(capacity))?;
@@ -153,16 +159,10 @@ pub fn continue_sequence(
     limits: &Limits,
     sink: &mut dyn TokenSink,
 ) -> Result<Generation> {
+    check_fits(prompt, limits)?;
     anyhow::ensure!(
         cached < prompt.len(),
         "a turn must prefill at least one token"
-    );
-    anyhow::ensure!(limits.max_new > 0, "max-new must be at least 1");
-    anyhow::ensure!(
-        prompt.len() < limits.context_len,
-        "the conversation ({} tokens) does not fit the context window ({} tokens) with room for a reply",
-        prompt.len(),
-        limits.context_len
     );
     model.truncate(seq, cached);
     anyhow::ensure!(

@@ -184,6 +184,13 @@ fn bad_conversation_files_are_one_line_and_a_failure() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// tmux on a server of this test binary's own (not the user's, if one runs).
+fn tmux() -> Command {
+    let mut c = Command::new("tmux");
+    c.args(["-L", &format!("gen-tests-{}", std::process::id())]);
+    c
+}
+
 /// A tmux session running one command on a 100x40 terminal.
 struct Tmux {
     name: String,
@@ -191,27 +198,34 @@ struct Tmux {
 
 impl Tmux {
     fn start(tag: &str, command: &str) -> Self {
+        // Sessions start one at a time: two `new-session`s racing to start the tmux server can
+        // fail to connect to it.
+        static START: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _one = START.lock().unwrap_or_else(|e| e.into_inner());
         let name = format!("gen-chat-{tag}-{}", std::process::id());
-        let status = Command::new("tmux")
-            .args([
-                "new-session",
-                "-d",
-                "-x",
-                "100",
-                "-y",
-                "40",
-                "-s",
-                &name,
-                command,
-            ])
-            .status()
-            .expect("tmux (the chat tests run gen on a real terminal through it)");
-        assert!(status.success());
+        let size = ["-x", "100", "-y", "40"];
+        for attempt in 0.. {
+            let out = tmux()
+                .args(["new-session", "-d"])
+                .args(size)
+                .args(["-s", &name, command])
+                .output()
+                .expect("tmux (the chat tests run gen on a real terminal through it)");
+            if out.status.success() {
+                break;
+            }
+            assert!(
+                attempt < 5,
+                "tmux new-session: {}",
+                common::text(&out.stderr)
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
         Tmux { name }
     }
 
     fn screen(&self) -> String {
-        let out = Command::new("tmux")
+        let out = tmux()
             .args(["capture-pane", "-p", "-J", "-S", "-200", "-t", &self.name])
             .output()
             .unwrap();
@@ -219,7 +233,7 @@ impl Tmux {
     }
 
     fn keys(&self, keys: &[&str]) {
-        let status = Command::new("tmux")
+        let status = tmux()
             .args(["send-keys", "-t", &self.name])
             .args(keys)
             .status()
@@ -246,9 +260,7 @@ impl Tmux {
 
 impl Drop for Tmux {
     fn drop(&mut self) {
-        let _ = Command::new("tmux")
-            .args(["kill-session", "-t", &self.name])
-            .status();
+        let _ = tmux().args(["kill-session", "-t", &self.name]).status();
     }
 }
 
@@ -496,14 +508,17 @@ fn a_terminal_that_goes_away_ends_the_chat_without_a_panic() {
     let dir = temp("hup");
     let log = dir.join("pane.log");
     let history = dir.join("history");
+    let pid_file = dir.join("pid");
+    // The shell writes its pid and becomes gen (exec), so the file holds gen's pid.
     let cmd = format!(
-        "NO_COLOR=1 GEN_CHAT_HISTORY={} {} chat --model {} --temperature 0 --max-new 2000 --ignore-eos",
+        "echo $$ > {}; exec env NO_COLOR=1 GEN_CHAT_HISTORY={} {} chat --model {} --temperature 0 --max-new 2000 --ignore-eos",
+        pid_file.display(),
         history.display(),
         env!("CARGO_BIN_EXE_gen"),
         common::smollm2().display(),
     );
     let t = Tmux::start("hup", &cmd);
-    let status = Command::new("tmux")
+    let status = tmux()
         .args(["pipe-pane", "-t", &t.name, "-o"])
         .arg(format!("cat >> {}", log.display()))
         .status()
@@ -519,13 +534,12 @@ fn a_terminal_that_goes_away_ends_the_chat_without_a_panic() {
     });
     drop(t); // kill-session: the pane's processes get SIGHUP
     let start = Instant::now();
-    let running = || {
-        Command::new("pgrep")
-            .args(["-f", &history.display().to_string()])
-            .output()
-            .map(|o| o.status.success())
-            .unwrap_or(false)
-    };
+    let pid: u32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let running = || Path::new(&format!("/proc/{pid}")).exists();
     while running() {
         assert!(
             start.elapsed() < Duration::from_secs(20),
