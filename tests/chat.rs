@@ -18,29 +18,32 @@ fn temp(tag: &str) -> PathBuf {
 
 /// `gen chat` fed `input` on a pipe; (stdout, stderr, success).
 fn scripted(args: &[&str], input: &str) -> (String, String, bool) {
-    let mut child = common::gen()
-        .arg("chat")
+    let mut cmd = common::gen();
+    cmd.arg("chat")
         .arg("--model")
         .arg(common::smollm2())
         .args(["--temperature", "0"])
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(input.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
+        .args(args);
+    let out = with_stdin(cmd, input);
     (
         common::text(&out.stdout),
         common::text(&out.stderr),
         out.status.success(),
     )
+}
+
+/// Run `cmd` with `input` on its standard input; its output.
+fn with_stdin(mut cmd: Command, input: &str) -> std::process::Output {
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(input.as_bytes()).unwrap();
+    drop(stdin);
+    child.wait_with_output().unwrap()
 }
 
 /// (prefilled, reused) of each status line.
@@ -399,30 +402,17 @@ fn batch_lines_may_carry_a_conversation() {
     let input = format!(
         "{{\"id\": 1, \"messages\": {conv}}}\n{{\"id\": 2, \"messages\": [], \"x\": 1}}\n{{\"id\": 3, \"prompt\": \"a\", \"messages\": {conv}}}\n"
     );
-    let mut child = common::gen()
-        .arg("--model")
-        .arg(common::smollm2())
-        .args([
-            "--batch",
-            "-",
-            "--temperature",
-            "0",
-            "--max-new",
-            "12",
-            "-q",
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(input.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
+    let mut cmd = common::gen();
+    cmd.arg("--model").arg(common::smollm2()).args([
+        "--batch",
+        "-",
+        "--temperature",
+        "0",
+        "--max-new",
+        "12",
+        "-q",
+    ]);
+    let out = with_stdin(cmd, &input);
     let lines: Vec<serde_json::Value> = common::text(&out.stdout)
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
