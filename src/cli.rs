@@ -147,8 +147,9 @@ pub struct Args {
     pub echo: bool,
 
     /// Run many prompts: one per line of FILE (`-`: standard input), plain text or JSON Lines
-    /// with {"prompt", and optionally "id", "max_new", "temperature", "seed", "stop"}; other
-    /// fields are ignored. Writes one JSON object per prompt to stdout, in input order.
+    /// with {"prompt" (or "messages", a conversation), and optionally "id", "max_new",
+    /// "temperature", "seed", "stop"}; other fields are ignored. Writes one JSON object per
+    /// prompt to stdout, in input order.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt", "prompt_file", "echo"])]
     pub batch: Option<PathBuf>,
 
