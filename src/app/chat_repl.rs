@@ -18,15 +18,14 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Context, Result};
 
-use super::{Outcome, Session};
+use super::{Outcome, Session, StreamSink};
 use crate::cli::Config;
 use crate::conversation::Conversation;
-use crate::generate::{self, Flow, Generation, Limits, StopReason, TokenSink};
+use crate::generate::{self, Generation, Limits, StopReason};
 use crate::model::SeqId;
 use crate::output::{StopMatcher, TextOut};
 use crate::report::Report;
 use crate::sampler::{Sampler, SamplingParams};
-use crate::tokenizer::TextStream;
 use crate::{interrupt, model::kv_cache::blocks_for};
 
 const HELP: &str = "\
@@ -224,11 +223,11 @@ impl Chat {
         };
         let stdout = std::io::stdout();
         let mut out = TextOut::new(stdout.lock());
-        let mut sink = ChatSink {
+        let mut sink = StreamSink {
             text: loaded.tokenizer.stream(),
             stops: StopMatcher::new(self.stops.clone()),
             out: &mut out,
-            reply: String::new(),
+            kept: Some(String::new()),
         };
         let result = generate::continue_sequence(
             loaded.model.as_mut(),
@@ -250,7 +249,7 @@ impl Chat {
             }
         };
         sink.finish(gen.stop)?;
-        let reply = std::mem::take(&mut sink.reply);
+        let reply = sink.kept.take().unwrap_or_default();
         drop(out);
         self.conv.push("assistant", &reply);
         // What the next turn may reuse: the conversation up to this reply, whose keys and
@@ -535,49 +534,5 @@ impl reedline::Prompt for ChatPrompt {
         search: reedline::PromptHistorySearch,
     ) -> std::borrow::Cow<'_, str> {
         format!("(search: {}) ", search.term).into()
-    }
-}
-
-/// Streams a reply out and keeps its text.
-struct ChatSink<'a, 'w, W: Write> {
-    text: TextStream<'a>,
-    stops: StopMatcher,
-    out: &'w mut TextOut<W>,
-    reply: String,
-}
-
-impl<W: Write> ChatSink<'_, '_, W> {
-    fn emit(&mut self, text: &str) -> Result<bool> {
-        self.reply.push_str(text);
-        Ok(self.out.write(text)?)
-    }
-
-    fn finish(&mut self, stop: StopReason) -> Result<()> {
-        if matches!(stop, StopReason::Stop | StopReason::OutputClosed) {
-            return Ok(());
-        }
-        let mut rest = self.text.finish();
-        rest.push_str(&self.stops.push("").text);
-        rest.push_str(&self.stops.finish());
-        self.emit(&rest)?;
-        Ok(())
-    }
-}
-
-impl<W: Write> TokenSink for ChatSink<'_, '_, W> {
-    fn on_token(&mut self, id: u32) -> Result<Flow> {
-        let piece = self.text.push(id)?;
-        let release = self.stops.push(&piece);
-        if !self.emit(&release.text)? {
-            return Ok(Flow::Stop(StopReason::OutputClosed));
-        }
-        if release.stopped {
-            return Ok(Flow::Stop(StopReason::Stop));
-        }
-        Ok(Flow::Continue)
-    }
-
-    fn cancelled(&self) -> Option<StopReason> {
-        interrupt::requested().then_some(StopReason::Interrupted)
     }
 }

@@ -219,6 +219,7 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         text: loaded.tokenizer.stream(),
         stops: StopMatcher::new(cfg.stops.clone()),
         out: &mut out,
+        kept: None,
     };
     let mut sampler = Sampler::new(cfg.sampling.clone());
     let limits = Limits {
@@ -386,9 +387,19 @@ struct StreamSink<'a, 'w, W: Write> {
     text: TextStream<'a>,
     stops: StopMatcher,
     out: &'w mut TextOut<W>,
+    /// Some: also keep the text written (gen chat keeps each reply in the conversation).
+    kept: Option<String>,
 }
 
 impl<W: Write> StreamSink<'_, '_, W> {
+    /// Write `text` out (and keep it, if asked); false once the reader went away.
+    fn emit(&mut self, text: &str) -> Result<bool> {
+        if let Some(kept) = &mut self.kept {
+            kept.push_str(text);
+        }
+        Ok(self.out.write(text)?)
+    }
+
     /// Flush what is still held back, unless a stop string or a closed pipe ended the run.
     fn finish(&mut self, stop: StopReason) -> Result<()> {
         if matches!(stop, StopReason::Stop | StopReason::OutputClosed) {
@@ -397,7 +408,7 @@ impl<W: Write> StreamSink<'_, '_, W> {
         let mut rest = self.text.finish();
         rest.push_str(&self.stops.push("").text);
         rest.push_str(&self.stops.finish());
-        self.out.write(&rest)?;
+        self.emit(&rest)?;
         Ok(())
     }
 }
@@ -406,7 +417,7 @@ impl<W: Write> TokenSink for StreamSink<'_, '_, W> {
     fn on_token(&mut self, id: u32) -> Result<Flow> {
         let piece = self.text.push(id)?;
         let release = self.stops.push(&piece);
-        if !self.out.write(&release.text)? {
+        if !self.emit(&release.text)? {
             return Ok(Flow::Stop(StopReason::OutputClosed));
         }
         if release.stopped {
