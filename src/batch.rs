@@ -57,6 +57,8 @@ pub struct Outcome {
     pub wait: Duration,
     /// Times it was preempted for lack of KV cache blocks.
     pub preempted: usize,
+    /// What its grammar cost, if it had one.
+    pub mask: Option<crate::constraint::MaskStats>,
 }
 
 /// Receives tokens and finished sequences; `index` is the request's position.
@@ -111,6 +113,7 @@ impl Seq {
             time_to_first_token: self.ttft.unwrap_or_default(),
             wait: self.wait.unwrap_or_default(),
             preempted: self.preempted,
+            mask: self.sampler.constraint().map(|c| c.stats()),
         }
     }
 }
@@ -219,6 +222,9 @@ pub fn run(
                     ended.push((row, StopReason::OutputClosed));
                 }
                 Flow::Stop(reason) => ended.push((row, reason)),
+                Flow::Continue if s.sampler.grammar_complete() => {
+                    ended.push((row, StopReason::Grammar))
+                }
                 Flow::Continue if generated + 1 >= s.max_new => {
                     ended.push((row, StopReason::MaxNew))
                 }

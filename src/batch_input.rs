@@ -6,6 +6,8 @@
 
 use serde::Deserialize;
 
+use crate::constraint::Spec;
+
 /// How to read the batch file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum BatchFormat {
@@ -31,6 +33,10 @@ pub struct Entry {
     pub temperature: Option<f64>,
     pub seed: Option<u64>,
     pub stop: Option<Vec<String>>,
+    /// What the reply must be: `"json": true` (or `"any"`), `"json_schema": {...}`,
+    /// `"grammar": "..."` or `"regex": "..."`, already checked. None: as on the command line;
+    /// Some(None): no constraint for this line (`"json": false`).
+    pub constraint: Option<Option<Spec>>,
 }
 
 /// A line that could not be read as a prompt.
@@ -65,6 +71,49 @@ struct Record {
     seed: Option<serde_json::Value>,
     #[serde(default)]
     stop: Option<serde_json::Value>,
+    #[serde(default)]
+    json: Option<serde_json::Value>,
+    #[serde(default)]
+    json_schema: Option<serde_json::Value>,
+    #[serde(default)]
+    grammar: Option<serde_json::Value>,
+    #[serde(default)]
+    regex: Option<serde_json::Value>,
+}
+
+/// A line's constraint fields, compiled once here so a bad one fails its line before the
+/// model loads.
+fn parse_constraint(r: &Record) -> Result<Option<Option<Spec>>, String> {
+    use serde_json::Value;
+    let given = [&r.json, &r.json_schema, &r.grammar, &r.regex]
+        .iter()
+        .filter(|v| !matches!(v, None | Some(Value::Null)))
+        .count();
+    if given > 1 {
+        return Err("give one of \"json\", \"json_schema\", \"grammar\" and \"regex\"".into());
+    }
+    let (spec, field) = match (&r.json, &r.json_schema, &r.grammar, &r.regex) {
+        (Some(Value::Bool(false)), ..) => return Ok(Some(None)),
+        (Some(Value::Bool(true)), ..) => (Spec::json_object(), "json"),
+        (Some(Value::String(k)), ..) if k == "object" => (Spec::json_object(), "json"),
+        (Some(Value::String(k)), ..) if k == "any" => (Spec::AnyJson, "json"),
+        (Some(v), ..) if !v.is_null() => {
+            return Err("\"json\" must be true, false, \"object\" or \"any\"".into())
+        }
+        (_, Some(v @ (Value::Object(_) | Value::Bool(_))), ..) => {
+            (Spec::JsonSchema(v.clone()), "json_schema")
+        }
+        (_, Some(v), ..) if !v.is_null() => {
+            return Err("\"json_schema\" must be a JSON Schema (an object)".into())
+        }
+        (_, _, Some(Value::String(g)), _) => (Spec::Grammar(g.clone()), "grammar"),
+        (_, _, Some(v), _) if !v.is_null() => return Err("\"grammar\" must be a string".into()),
+        (_, _, _, Some(Value::String(rx))) => (Spec::Regex(rx.clone()), "regex"),
+        (_, _, _, Some(v)) if !v.is_null() => return Err("\"regex\" must be a string".into()),
+        _ => return Ok(None),
+    };
+    spec.check().map_err(|e| format!("\"{field}\": {e:#}"))?;
+    Ok(Some(Some(spec)))
 }
 
 /// Split the input into prompts, in order. Blank lines are skipped.
@@ -94,6 +143,7 @@ pub fn parse(input: &str, format: BatchFormat) -> Vec<Result<Entry, LineError>> 
                     temperature: None,
                     seed: None,
                     stop: None,
+                    constraint: None,
                 })
             })
             .collect();
@@ -112,12 +162,14 @@ fn parse_record(line: usize, text: &str) -> Result<Entry, LineError> {
         ));
     }
     let r: Record = serde_json::from_value(value).map_err(|e| fail(None, e.to_string()))?;
+    let constraint = parse_constraint(&r);
     let id = match r.id {
         None | Some(serde_json::Value::Null) => None,
         Some(v @ (serde_json::Value::String(_) | serde_json::Value::Number(_))) => Some(v),
         Some(_) => return Err(fail(None, "\"id\" must be a string or a number".into())),
     };
     let fail = |message: &str| fail(id.clone(), message.to_string());
+    let constraint = constraint.map_err(|e| fail(&e))?;
     let (prompt, messages) = match (r.prompt, r.messages) {
         (Some(_), Some(_)) => return Err(fail("give \"prompt\" or \"messages\", not both")),
         (Some(serde_json::Value::String(p)), None) => (p, None),
@@ -180,6 +232,7 @@ fn parse_record(line: usize, text: &str) -> Result<Entry, LineError> {
         temperature,
         seed,
         stop,
+        constraint,
     })
 }
 

@@ -7,6 +7,7 @@ use anyhow::{bail, Result};
 use clap::{Parser, ValueEnum};
 
 use crate::batch_input::BatchFormat;
+use crate::constraint::Spec;
 use crate::sampler::SamplingParams;
 use crate::source::{self, ModelSpec};
 
@@ -146,6 +147,27 @@ pub struct Args {
     #[arg(long)]
     pub echo: bool,
 
+    /// The reply is JSON that parses: an object (`--json`), or any JSON value (`--json=any`).
+    /// Generation ends where the value does.
+    #[arg(long, value_enum, num_args = 0..=1, require_equals = true,
+          default_missing_value = "object", value_name = "KIND",
+          conflicts_with_all = ["json_schema", "grammar", "regex"])]
+    pub json: Option<JsonKind>,
+
+    /// The reply is JSON valid under this JSON Schema: a file, or the schema itself inline
+    /// (`'{"type": "object", ...}'`).
+    #[arg(long, value_name = "FILE|JSON", conflicts_with_all = ["grammar", "regex"])]
+    pub json_schema: Option<String>,
+
+    /// The reply follows this context-free grammar, in llguidance's Lark-like syntax (rules
+    /// `name: ...`, `/regex/` terminals, `%json {...}` for an embedded schema; see the README).
+    #[arg(long, value_name = "FILE", conflicts_with = "regex")]
+    pub grammar: Option<PathBuf>,
+
+    /// The whole reply matches this regular expression.
+    #[arg(long, value_name = "PATTERN", allow_hyphen_values = true)]
+    pub regex: Option<String>,
+
     /// Run many prompts: one per line of FILE (`-`: standard input), plain text or JSON Lines
     /// with {"prompt" (or "messages", a conversation), and optionally "id", "max_new",
     /// "temperature", "seed", "stop"}; other fields are ignored. Writes one JSON object per
@@ -193,6 +215,14 @@ pub struct Args {
 pub enum Command {
     /// A multi-turn conversation.
     Chat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum JsonKind {
+    /// A JSON object.
+    Object,
+    /// Any JSON value.
+    Any,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -291,6 +321,8 @@ pub struct Config {
     pub ctx_size: Option<usize>,
     pub ignore_eos: bool,
     pub sampling: SamplingParams,
+    /// What the reply must be (--json, --json-schema, --grammar, --regex); already checked.
+    pub constraint: Option<Spec>,
     pub device: DeviceChoice,
     pub threads: Option<usize>,
     pub stats: StatsFormat,
@@ -352,6 +384,10 @@ impl Args {
             seed,
         };
         sampling.validate()?;
+        let constraint = structured_spec(self.json, self.json_schema, self.grammar, self.regex)?;
+        if interactive && constraint.is_some() {
+            bail!("--json, --json-schema, --grammar and --regex apply to one prompt (and --batch), not gen chat");
+        }
         let prompt = match (self.prompt, self.prompt_file) {
             (_, Some(path)) => PromptSource::File(path),
             (Some(p), None) if p == "-" => PromptSource::Stdin,
@@ -394,6 +430,7 @@ impl Args {
             ctx_size: self.ctx_size,
             ignore_eos: self.ignore_eos,
             sampling,
+            constraint,
             device: self.device.parse()?,
             threads: self.threads,
             stats: self.stats,
@@ -401,6 +438,34 @@ impl Args {
             verbose: self.verbose,
         })
     }
+}
+
+/// The constraint asked for on the command line, compiled once to refuse a bad one before
+/// anything loads.
+fn structured_spec(
+    json: Option<JsonKind>,
+    json_schema: Option<String>,
+    grammar: Option<PathBuf>,
+    regex: Option<String>,
+) -> Result<Option<Spec>> {
+    let (spec, flag) = match (json, json_schema, grammar, regex) {
+        (Some(JsonKind::Object), ..) => (Spec::json_object(), "--json".to_string()),
+        (Some(JsonKind::Any), ..) => (Spec::AnyJson, "--json=any".to_string()),
+        (_, Some(arg), ..) => (
+            Spec::schema_from_arg(&arg).map_err(|e| anyhow::anyhow!("--json-schema: {e:#}"))?,
+            "--json-schema".to_string(),
+        ),
+        (_, _, Some(path), _) => {
+            let text = std::fs::read_to_string(&path).map_err(|e| {
+                anyhow::anyhow!("--grammar: cannot read {}: {e}", path.display())
+            })?;
+            (Spec::Grammar(text), format!("--grammar {}", path.display()))
+        }
+        (_, _, _, Some(rx)) => (Spec::Regex(rx), "--regex".to_string()),
+        _ => return Ok(None),
+    };
+    spec.check().map_err(|e| anyhow::anyhow!("{flag}: {e:#}"))?;
+    Ok(Some(spec))
 }
 
 /// True when an environment variable is set to something other than empty, 0, false or no.

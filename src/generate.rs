@@ -21,6 +21,9 @@ pub enum StopReason {
     MaxNew,
     /// A stop string appeared in the text.
     Stop,
+    /// The reply is complete by its grammar (--json, --json-schema, --grammar, --regex):
+    /// nothing may follow.
+    Grammar,
     /// The context window is full.
     ContextFull,
     /// The user pressed Ctrl-C.
@@ -35,6 +38,7 @@ impl StopReason {
             StopReason::Eos => "eos",
             StopReason::MaxNew => "max-new",
             StopReason::Stop => "stop",
+            StopReason::Grammar => "grammar",
             StopReason::ContextFull => "context-full",
             StopReason::Interrupted => "interrupted",
             StopReason::OutputClosed => "output-closed",
@@ -221,6 +225,9 @@ fn run_loop(
         history.push(next);
         if let Flow::Stop(reason) = sink.on_token(next)? {
             break reason;
+        }
+        if sampler.grammar_complete() {
+            break StopReason::Grammar;
         }
         if gen.tokens.len() >= limits.max_new {
             break StopReason::MaxNew;

@@ -9,6 +9,7 @@ pub mod batch;
 pub mod batch_input;
 pub mod chat;
 pub mod cli;
+pub mod constraint;
 pub mod conversation;
 pub mod format;
 pub mod generate;

@@ -24,6 +24,44 @@ pub struct Report {
     pub total_s: f64,
     pub stop_reason: String,
     pub seed: Option<u64>,
+    /// What the grammar cost, when the reply had one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub constraint: Option<ConstraintReport>,
+}
+
+/// The cost of a grammar (--json, --json-schema, --grammar, --regex).
+#[derive(Debug, Clone, Serialize)]
+pub struct ConstraintReport {
+    pub kind: String,
+    /// Token masks computed: one per sampled token.
+    pub masks: usize,
+    /// Mean time the engine took per mask, on its own thread, mostly while the forward pass ran.
+    pub mask_ms: f64,
+    /// Mean time per token the sampler waited for the engine: what the grammar added.
+    pub wait_ms_per_token: f64,
+}
+
+impl ConstraintReport {
+    pub fn new(kind: &str, stats: &[crate::constraint::MaskStats]) -> Self {
+        let masks: usize = stats.iter().map(|s| s.masks).sum();
+        let compute: f64 = stats.iter().map(|s| s.compute.as_secs_f64()).sum();
+        let wait: f64 = stats.iter().map(|s| s.wait.as_secs_f64()).sum();
+        let per = |t: f64| if masks > 0 { t * 1000.0 / masks as f64 } else { 0.0 };
+        Self {
+            kind: kind.to_string(),
+            masks,
+            mask_ms: per(compute),
+            wait_ms_per_token: per(wait),
+        }
+    }
+
+    fn write_human(&self, w: &mut dyn Write) -> std::io::Result<()> {
+        writeln!(
+            w,
+            "grammar        {}: {} masks, {:.3} ms each; waited {:.3} ms per token",
+            self.kind, self.masks, self.mask_ms, self.wait_ms_per_token
+        )
+    }
 }
 
 impl Report {
@@ -56,7 +94,13 @@ impl Report {
             total_s: ttft + decode,
             stop_reason: gen.stop.as_str().to_string(),
             seed,
+            constraint: None,
         }
+    }
+
+    pub fn with_constraint(mut self, constraint: Option<&crate::constraint::Constraint>) -> Self {
+        self.constraint = constraint.map(|c| ConstraintReport::new(c.kind(), &[c.stats()]));
+        self
     }
 
     pub fn write_human(&self, w: &mut dyn Write) -> std::io::Result<()> {
@@ -85,6 +129,9 @@ impl Report {
         )?;
         if let Some(seed) = self.seed {
             writeln!(w, "seed           {seed}")?;
+        }
+        if let Some(c) = &self.constraint {
+            c.write_human(w)?;
         }
         Ok(())
     }
@@ -117,6 +164,9 @@ pub struct BatchReport {
     pub kv_blocks_total: usize,
     pub kv_blocks_peak: usize,
     pub kv_peak_bytes: usize,
+    /// What the replies' grammars cost, all together, when any had one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub constraint: Option<ConstraintReport>,
 }
 
 impl BatchReport {
@@ -154,7 +204,22 @@ impl BatchReport {
             kv_blocks_total: stats.blocks_total,
             kv_blocks_peak: stats.blocks_peak,
             kv_peak_bytes: stats.blocks_peak * block_bytes,
+            constraint: None,
         }
+    }
+
+    /// `masks`: each constrained reply's kind of grammar and cost.
+    pub fn with_constraints(mut self, masks: &[(&str, crate::constraint::MaskStats)]) -> Self {
+        if let Some((first, _)) = masks.first() {
+            let kind = if masks.iter().all(|(k, _)| k == first) {
+                first
+            } else {
+                "mixed"
+            };
+            let stats: Vec<_> = masks.iter().map(|(_, s)| *s).collect();
+            self.constraint = Some(ConstraintReport::new(kind, &stats));
+        }
+        self
     }
 
     pub fn write_human(&self, w: &mut dyn Write) -> std::io::Result<()> {
@@ -191,7 +256,11 @@ impl BatchReport {
             } else {
                 String::new()
             }
-        )
+        )?;
+        if let Some(c) = &self.constraint {
+            c.write_human(w)?;
+        }
+        Ok(())
     }
 
     pub fn write_json(&self, w: &mut dyn Write) -> std::io::Result<()> {

@@ -8,6 +8,8 @@
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
 
+use crate::constraint::Constraint;
+
 /// What the user asked for. Validated by `SamplingParams::validate`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
@@ -73,6 +75,8 @@ pub struct Sampler {
     rng: SplitMix64,
     // Reused between calls so a decode step allocates nothing here.
     candidates: Vec<(u32, f32)>,
+    /// A grammar the reply must follow: its mask comes before every other step.
+    constraint: Option<Constraint>,
 }
 
 impl Sampler {
@@ -81,7 +85,23 @@ impl Sampler {
             rng: SplitMix64(params.seed),
             params,
             candidates: Vec::new(),
+            constraint: None,
         }
+    }
+
+    /// Sample only what `constraint` allows, and tell it each token sampled.
+    pub fn with_constraint(mut self, constraint: Constraint) -> Self {
+        self.constraint = Some(constraint);
+        self
+    }
+
+    pub fn constraint(&self) -> Option<&Constraint> {
+        self.constraint.as_ref()
+    }
+
+    /// Whether the grammar (if any) is complete: the reply must end here.
+    pub fn grammar_complete(&self) -> bool {
+        self.constraint.as_ref().is_some_and(Constraint::finished)
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -103,7 +123,7 @@ impl Sampler {
     /// whoever holds the logits may take the argmax where they are, for many rows at once.
     pub fn is_plain_argmax(&self) -> bool {
         let penalised = self.params.repeat_penalty != 1.0 && self.params.repeat_last_n > 0;
-        self.params.is_greedy() && !penalised
+        self.params.is_greedy() && !penalised && self.constraint.is_none()
     }
 
     /// `sample` on a row of logits already on the host (changed in place).
@@ -115,6 +135,17 @@ impl Sampler {
         if row.is_empty() {
             bail!("the model returned no logits");
         }
+        let Some(constraint) = self.constraint.as_mut() else {
+            return self.draw(row, history);
+        };
+        constraint.apply(row)?;
+        let id = self.draw(row, history)?;
+        let constraint = self.constraint.as_mut().expect("checked");
+        constraint.commit(id)?;
+        Ok(id)
+    }
+
+    fn draw(&mut self, row: &mut [f32], history: &[u32]) -> Result<u32> {
         let p = &self.params;
         if p.repeat_penalty != 1.0 {
             let start = history.len().saturating_sub(p.repeat_last_n);
@@ -350,5 +381,42 @@ mod tests {
             assert!(p.validate().is_err(), "{p:?}");
         }
         assert!(SamplingParams::default().validate().is_ok());
+    }
+
+    #[test]
+    fn a_constraint_masks_before_every_other_step() {
+        use crate::constraint::{byte_constraint, Spec};
+        // The model wants 'z' most; the grammar allows only digits, and '7' is the best of them.
+        let mut row = vec![0.0f32; 262];
+        row[usize::from(b'z')] = 10.0;
+        row[usize::from(b'7')] = 5.0;
+        row[usize::from(b'3')] = 4.0;
+        let greedy = SamplingParams::default();
+        let mut s = Sampler::new(greedy.clone())
+            .with_constraint(byte_constraint(&Spec::Regex("[0-9]{2}".into())));
+        assert!(!s.is_plain_argmax(), "a constrained row must reach the host");
+        assert_eq!(s.sample(&logits(&row), &[]).unwrap(), u32::from(b'7'));
+        assert!(!s.grammar_complete());
+        assert_eq!(s.sample(&logits(&row), &[]).unwrap(), u32::from(b'7'));
+        assert!(s.grammar_complete(), "two digits and the regex is done");
+
+        // Sampling: every draw is one the grammar allows, whatever the temperature.
+        let hot = SamplingParams {
+            temperature: 5.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 3,
+            ..greedy
+        };
+        let mut seen = std::collections::BTreeSet::new();
+        for i in 0..200 {
+            let mut s = Sampler::new(SamplingParams { seed: i, ..hot.clone() })
+                .with_constraint(byte_constraint(&Spec::Regex("[ab]".into())));
+            let id = s.sample(&logits(&row), &[]).unwrap();
+            assert!(id == u32::from(b'a') || id == u32::from(b'b'), "drew {id}");
+            seen.insert(id);
+        }
+        assert_eq!(seen.len(), 2, "both allowed tokens are drawn");
     }
 }

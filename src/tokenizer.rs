@@ -305,6 +305,9 @@ pub struct Tokenizer {
     strip_first_space: bool,
     /// See [`Tokenizer::max_token_bytes`].
     max_token_bytes: usize,
+    /// Per id: a special token (control, unknown, unused; a tokenizer.json's special added
+    /// tokens), which stands for no text of its own.
+    special: Vec<bool>,
     /// Input bytes the encoder may drop (no token holds them); all `true` when unknown.
     /// See [`Tokenizer::min_tokens`].
     droppable: [bool; 256],
@@ -452,7 +455,17 @@ impl Tokenizer {
 
         let max_token_bytes = longest_token(&tokens, &pieces);
         let droppable = gguf_droppable_bytes(&tokens, spm, unk.is_some());
+        let special = kinds
+            .iter()
+            .map(|k| {
+                matches!(
+                    k,
+                    TokenKind::Control | TokenKind::Unknown | TokenKind::Unused
+                )
+            })
+            .collect();
         Ok(Self {
+            special,
             inner,
             texts: tokens,
             pieces,
@@ -524,8 +537,15 @@ impl Tokenizer {
             .collect();
         let (pieces, strip_first_space) = hf_pieces(&inner, &texts)?;
         let max_token_bytes = longest_token(&texts, &pieces);
+        let mut special = vec![false; n];
+        for (id, t) in inner.get_added_tokens_decoder() {
+            if let Some(s) = special.get_mut(id as usize) {
+                *s = t.special;
+            }
+        }
 
         Ok(Self {
+            special,
             inner,
             texts,
             pieces,
@@ -633,6 +653,23 @@ impl Tokenizer {
     /// The vocabulary entry for `id` as stored (`Ġworld`, `▁world`, `<0x0A>`), not decoded.
     pub fn token_text(&self, id: u32) -> Option<String> {
         self.texts.get(id as usize).cloned()
+    }
+
+    /// The bytes `id` stands for in generated text (a special token: its name).
+    pub fn token_bytes(&self, id: u32) -> Option<&[u8]> {
+        self.pieces.get(id)
+    }
+
+    /// Whether `id` is a special token (BOS, EOS, end of turn, unknown, unused): one that
+    /// stands for no text, so no grammar may produce it as text.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special.get(id as usize).copied().unwrap_or(false)
+    }
+
+    /// Whether encoding puts a space in front of the text (SentencePiece `add_space_prefix`):
+    /// then encoding a piece of text on its own does not spell it as it reads mid-reply.
+    pub fn adds_space_prefix(&self) -> bool {
+        self.strip_first_space
     }
 
     /// The id of a vocabulary entry, written as stored (see `token_text`).

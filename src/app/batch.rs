@@ -12,6 +12,7 @@ use serde::Serialize;
 use super::{read_prompt, Outcome, Session};
 use crate::batch::{self, BatchOptions, BatchSink, Outcome as SeqOutcome, Request};
 use crate::batch_input::{self, Entry, LineError};
+use crate::constraint::{Grammars, MaskStats, Spec};
 use crate::cli::{BatchConfig, Config, PromptSource, StatsFormat};
 use crate::generate::{Flow, StopReason};
 use crate::interrupt;
@@ -54,6 +55,7 @@ struct Prepared {
     ids: Vec<u32>,
     max_new: usize,
     sampling: SamplingParams,
+    constraint: Option<Spec>,
 }
 
 pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
@@ -104,6 +106,16 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
     let pool_blocks = bc
         .kv_blocks
         .unwrap_or(longest * batch_size.min(prepared.len().max(1)));
+    let eos = if cfg.ignore_eos {
+        Vec::new()
+    } else {
+        session.loaded.tokenizer.eos_ids().to_vec()
+    };
+    let grammars = if prepared.iter().any(|p| p.constraint.is_some()) {
+        Some(Grammars::new(&session.loaded.tokenizer, &eos)?)
+    } else {
+        None
+    };
     // Prompts the pool cannot hold even alone fail now rather than wait forever.
     let mut requests = Vec::new();
     let mut ran = Vec::new();
@@ -124,10 +136,14 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
             out.error(p.index, e)?;
             continue;
         }
+        let mut sampler = Sampler::new(p.sampling.clone());
+        if let (Some(spec), Some(g)) = (&p.constraint, &grammars) {
+            sampler = sampler.with_constraint(g.constraint(spec)?);
+        }
         requests.push(Request {
             prompt: p.ids.clone(),
             max_new: p.max_new,
-            sampler: Sampler::new(p.sampling.clone()),
+            sampler,
         });
         ran.push(p);
     }
@@ -158,6 +174,8 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
         ran: &ran,
         out: &mut out,
         progress: progress.as_ref(),
+        quiet: cfg.quiet,
+        masks: Vec::new(),
         tokens: 0,
         started: std::time::Instant::now(),
     };
@@ -165,11 +183,7 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
         batch_size,
         context_len: session.context_len,
         pool_blocks,
-        eos: if cfg.ignore_eos {
-            Vec::new()
-        } else {
-            tokenizer.eos_ids().to_vec()
-        },
+        eos,
     };
     let stats = if requests.is_empty() {
         batch::BatchStats::default()
@@ -179,6 +193,7 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
     if let Some(bar) = &progress {
         bar.finish_and_clear();
     }
+    let masks = std::mem::take(&mut sink.masks);
     let closed = out.closed;
     let failed = out.failed;
 
@@ -192,7 +207,8 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
             batch_size,
             &stats,
             loaded.model.kv_bytes_per_token() * BLOCK_SIZE,
-        );
+        )
+        .with_constraints(&masks);
         let mut err = std::io::stderr().lock();
         match cfg.stats {
             StatsFormat::Human => report.write_human(&mut err)?,
@@ -239,12 +255,17 @@ fn prepare(
         .seed
         .unwrap_or_else(|| cfg.sampling.seed.wrapping_add(index as u64));
     sampling.validate().map_err(fail)?;
+    let constraint = match &entry.constraint {
+        Some(own) => own.clone(),
+        None => cfg.constraint.clone(),
+    };
     Ok(Prepared {
         index,
         entry,
         ids,
         max_new,
         sampling,
+        constraint,
     })
 }
 
@@ -261,6 +282,9 @@ struct Sink<'a, 't> {
     ran: &'a [Prepared],
     out: &'a mut Writer,
     progress: Option<&'a indicatif::ProgressBar>,
+    quiet: bool,
+    /// What each finished reply's grammar cost.
+    masks: Vec<(&'static str, MaskStats)>,
     tokens: usize,
     started: std::time::Instant,
 }
@@ -288,6 +312,12 @@ impl BatchSink for Sink<'_, '_> {
             t.text.push_str(&t.stops.finish());
         }
         let p = &self.ran[index];
+        if let (Some(spec), Some(stats)) = (&p.constraint, o.mask) {
+            self.masks.push((spec.kind(), stats));
+            if !self.quiet {
+                super::warn_incomplete(o.stop, Some(p.entry.line));
+            }
+        }
         let ms = |d: Duration| (d.as_secs_f64() * 1e5).round() / 100.0;
         let line = Line {
             index: p.index,

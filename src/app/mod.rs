@@ -7,6 +7,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
 
+use crate::constraint::Grammars;
 use crate::cli::{Config, DeviceChoice, PromptSource, StatsFormat};
 use crate::generate::{self, Flow, Limits, StopReason, TokenSink};
 use crate::output::{StopMatcher, TextOut};
@@ -221,7 +222,6 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         out: &mut out,
         kept: None,
     };
-    let mut sampler = Sampler::new(cfg.sampling.clone());
     let limits = Limits {
         max_new: cfg.max_new,
         context_len,
@@ -231,6 +231,11 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
     } else {
         loaded.tokenizer.eos_ids().to_vec()
     };
+    let mut sampler = Sampler::new(cfg.sampling.clone());
+    if let Some(spec) = &cfg.constraint {
+        let grammars = Grammars::new(&loaded.tokenizer, &eos)?;
+        sampler = sampler.with_constraint(grammars.constraint(spec)?);
+    }
     let gen = generate::generate(
         loaded.model.as_mut(),
         &prompt,
@@ -244,6 +249,9 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         out.write("\n")?;
     }
     drop(out);
+    if cfg.constraint.is_some() && !cfg.quiet {
+        warn_incomplete(gen.stop, None);
+    }
 
     if !cfg.quiet {
         let seed = (!cfg.sampling.is_greedy()).then_some(cfg.sampling.seed);
@@ -253,7 +261,8 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
             session.load_s,
             &gen,
             seed,
-        );
+        )
+        .with_constraint(sampler.constraint());
         let mut err = std::io::stderr().lock();
         match cfg.stats {
             StatsFormat::Human => report.write_human(&mut err)?,
@@ -265,6 +274,20 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
     } else {
         Outcome::Done
     })
+}
+
+/// A reply cut before its grammar's end is not valid output: say so (`item`: which batch
+/// line) rather than let a script find out.
+pub(crate) fn warn_incomplete(stop: StopReason, item: Option<usize>) {
+    let why = match stop {
+        StopReason::MaxNew => "--max-new came first",
+        StopReason::ContextFull => "the context window filled first",
+        StopReason::Stop => "a stop string came first",
+        StopReason::Interrupted => "interrupted",
+        _ => return,
+    };
+    let which = item.map_or(String::new(), |i| format!(" of line {i}"));
+    eprintln!("gen: warning: the reply{which} is incomplete by its grammar ({why}; stop: {})", stop.as_str());
 }
 
 fn stdout_is_terminal() -> bool {
