@@ -19,6 +19,7 @@ Examples:
   gen chat --messages saved.json < more-turns.txt
   gen --prompt-file question.txt --stop \"\\n\\n\" --stats json 2>stats.json
   gen --batch prompts.jsonl --temperature 0 > replies.jsonl
+  gen --chat --prompt \"Classify: I loved it\" --json-schema label.json
   gen --model ./my-model.gguf --prompt \"Hello\"
   gen --model TheOrg/Some-GGUF --model-file some.Q4_0.gguf --prompt \"Hello\"
 
@@ -170,8 +171,9 @@ pub struct Args {
 
     /// Run many prompts: one per line of FILE (`-`: standard input), plain text or JSON Lines
     /// with {"prompt" (or "messages", a conversation), and optionally "id", "max_new",
-    /// "temperature", "seed", "stop"}; other fields are ignored. Writes one JSON object per
-    /// prompt to stdout, in input order.
+    /// "temperature", "seed", "stop", and one of "json" (true), "json_schema" (a schema),
+    /// "grammar", "regex"}; other fields are ignored. Writes one JSON object per prompt to
+    /// stdout, in input order.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt", "prompt_file", "echo"])]
     pub batch: Option<PathBuf>,
 

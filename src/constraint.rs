@@ -402,6 +402,32 @@ pub(crate) fn byte_constraint(spec: &Spec) -> Constraint {
     Constraint::start(compile(&factory, spec).unwrap(), spec.kind()).unwrap()
 }
 
+/// Drive `spec` over the single-byte vocabulary: at each step take the allowed byte that
+/// `picks` points at (modulo how many are allowed), until the grammar is complete, only EOS is
+/// left, or the picks run out. Returns the bytes written and whether the grammar completed.
+/// For the fuzz target: whatever the spec, this must end without a panic or a hang.
+#[doc(hidden)]
+pub fn walk_bytes(spec: &Spec, picks: &[u8]) -> Result<(Vec<u8>, bool)> {
+    let env = byte_env();
+    let factory = factory(&env)?;
+    let mut c = Constraint::start(compile(&factory, spec)?, spec.kind())?;
+    let mut written = Vec::new();
+    for &pick in picks {
+        let mut logits = vec![0.0f32; env.tok_trie().vocab_size()];
+        c.apply(&mut logits)?;
+        let allowed: Vec<u8> = (0..=255u8).filter(|&b| logits[usize::from(b)] == 0.0).collect();
+        let Some(&b) = allowed.get(usize::from(pick) % allowed.len().max(1)) else {
+            break; // only EOS (or a special token) may come next
+        };
+        c.commit(u32::from(b))?;
+        written.push(b);
+        if c.finished() {
+            return Ok((written, true));
+        }
+    }
+    Ok((written, false))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

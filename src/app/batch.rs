@@ -111,42 +111,7 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
     } else {
         session.loaded.tokenizer.eos_ids().to_vec()
     };
-    let grammars = if prepared.iter().any(|p| p.constraint.is_some()) {
-        Some(Grammars::new(&session.loaded.tokenizer, &eos)?)
-    } else {
-        None
-    };
-    // Prompts the pool cannot hold even alone fail now rather than wait forever.
-    let mut requests = Vec::new();
-    let mut ran = Vec::new();
-    for p in prepared {
-        let need = blocks_for((p.ids.len() + p.max_new).min(session.context_len) + 1);
-        if need > pool_blocks {
-            let e = LineError {
-                line: p.entry.line,
-                id: p.entry.id.clone(),
-                message: format!(
-                    "needs {need} KV cache blocks of {BLOCK_SIZE} tokens, over --kv-blocks \
-                     {pool_blocks}"
-                ),
-            };
-            if !cfg.quiet {
-                eprintln!("gen: prompt {} ({e})", p.index + 1);
-            }
-            out.error(p.index, e)?;
-            continue;
-        }
-        let mut sampler = Sampler::new(p.sampling.clone());
-        if let (Some(spec), Some(g)) = (&p.constraint, &grammars) {
-            sampler = sampler.with_constraint(g.constraint(spec)?);
-        }
-        requests.push(Request {
-            prompt: p.ids.clone(),
-            max_new: p.max_new,
-            sampler,
-        });
-        ran.push(p);
-    }
+    let (requests, ran) = requests(&session, cfg, prepared, pool_blocks, &eos, &mut out)?;
 
     let loaded = &mut session.loaded;
     let tokenizer = &loaded.tokenizer;
@@ -223,6 +188,54 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
     } else {
         Outcome::Done
     })
+}
+
+/// The requests to run, with the prompts they came from. A prompt the pool cannot hold even
+/// alone fails now (its error line is written) rather than wait forever.
+fn requests(
+    session: &Session,
+    cfg: &Config,
+    prepared: Vec<Prepared>,
+    pool_blocks: usize,
+    eos: &[u32],
+    out: &mut Writer,
+) -> Result<(Vec<Request>, Vec<Prepared>)> {
+    let grammars = if prepared.iter().any(|p| p.constraint.is_some()) {
+        Some(Grammars::new(&session.loaded.tokenizer, eos)?)
+    } else {
+        None
+    };
+    let mut requests = Vec::new();
+    let mut ran = Vec::new();
+    for p in prepared {
+        let need = blocks_for((p.ids.len() + p.max_new).min(session.context_len) + 1);
+        if need > pool_blocks {
+            let e = LineError {
+                line: p.entry.line,
+                id: p.entry.id.clone(),
+                message: format!(
+                    "needs {need} KV cache blocks of {BLOCK_SIZE} tokens, over --kv-blocks \
+                     {pool_blocks}"
+                ),
+            };
+            if !cfg.quiet {
+                eprintln!("gen: prompt {} ({e})", p.index + 1);
+            }
+            out.error(p.index, e)?;
+            continue;
+        }
+        let mut sampler = Sampler::new(p.sampling.clone());
+        if let (Some(spec), Some(g)) = (&p.constraint, &grammars) {
+            sampler = sampler.with_constraint(g.constraint(spec)?);
+        }
+        requests.push(Request {
+            prompt: p.ids.clone(),
+            max_new: p.max_new,
+            sampler,
+        });
+        ran.push(p);
+    }
+    Ok((requests, ran))
 }
 
 fn prepare(
