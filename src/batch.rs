@@ -59,6 +59,8 @@ pub struct Outcome {
     pub preempted: usize,
     /// What its grammar cost, if it had one.
     pub mask: Option<crate::constraint::MaskStats>,
+    /// Why sampling failed, with stop `Failed` (its grammar engine hit a limit).
+    pub error: Option<String>,
 }
 
 /// Receives tokens and finished sequences; `index` is the request's position.
@@ -101,6 +103,7 @@ struct Seq {
     preempted: usize,
     wait: Option<Duration>,
     ttft: Option<Duration>,
+    error: Option<String>,
 }
 
 impl Seq {
@@ -114,6 +117,7 @@ impl Seq {
             wait: self.wait.unwrap_or_default(),
             preempted: self.preempted,
             mask: self.sampler.constraint().map(|c| c.stats()),
+            error: self.error,
         }
     }
 }
@@ -154,6 +158,7 @@ pub fn run(
             preempted: 0,
             wait: None,
             ttft: None,
+            error: None,
         })
         .collect();
     let mut running: Vec<Seq> = Vec::with_capacity(opts.batch_size);
@@ -203,7 +208,15 @@ pub fn run(
             let next = if s.sampler.is_plain_argmax() {
                 argmax[row]
             } else {
-                s.sampler.sample_row(&mut rows[row], &s.history)?
+                match s.sampler.sample_row(&mut rows[row], &s.history) {
+                    Ok(id) => id,
+                    // Only this reply fails; the others go on.
+                    Err(e) => {
+                        s.error = Some(format!("{e:#}"));
+                        ended.push((row, StopReason::Failed));
+                        continue;
+                    }
+                }
             };
             if s.ttft.is_none() {
                 s.wait = Some(pass_start - start);

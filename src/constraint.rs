@@ -395,11 +395,12 @@ fn next_mask(matcher: &mut Matcher) -> Result<Msg> {
 
 /// A constraint over a vocabulary of single bytes (id = byte, then 6 special tokens, the last
 /// one EOS), for tests of what uses constraints.
-#[cfg(test)]
-pub(crate) fn byte_constraint(spec: &Spec) -> Constraint {
+#[doc(hidden)]
+pub fn byte_constraint(spec: &Spec) -> Constraint {
     let env = byte_env();
-    let factory = factory(&env).unwrap();
-    Constraint::start(compile(&factory, spec).unwrap(), spec.kind()).unwrap()
+    let factory = factory(&env).expect("the byte vocabulary builds");
+    let matcher = compile(&factory, spec).expect("a spec for tests compiles");
+    Constraint::start(matcher, spec.kind()).expect("a thread starts")
 }
 
 /// Drive `spec` over the single-byte vocabulary: at each step take the allowed byte that

@@ -30,6 +30,9 @@ pub enum StopReason {
     Interrupted,
     /// Whoever reads our stdout closed it (e.g. `| head`).
     OutputClosed,
+    /// Sampling failed for this sequence (its grammar engine hit a limit): in a batch, that
+    /// reply ends with an error while the others go on.
+    Failed,
 }
 
 impl StopReason {
@@ -42,6 +45,7 @@ impl StopReason {
             StopReason::ContextFull => "context-full",
             StopReason::Interrupted => "interrupted",
             StopReason::OutputClosed => "output-closed",
+            StopReason::Failed => "error",
         }
     }
 }

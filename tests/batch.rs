@@ -220,6 +220,32 @@ impl TokenSink for Ids {
 /// The real default model: prompts of mixed lengths batched together give exactly the greedy
 /// ids each gives alone.
 #[test]
+fn a_reply_whose_sampling_fails_ends_alone_with_its_error() {
+    use gen::constraint::{byte_constraint, Spec};
+    // The grammar allows only bytes a-z (ids 97..122), none of which this 64-token model has:
+    // its first sample fails. The other two prompts must not notice.
+    let mut requests = greedy_requests(&[3, 4, 5], 4);
+    requests[1].sampler = Sampler::new(SamplingParams::default())
+        .with_constraint(byte_constraint(&Spec::Regex("[a-z]+".into())));
+    let mut model = Counting::new(100, 1000);
+    let mut sink = Collect::default();
+    let stats = batch::run(&mut model, requests, &opts(3, 30), &mut sink).unwrap();
+    sink.done.sort_by_key(|(i, _)| *i);
+    let outcomes: Vec<&Outcome> = sink.done.iter().map(|(_, o)| o).collect();
+    assert_eq!(outcomes.len(), 3);
+    assert_eq!(outcomes[1].stop, StopReason::Failed);
+    assert!(outcomes[1].tokens.is_empty());
+    let why = outcomes[1].error.as_deref().unwrap();
+    assert!(why.contains("allows no token"), "{why}");
+    for i in [0, 2] {
+        assert_eq!(outcomes[i].stop, StopReason::MaxNew);
+        assert_eq!(outcomes[i].tokens.len(), 4);
+        assert!(outcomes[i].error.is_none());
+    }
+    assert!(stats.blocks_returned);
+}
+
+#[test]
 fn batched_greedy_ids_equal_one_by_one_on_the_real_model() {
     let mut loaded = load_gguf(&common::smollm2(), &Device::Cpu, None).unwrap();
     let long = "Summarise the following. ".repeat(12) + "The end.";

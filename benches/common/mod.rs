@@ -1,4 +1,5 @@
 //! Helpers shared by the benchmarks.
+#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 

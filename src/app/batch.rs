@@ -337,7 +337,7 @@ impl BatchSink for Sink<'_, '_> {
             id: &p.entry.id,
             line: p.entry.line,
             text: Some(&t.text),
-            error: None,
+            error: o.error.as_deref(),
             prompt_tokens: Some(o.prompt_tokens),
             tokens: Some(o.tokens.len()),
             stop: Some(o.stop.as_str()),
@@ -348,6 +348,12 @@ impl BatchSink for Sink<'_, '_> {
         };
         let json = serde_json::to_string(&line)?;
         t.text = String::new();
+        if let Some(e) = &o.error {
+            self.out.failed += 1;
+            if !self.quiet {
+                eprintln!("gen: prompt {} (line {}: {e})", p.index + 1, p.entry.line);
+            }
+        }
         self.out.put(p.index, json)?;
         if let Some(bar) = self.progress {
             bar.set_position(self.out.written as u64);
