@@ -63,9 +63,13 @@ fn cases() -> Vec<Case> {
 
 fn gen_cmd(model: &Path, threads: usize) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_gen"));
-    c.arg("--model")
-        .arg(model)
-        .args(["--chat", "--temperature", "0", "--threads", &threads.to_string()]);
+    c.arg("--model").arg(model).args([
+        "--chat",
+        "--temperature",
+        "0",
+        "--threads",
+        &threads.to_string(),
+    ]);
     c
 }
 
@@ -94,9 +98,14 @@ fn batch(model: &Path, threads: usize, cases: &[Case], constrained: bool) -> Vec
         .expect("piped")
         .write_all(input.as_bytes())
         .unwrap_or_else(|e| fail(&e.to_string()));
-    let out = child.wait_with_output().unwrap_or_else(|e| fail(&e.to_string()));
+    let out = child
+        .wait_with_output()
+        .unwrap_or_else(|e| fail(&e.to_string()));
     if !out.status.success() {
-        fail(&format!("gen --batch failed: {}", String::from_utf8_lossy(&out.stderr)));
+        fail(&format!(
+            "gen --batch failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
     }
     String::from_utf8_lossy(&out.stdout)
         .lines()
@@ -138,7 +147,14 @@ fn validity(cases: &[Case], replies: &[String]) -> Validity {
 fn single(model: &Path, threads: usize, case: &Case, constrained: bool) -> (f64, f64, f64) {
     let schema = case.schema.to_string();
     let mut cmd = gen_cmd(model, threads);
-    cmd.args(["--prompt", &case.prompt, "--max-new", "64", "--stats", "json"]);
+    cmd.args([
+        "--prompt",
+        &case.prompt,
+        "--max-new",
+        "64",
+        "--stats",
+        "json",
+    ]);
     if constrained {
         cmd.args(["--json-schema", &schema]);
     }
@@ -190,7 +206,10 @@ fn main() {
     // One prompt per schema, alternating the two modes so drift hits both alike.
     let picked: Vec<&Case> = {
         let mut seen = std::collections::BTreeSet::new();
-        cases.iter().filter(|c| seen.insert(c.schema_name.clone())).collect()
+        cases
+            .iter()
+            .filter(|c| seen.insert(c.schema_name.clone()))
+            .collect()
     };
     let (mut free, mut bound, mut mask, mut wait) = (vec![], vec![], vec![], vec![]);
     for run in 0..runs {
@@ -205,7 +224,10 @@ fn main() {
     }
     let (free, bound) = (median(free), median(bound));
     println!();
-    println!("| single stream, {} prompts x {runs} | decode tok/s (median) |", picked.len());
+    println!(
+        "| single stream, {} prompts x {runs} | decode tok/s (median) |",
+        picked.len()
+    );
     println!("|---|---|");
     println!("| no constraint | {free:.1} |");
     println!("| --json-schema | {bound:.1} |");

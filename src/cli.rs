@@ -458,9 +458,8 @@ fn structured_spec(
             "--json-schema".to_string(),
         ),
         (_, _, Some(path), _) => {
-            let text = std::fs::read_to_string(&path).map_err(|e| {
-                anyhow::anyhow!("--grammar: cannot read {}: {e}", path.display())
-            })?;
+            let text = std::fs::read_to_string(&path)
+                .map_err(|e| anyhow::anyhow!("--grammar: cannot read {}: {e}", path.display()))?;
             (Spec::Grammar(text), format!("--grammar {}", path.display()))
         }
         (_, _, _, Some(rx)) => (Spec::Regex(rx), "--regex".to_string()),

@@ -62,8 +62,8 @@ impl Spec {
                 .with_context(|| format!("cannot read the schema file {arg}"))?;
             (text, format!("schema file {arg}"))
         };
-        let schema: Value = serde_json::from_str(&text)
-            .map_err(|e| anyhow!("{what} is not valid JSON: {e}"))?;
+        let schema: Value =
+            serde_json::from_str(&text).map_err(|e| anyhow!("{what} is not valid JSON: {e}"))?;
         Ok(Spec::JsonSchema(schema))
     }
 
@@ -416,7 +416,9 @@ pub fn walk_bytes(spec: &Spec, picks: &[u8]) -> Result<(Vec<u8>, bool)> {
     for &pick in picks {
         let mut logits = vec![0.0f32; env.tok_trie().vocab_size()];
         c.apply(&mut logits)?;
-        let allowed: Vec<u8> = (0..=255u8).filter(|&b| logits[usize::from(b)] == 0.0).collect();
+        let allowed: Vec<u8> = (0..=255u8)
+            .filter(|&b| logits[usize::from(b)] == 0.0)
+            .collect();
         let Some(&b) = allowed.get(usize::from(pick) % allowed.len().max(1)) else {
             break; // only EOS (or a special token) may come next
         };
@@ -436,9 +438,7 @@ mod tests {
     fn allowed_bytes(c: &mut Constraint) -> Vec<u8> {
         let mut logits = vec![0.0f32; 262];
         c.apply(&mut logits).unwrap();
-        (0..=255u8)
-            .filter(|&b| logits[b as usize] == 0.0)
-            .collect()
+        (0..=255u8).filter(|&b| logits[b as usize] == 0.0).collect()
     }
 
     #[test]
@@ -504,7 +504,10 @@ mod tests {
         assert_eq!(s["x-guidance"]["whitespace_flexible"], false);
         let own = serde_json::json!({"x-guidance": {"whitespace_flexible": true}});
         assert_eq!(with_layout(own.clone()).unwrap(), own);
-        assert_eq!(with_layout(serde_json::json!(true)).unwrap()["x-guidance"]["key_separator"], ": ");
+        assert_eq!(
+            with_layout(serde_json::json!(true)).unwrap()["x-guidance"]["key_separator"],
+            ": "
+        );
         assert!(with_layout(serde_json::json!(false)).is_err());
         assert!(with_layout(serde_json::json!([1])).is_err());
     }
@@ -538,15 +541,23 @@ mod tests {
     #[test]
     fn schema_args_are_inline_json_or_a_file() {
         let inline = Spec::schema_from_arg(r#"{"type": "string"}"#).unwrap();
-        assert_eq!(inline, Spec::JsonSchema(serde_json::json!({"type": "string"})));
+        assert_eq!(
+            inline,
+            Spec::JsonSchema(serde_json::json!({"type": "string"}))
+        );
         let dir = std::env::temp_dir().join(format!("gen-schema-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("s.json");
         std::fs::write(&file, r#"{"type": "integer"}"#).unwrap();
         let from_file = Spec::schema_from_arg(file.to_str().unwrap()).unwrap();
-        assert_eq!(from_file, Spec::JsonSchema(serde_json::json!({"type": "integer"})));
+        assert_eq!(
+            from_file,
+            Spec::JsonSchema(serde_json::json!({"type": "integer"}))
+        );
         std::fs::write(&file, "{not json").unwrap();
-        let err = Spec::schema_from_arg(file.to_str().unwrap()).unwrap_err().to_string();
+        let err = Spec::schema_from_arg(file.to_str().unwrap())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("not valid JSON"), "{err}");
         assert!(Spec::schema_from_arg("/no/such/schema.json").is_err());
         std::fs::remove_dir_all(&dir).unwrap();

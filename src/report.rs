@@ -46,7 +46,13 @@ impl ConstraintReport {
         let masks: usize = stats.iter().map(|s| s.masks).sum();
         let compute: f64 = stats.iter().map(|s| s.compute.as_secs_f64()).sum();
         let wait: f64 = stats.iter().map(|s| s.wait.as_secs_f64()).sum();
-        let per = |t: f64| if masks > 0 { t * 1000.0 / masks as f64 } else { 0.0 };
+        let per = |t: f64| {
+            if masks > 0 {
+                t * 1000.0 / masks as f64
+            } else {
+                0.0
+            }
+        };
         Self {
             kind: kind.to_string(),
             masks,

@@ -394,7 +394,10 @@ mod tests {
         let greedy = SamplingParams::default();
         let mut s = Sampler::new(greedy.clone())
             .with_constraint(byte_constraint(&Spec::Regex("[0-9]{2}".into())));
-        assert!(!s.is_plain_argmax(), "a constrained row must reach the host");
+        assert!(
+            !s.is_plain_argmax(),
+            "a constrained row must reach the host"
+        );
         assert_eq!(s.sample(&logits(&row), &[]).unwrap(), u32::from(b'7'));
         assert!(!s.grammar_complete());
         assert_eq!(s.sample(&logits(&row), &[]).unwrap(), u32::from(b'7'));
@@ -411,8 +414,11 @@ mod tests {
         };
         let mut seen = std::collections::BTreeSet::new();
         for i in 0..200 {
-            let mut s = Sampler::new(SamplingParams { seed: i, ..hot.clone() })
-                .with_constraint(byte_constraint(&Spec::Regex("[ab]".into())));
+            let mut s = Sampler::new(SamplingParams {
+                seed: i,
+                ..hot.clone()
+            })
+            .with_constraint(byte_constraint(&Spec::Regex("[ab]".into())));
             let id = s.sample(&logits(&row), &[]).unwrap();
             assert!(id == u32::from(b'a') || id == u32::from(b'b'), "drew {id}");
             seen.insert(id);

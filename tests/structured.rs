@@ -71,7 +71,8 @@ fn fifty(extra: &[&str]) -> (Vec<(String, Value)>, String) {
     let input: String = prompts
         .iter()
         .map(|(name, prompt)| {
-            let line = serde_json::json!({"id": name, "prompt": prompt, "json_schema": schemas[name]});
+            let line =
+                serde_json::json!({"id": name, "prompt": prompt, "json_schema": schemas[name]});
             format!("{line}\n")
         })
         .collect();
@@ -128,9 +129,15 @@ fn check_fifty(lines: &[(String, Value)], stderr: &str) -> usize {
 fn fifty_prompts_over_ten_schemas_validate_greedy_and_sampled() {
     let (greedy, stderr) = fifty(&["--temperature", "0"]);
     let complete = check_fifty(&greedy, &stderr);
-    assert_eq!(complete, 50, "greedy: every reply ends by its grammar within 200 tokens");
+    assert_eq!(
+        complete, 50,
+        "greedy: every reply ends by its grammar within 200 tokens"
+    );
     // The report counts one mask per generated token.
-    let generated: u64 = greedy.iter().map(|(_, l)| l["tokens"].as_u64().unwrap()).sum();
+    let generated: u64 = greedy
+        .iter()
+        .map(|(_, l)| l["tokens"].as_u64().unwrap())
+        .sum();
     assert!(
         stderr.contains(&format!("grammar        json-schema: {generated} masks")),
         "{stderr}"
@@ -138,7 +145,10 @@ fn fifty_prompts_over_ten_schemas_validate_greedy_and_sampled() {
 
     let (sampled, stderr) = fifty(&["--temperature", "0.9", "--seed", "11"]);
     let complete = check_fifty(&sampled, &stderr);
-    assert!(complete >= 45, "sampled: only {complete} of 50 ended by the grammar");
+    assert!(
+        complete >= 45,
+        "sampled: only {complete} of 50 ended by the grammar"
+    );
     let differ = greedy
         .iter()
         .zip(&sampled)
@@ -148,7 +158,15 @@ fn fifty_prompts_over_ten_schemas_validate_greedy_and_sampled() {
 }
 
 fn single(model: &str, prompt: &str, args: &[&str]) -> Output {
-    let mut all = vec!["--model", model, "--prompt", prompt, "--chat", "--temperature", "0"];
+    let mut all = vec![
+        "--model",
+        model,
+        "--prompt",
+        prompt,
+        "--chat",
+        "--temperature",
+        "0",
+    ];
     all.extend_from_slice(args);
     gen().args(&all).output().unwrap()
 }
@@ -165,23 +183,51 @@ fn greedy_with_a_schema_in_a_batch_equals_the_prompt_alone() {
     ];
     let input: String = picked
         .iter()
-        .map(|(name, p)| format!("{}\n", serde_json::json!({"prompt": p, "json_schema": schemas[*name]})))
-        .chain(std::iter::once("{\"prompt\": \"Say hello.\"}\n".to_string()))
+        .map(|(name, p)| {
+            format!(
+                "{}\n",
+                serde_json::json!({"prompt": p, "json_schema": schemas[*name]})
+            )
+        })
+        .chain(std::iter::once(
+            "{\"prompt\": \"Say hello.\"}\n".to_string(),
+        ))
         .collect();
     let out = run_with_stdin(
-        &["--model", model, "--batch", "-", "--chat", "--temperature", "0", "-n", "120"],
+        &[
+            "--model",
+            model,
+            "--batch",
+            "-",
+            "--chat",
+            "--temperature",
+            "0",
+            "-n",
+            "120",
+        ],
         &input,
     );
     assert!(out.status.success(), "{}", text(&out.stderr));
     let lines: Vec<Value> = common::jsonl(&text(&out.stdout));
     for ((name, prompt), line) in picked.iter().zip(&lines) {
         let schema = schemas[*name].to_string();
-        let alone = single(model, prompt, &["-n", "120", "--json-schema", &schema, "-q"]);
+        let alone = single(
+            model,
+            prompt,
+            &["-n", "120", "--json-schema", &schema, "-q"],
+        );
         assert!(alone.status.success(), "{}", text(&alone.stderr));
-        assert_eq!(text(&alone.stdout), line["text"].as_str().unwrap(), "{name}");
+        assert_eq!(
+            text(&alone.stdout),
+            line["text"].as_str().unwrap(),
+            "{name}"
+        );
         assert_eq!(line["stop"], "grammar");
     }
-    assert_ne!(lines[3]["stop"], "grammar", "the unconstrained line has no grammar");
+    assert_ne!(
+        lines[3]["stop"], "grammar",
+        "the unconstrained line has no grammar"
+    );
 }
 
 #[test]
@@ -199,13 +245,26 @@ fn a_lark_grammar_and_regexes_hold_whatever_the_model_wants() {
          mood: \"I am \" (\"happy\" | \"sad\") \".\"\n",
     )
     .unwrap();
-    let shape = regex::Regex::new(r"^(Hello|Hi|Goodbye) [A-Z][a-z]{1,10}!( I am (happy|sad)\.)?$")
-        .unwrap();
-    for (prompt, temp) in [("Greet Bob.", "0"), ("Write a long essay about the sea.", "0"), ("Say bye to Anna.", "1.0")] {
+    let shape =
+        regex::Regex::new(r"^(Hello|Hi|Goodbye) [A-Z][a-z]{1,10}!( I am (happy|sad)\.)?$").unwrap();
+    for (prompt, temp) in [
+        ("Greet Bob.", "0"),
+        ("Write a long essay about the sea.", "0"),
+        ("Say bye to Anna.", "1.0"),
+    ] {
         let out = single(
             model,
             prompt,
-            &["-n", "40", "--grammar", grammar.to_str().unwrap(), "--temperature", temp, "--seed", "5"],
+            &[
+                "-n",
+                "40",
+                "--grammar",
+                grammar.to_str().unwrap(),
+                "--temperature",
+                temp,
+                "--seed",
+                "5",
+            ],
         );
         assert!(out.status.success(), "{}", text(&out.stderr));
         let reply = text(&out.stdout);
@@ -218,7 +277,11 @@ fn a_lark_grammar_and_regexes_hold_whatever_the_model_wants() {
     for (rx, prompt, stop) in [
         (r"(yes|no)", "Is the sky blue? Answer yes or no.", "grammar"),
         (r"[0-9]{3}-[0-9]{4}", "Write a poem.", "grammar"),
-        (r"[a-z]+(, [a-z]+){2}", "Name three animals, comma separated.", "eos"),
+        (
+            r"[a-z]+(, [a-z]+){2}",
+            "Name three animals, comma separated.",
+            "eos",
+        ),
     ] {
         let out = single(model, prompt, &["-n", "40", "--regex", rx]);
         assert!(out.status.success(), "{}", text(&out.stderr));
@@ -231,12 +294,17 @@ fn a_lark_grammar_and_regexes_hold_whatever_the_model_wants() {
 
     // Told not to write JSON, the model still does under --json, and --json=any parses too.
     for flag in ["--json", "--json=any"] {
-        let out = single(model, "Do not write JSON. Write a poem about the sea.", &["-n", "150", flag]);
+        let out = single(
+            model,
+            "Do not write JSON. Write a poem about the sea.",
+            &["-n", "150", flag],
+        );
         assert!(out.status.success(), "{}", text(&out.stderr));
         let reply = text(&out.stdout);
         let err = text(&out.stderr);
         if err.contains("stop: grammar") {
-            let v: Value = serde_json::from_str(&reply).unwrap_or_else(|e| panic!("{reply:?}: {e}"));
+            let v: Value =
+                serde_json::from_str(&reply).unwrap_or_else(|e| panic!("{reply:?}: {e}"));
             if flag == "--json" {
                 assert!(v.is_object(), "{reply}");
             }
@@ -258,22 +326,51 @@ fn bad_specs_fail_in_one_line_before_the_model_loads() {
     let bad_schema = dir.join("bad.json");
     std::fs::write(&bad_schema, "{\"type\": \"object\",").unwrap();
     let cases: Vec<(Vec<String>, &str)> = vec![
-        (vec!["--json-schema".into(), r#"{"type": "strnig"}"#.into()], "--json-schema: "),
-        (vec!["--json-schema".into(), bad_schema.display().to_string()], "not valid JSON"),
-        (vec!["--json-schema".into(), "/no/such/schema.json".into()], "cannot read"),
-        (vec!["--json-schema".into(), r##"{"$ref": "#/$defs/nope"}"##.into()], "--json-schema: "),
-        (vec!["--grammar".into(), bad_grammar.display().to_string()], "--grammar "),
-        (vec!["--grammar".into(), "/no/such/grammar.lark".into()], "cannot read"),
+        (
+            vec!["--json-schema".into(), r#"{"type": "strnig"}"#.into()],
+            "--json-schema: ",
+        ),
+        (
+            vec!["--json-schema".into(), bad_schema.display().to_string()],
+            "not valid JSON",
+        ),
+        (
+            vec!["--json-schema".into(), "/no/such/schema.json".into()],
+            "cannot read",
+        ),
+        (
+            vec![
+                "--json-schema".into(),
+                r##"{"$ref": "#/$defs/nope"}"##.into(),
+            ],
+            "--json-schema: ",
+        ),
+        (
+            vec!["--grammar".into(), bad_grammar.display().to_string()],
+            "--grammar ",
+        ),
+        (
+            vec!["--grammar".into(), "/no/such/grammar.lark".into()],
+            "cannot read",
+        ),
         (vec!["--regex".into(), "(unclosed".into()], "--regex: "),
     ];
     for (args, expect) in cases {
         let mut all = vec!["--model", model, "--prompt", "hi"];
         all.extend(args.iter().map(String::as_str));
         let out = gen().args(&all).output().unwrap();
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out.stderr));
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
         let line = one_error_line(&out);
         assert!(line.contains(expect), "{args:?}: {line}");
-        assert!(!line.contains("nonexistent"), "the model was looked at first: {line}");
+        assert!(
+            !line.contains("nonexistent"),
+            "the model was looked at first: {line}"
+        );
     }
     // Two constraints at once is a usage error too.
     let out = gen()
@@ -296,7 +393,10 @@ fn a_reply_cut_by_max_new_says_so_and_the_report_has_the_mask_cost() {
     );
     assert!(out.status.success(), "{}", text(&out.stderr));
     let err = text(&out.stderr);
-    assert!(err.contains("is incomplete by its grammar (--max-new came first; stop: max-new)"), "{err}");
+    assert!(
+        err.contains("is incomplete by its grammar (--max-new came first; stop: max-new)"),
+        "{err}"
+    );
     let report: Value = serde_json::from_str(err.lines().last().unwrap()).unwrap();
     assert_eq!(report["stop_reason"], "max-new");
     assert_eq!(report["generated_tokens"], 6);
@@ -304,5 +404,9 @@ fn a_reply_cut_by_max_new_says_so_and_the_report_has_the_mask_cost() {
     assert_eq!(report["constraint"]["masks"], 6);
     assert!(report["constraint"]["mask_ms"].as_f64().unwrap() > 0.0);
     // What it wrote is the start of valid JSON, cut: not silently something else.
-    assert!(text(&out.stdout).starts_with("{\"book\": {"), "{}", text(&out.stdout));
+    assert!(
+        text(&out.stdout).starts_with("{\"book\": {"),
+        "{}",
+        text(&out.stdout)
+    );
 }

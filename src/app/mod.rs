@@ -7,8 +7,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
 
-use crate::constraint::Grammars;
 use crate::cli::{Config, DeviceChoice, PromptSource, StatsFormat};
+use crate::constraint::Grammars;
 use crate::generate::{self, Flow, Limits, StopReason, TokenSink};
 use crate::output::{StopMatcher, TextOut};
 use crate::report::Report;
@@ -287,7 +287,10 @@ pub(crate) fn warn_incomplete(stop: StopReason, item: Option<usize>) {
         _ => return,
     };
     let which = item.map_or(String::new(), |i| format!(" of line {i}"));
-    eprintln!("gen: warning: the reply{which} is incomplete by its grammar ({why}; stop: {})", stop.as_str());
+    eprintln!(
+        "gen: warning: the reply{which} is incomplete by its grammar ({why}; stop: {})",
+        stop.as_str()
+    );
 }
 
 fn stdout_is_terminal() -> bool {
