@@ -19,7 +19,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use common::{env_or, fail, median};
+use common::{env_or, fail, last_json, median};
 
 #[derive(Debug, Clone, Copy, Default)]
 struct Sample {
@@ -36,14 +36,6 @@ fn summarise(samples: &[Sample]) -> Sample {
         decode_tok_s: median(samples.iter().map(|s| s.decode_tok_s).collect()),
         prompt_tokens: median(samples.iter().map(|s| s.prompt_tokens).collect()),
     }
-}
-
-/// The last line of `text` that parses as a JSON object.
-fn last_json(text: &str) -> Option<serde_json::Value> {
-    text.lines()
-        .rev()
-        .filter(|l| l.trim_start().starts_with('{'))
-        .find_map(|l| serde_json::from_str(l).ok())
 }
 
 /// The four numbers of a report line (gen's `--stats json`, or the peer's line).

@@ -20,7 +20,7 @@ use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use common::{env_or, fail, median};
+use common::{env_or, fail, last_json, median};
 use serde_json::Value;
 
 fn asset(name: &str) -> String {
@@ -167,11 +167,7 @@ fn single(model: &Path, threads: usize, case: &Case, constrained: bool) -> (f64,
     if !out.status.success() {
         fail(&format!("gen failed: {}", err.trim()));
     }
-    let report: Value = err
-        .lines()
-        .rev()
-        .find_map(|l| serde_json::from_str(l).ok())
-        .unwrap_or_else(|| fail(&format!("no JSON report: {err}")));
+    let report = last_json(&err).unwrap_or_else(|| fail(&format!("no JSON report: {err}")));
     let c = &report["constraint"];
     (
         report["decode_tok_s"].as_f64().unwrap_or(f64::NAN),

@@ -81,6 +81,40 @@ struct Record {
     regex: Option<serde_json::Value>,
 }
 
+/// An OpenAI Batch API input line (`custom_id`, `method`, `url`, `body`) as gen's own fields:
+/// `custom_id` is the id, the body's `prompt` or `messages`, `max_tokens` (or
+/// `max_completion_tokens`), `temperature`, `seed` and `stop` carry over. Other lines pass as
+/// they are.
+fn from_openai_batch(value: serde_json::Value) -> Result<serde_json::Value, String> {
+    let (Some(custom_id), Some(body)) = (value.get("custom_id"), value.get("body")) else {
+        return Ok(value);
+    };
+    let body = body
+        .as_object()
+        .ok_or("\"body\" of a batch request must be an object")?;
+    if let Some(url) = value.get("url").and_then(|u| u.as_str()) {
+        if !url.ends_with("/completions") {
+            return Err(format!("batch request url {url:?}: gen runs /v1/completions and /v1/chat/completions"));
+        }
+    }
+    let mut line = serde_json::Map::new();
+    line.insert("id".into(), custom_id.clone());
+    for (from, to) in [
+        ("prompt", "prompt"),
+        ("messages", "messages"),
+        ("max_tokens", "max_new"),
+        ("max_completion_tokens", "max_new"),
+        ("temperature", "temperature"),
+        ("seed", "seed"),
+        ("stop", "stop"),
+    ] {
+        if let Some(v) = body.get(from).filter(|v| !v.is_null()) {
+            line.insert(to.into(), v.clone());
+        }
+    }
+    Ok(serde_json::Value::Object(line))
+}
+
 /// A line's constraint fields, compiled once here so a bad one fails its line before the
 /// model loads.
 fn parse_constraint(r: &Record) -> Result<Option<Option<Spec>>, String> {
@@ -161,6 +195,7 @@ fn parse_record(line: usize, text: &str) -> Result<Entry, LineError> {
             "expected a JSON object like {\"prompt\": \"...\"}".into(),
         ));
     }
+    let value = from_openai_batch(value).map_err(|m| fail(None, m))?;
     let r: Record = serde_json::from_value(value).map_err(|e| fail(None, e.to_string()))?;
     let constraint = parse_constraint(&r);
     let id = match r.id {
@@ -314,6 +349,27 @@ mod tests {
             .unwrap_err()
             .message
             .contains("not valid JSON"));
+    }
+
+    #[test]
+    fn openai_batch_lines_become_gen_lines() {
+        let input = [
+            r#"{"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7, "temperature": 0}}"#,
+            r#"{"custom_id": "r2", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Once", "seed": 4, "stop": "
+"}}"#,
+            r#"{"custom_id": "r3", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}"#,
+        ]
+        .join("\n");
+        let got = parse(&input, BatchFormat::Auto);
+        let a = got[0].as_ref().unwrap();
+        assert_eq!(a.id, Some(serde_json::json!("r1")));
+        assert_eq!((a.max_new, a.temperature), (Some(7), Some(0.0)));
+        assert_eq!(a.messages.as_ref().unwrap().messages()[0].content, "hi");
+        let b = got[1].as_ref().unwrap();
+        assert_eq!((b.prompt.as_str(), b.seed), ("Once", Some(4)));
+        assert_eq!(b.stop, Some(vec!["\n".to_string()]));
+        let c = got[2].as_ref().unwrap_err();
+        assert!(c.message.contains("embeddings"), "{c}");
     }
 
     #[test]

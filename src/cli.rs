@@ -191,6 +191,45 @@ pub struct Args {
     #[arg(long, value_name = "BLOCKS", requires = "batch")]
     pub kv_blocks: Option<usize>,
 
+    /// Run on an OpenAI-compatible server instead of a local model: its base URL, such as
+    /// http://gpu-box:8000/v1 (vLLM, SGLang, TGI, llama.cpp's llama-server). --chat uses
+    /// /chat/completions (the server applies the template), otherwise /completions.
+    #[arg(long, value_name = "URL")]
+    pub endpoint: Option<String>,
+
+    /// The server's API key (default: $OPENAI_API_KEY).
+    #[arg(long, value_name = "KEY", env = "OPENAI_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+
+    /// The model to ask the server for (default: the first it lists at /models).
+    #[arg(long, value_name = "NAME", requires = "endpoint")]
+    pub remote_model: Option<String>,
+
+    /// With --endpoint and --batch: requests in flight at once, so the server's own batching
+    /// fills its GPUs.
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    pub concurrency: usize,
+
+    /// With --endpoint: seconds one try of a request may take (or stay silent) before it
+    /// counts as failed.
+    #[arg(long, value_name = "SECS", default_value_t = 600.0)]
+    pub timeout: f64,
+
+    /// With --endpoint: retries of a request that failed in a way that may pass (no
+    /// connection, 408, 429, 5xx, a stream cut short), with exponential backoff and jitter,
+    /// honouring Retry-After.
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    pub retries: u32,
+
+    /// Continue a batch run that died or was interrupted: skip the items OUT (its output so
+    /// far) holds complete, run the others, as in `gen --batch IN --resume OUT >> OUT`.
+    #[arg(long, value_name = "OUT.jsonl", requires = "batch")]
+    pub resume: Option<PathBuf>,
+
+    /// The shape of --batch's output lines: gen's own, or OpenAI's Batch API output.
+    #[arg(long, value_enum, default_value_t = BatchOutput::Gen, requires = "batch")]
+    pub batch_output: BatchOutput,
+
     /// Where to run: auto, cpu, cuda, cuda:N, metal.
     #[arg(long, default_value = "auto")]
     pub device: String,
@@ -217,6 +256,24 @@ pub struct Args {
 pub enum Command {
     /// A multi-turn conversation.
     Chat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BatchOutput {
+    /// gen's lines: index, id, line, text (or error), tokens, stop, timings.
+    Gen,
+    /// OpenAI's Batch API output lines: custom_id, response {status_code, body}, error.
+    Openai,
+}
+
+/// Where a run goes when it goes to a server (--endpoint).
+#[derive(Debug, Clone)]
+pub struct RemoteConfig {
+    pub url: String,
+    pub key: Option<String>,
+    pub model: Option<String>,
+    pub concurrency: usize,
+    pub policy: crate::remote::Policy,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -325,6 +382,11 @@ pub struct Config {
     pub sampling: SamplingParams,
     /// What the reply must be (--json, --json-schema, --grammar, --regex); already checked.
     pub constraint: Option<Spec>,
+    /// Some: run on this server instead of a local model.
+    pub remote: Option<RemoteConfig>,
+    /// --resume: the earlier output whose complete items are skipped.
+    pub resume: Option<PathBuf>,
+    pub batch_output: BatchOutput,
     pub device: DeviceChoice,
     pub threads: Option<usize>,
     pub stats: StatsFormat,
@@ -369,6 +431,11 @@ impl Args {
         if self.messages.is_some() && !(self.chat || interactive) {
             bail!("--messages applies to --chat and gen chat");
         }
+        let constrained = self.json.is_some()
+            || self.json_schema.is_some()
+            || self.grammar.is_some()
+            || self.regex.is_some();
+        let remote = remote_config(&self, interactive, constrained)?;
         let batch = self.batch.map(|file| BatchConfig {
             file: (file.as_os_str() != "-").then_some(file),
             format: self.batch_format,
@@ -433,6 +500,9 @@ impl Args {
             ignore_eos: self.ignore_eos,
             sampling,
             constraint,
+            remote,
+            resume: self.resume,
+            batch_output: self.batch_output,
             device: self.device.parse()?,
             threads: self.threads,
             stats: self.stats,
@@ -440,6 +510,39 @@ impl Args {
             verbose: self.verbose,
         })
     }
+}
+
+/// --endpoint and what goes with it, checked.
+fn remote_config(a: &Args, interactive: bool, constrained: bool) -> Result<Option<RemoteConfig>> {
+    let Some(url) = &a.endpoint else {
+        return Ok(None);
+    };
+    if interactive {
+        bail!("gen chat runs a local model; with --endpoint use --chat (one turn) or --batch with \"messages\"");
+    }
+    if constrained {
+        bail!("--json, --json-schema, --grammar and --regex run on local models only; drop them with --endpoint");
+    }
+    if a.dry_run {
+        bail!("--dry-run shows the local chat template's text; with --endpoint the server applies its own");
+    }
+    if a.concurrency == 0 {
+        bail!("--concurrency must be at least 1");
+    }
+    if !(a.timeout.is_finite() && a.timeout > 0.0) {
+        bail!("--timeout must be a positive number of seconds, got {}", a.timeout);
+    }
+    Ok(Some(RemoteConfig {
+        url: url.clone(),
+        key: a.api_key.clone().filter(|k| !k.is_empty()),
+        model: a.remote_model.clone(),
+        concurrency: a.concurrency,
+        policy: crate::remote::Policy {
+            attempts: a.retries.saturating_add(1),
+            timeout: std::time::Duration::from_secs_f64(a.timeout),
+            ..crate::remote::Policy::default()
+        },
+    }))
 }
 
 /// The constraint asked for on the command line, compiled once to refuse a bad one before

@@ -319,20 +319,9 @@ fn batched_greedy_ids_equal_one_by_one_on_the_real_model() {
 }
 
 fn run_gen(args: &[&str], stdin: &str) -> std::process::Output {
-    let mut child = common::gen()
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(stdin.as_bytes())
-        .unwrap();
-    child.wait_with_output().unwrap()
+    let mut cmd = common::gen();
+    cmd.args(args);
+    common::with_stdin(cmd, stdin)
 }
 
 fn lines(out: &std::process::Output) -> Vec<serde_json::Value> {

@@ -24,7 +24,7 @@ fn scripted(args: &[&str], input: &str) -> (String, String, bool) {
         .arg(common::smollm2())
         .args(["--temperature", "0"])
         .args(args);
-    let out = with_stdin(cmd, input);
+    let out = common::with_stdin(cmd, input);
     (
         common::text(&out.stdout),
         common::text(&out.stderr),
@@ -33,19 +33,6 @@ fn scripted(args: &[&str], input: &str) -> (String, String, bool) {
 }
 
 /// Run `cmd` with `input` on its standard input; its output.
-fn with_stdin(mut cmd: Command, input: &str) -> std::process::Output {
-    let mut child = cmd
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stdin = child.stdin.take().unwrap();
-    stdin.write_all(input.as_bytes()).unwrap();
-    drop(stdin);
-    child.wait_with_output().unwrap()
-}
-
 /// (prefilled, reused) of each status line.
 fn turns(stderr: &str) -> Vec<(usize, usize)> {
     stderr
@@ -412,7 +399,7 @@ fn batch_lines_may_carry_a_conversation() {
         "12",
         "-q",
     ]);
-    let out = with_stdin(cmd, &input);
+    let out = common::with_stdin(cmd, &input);
     let lines: Vec<serde_json::Value> = common::text(&out.stdout)
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())

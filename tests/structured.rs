@@ -7,8 +7,7 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::process::{Output, Stdio};
+use std::process::Output;
 
 use common::{gen, one_error_line, smollm2, text};
 use serde_json::Value;
@@ -41,20 +40,9 @@ fn prompts() -> Vec<(String, String)> {
 }
 
 fn run_with_stdin(args: &[&str], stdin: &str) -> Output {
-    let mut child = gen()
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(stdin.as_bytes())
-        .unwrap();
-    child.wait_with_output().unwrap()
+    let mut cmd = gen();
+    cmd.args(args);
+    common::with_stdin(cmd, stdin)
 }
 
 fn validator(schema: &Value) -> jsonschema::Validator {

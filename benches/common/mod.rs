@@ -60,3 +60,11 @@ pub fn data(n: usize, seed: u64) -> Vec<f32> {
         })
         .collect()
 }
+
+/// The last line of `text` that parses as a JSON object.
+pub fn last_json(text: &str) -> Option<serde_json::Value> {
+    text.lines()
+        .rev()
+        .filter(|l| l.trim_start().starts_with('{'))
+        .find_map(|l| serde_json::from_str(l).ok())
+}

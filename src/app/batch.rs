@@ -2,13 +2,12 @@
 //! continuous-batching loop, write one JSON line per prompt in input order as soon as it and
 //! every prompt before it are done, and report on stderr.
 
-use std::collections::BTreeMap;
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 use std::time::Duration;
 
 use anyhow::Result;
-use serde::Serialize;
 
+use super::jsonl::{Done, Line, Shape, Writer};
 use super::{read_prompt, Outcome, Session};
 use crate::batch::{self, BatchOptions, BatchSink, Outcome as SeqOutcome, Request};
 use crate::batch_input::{self, Entry, LineError};
@@ -21,32 +20,6 @@ use crate::output::StopMatcher;
 use crate::report::BatchReport;
 use crate::sampler::{Sampler, SamplingParams};
 use crate::tokenizer::TextStream;
-
-/// One line of output.
-#[derive(Serialize)]
-struct Line<'a> {
-    index: usize,
-    id: &'a Option<serde_json::Value>,
-    line: usize,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    text: Option<&'a str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    error: Option<&'a str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    prompt_tokens: Option<usize>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    tokens: Option<usize>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    stop: Option<&'a str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    passes: Option<usize>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    ttft_ms: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    wait_ms: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    seed: Option<u64>,
-}
 
 /// A prompt ready to run, with what its output line needs.
 struct Prepared {
@@ -80,9 +53,16 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
     };
 
     // Check every prompt before any compute; a bad one becomes its error line.
-    let mut out = Writer::new(total);
+    let mut out = Writer::new(total, shape(cfg, session.loaded.model.info().name.clone()));
+    let done = cfg.resume.as_deref().map(Done::read).transpose()?;
     let mut prepared = Vec::new();
     for (index, entry) in entries.into_iter().enumerate() {
+        if let (Some(done), Ok(e)) = (&done, &entry) {
+            if done.holds(index, &e.id, e.line) {
+                out.skip(index)?;
+                continue;
+            }
+        }
         match entry.and_then(|e| prepare(&session, cfg, index, e)) {
             Ok(p) => prepared.push(p),
             Err(e) => {
@@ -238,6 +218,17 @@ fn requests(
     Ok((requests, ran))
 }
 
+/// The output lines' shape for this run (`--batch-output`); `model`: what OpenAI's shape names.
+pub(crate) fn shape(cfg: &Config, model: String) -> Shape {
+    match cfg.batch_output {
+        crate::cli::BatchOutput::Gen => Shape::Gen,
+        crate::cli::BatchOutput::Openai => Shape::OpenAi {
+            chat: cfg.chat,
+            model,
+        },
+    }
+}
+
 fn prepare(
     session: &Session,
     cfg: &Config,
@@ -346,7 +337,7 @@ impl BatchSink for Sink<'_, '_> {
             wait_ms: Some(ms(o.wait)),
             seed: (!p.sampling.is_greedy()).then_some(p.sampling.seed),
         };
-        let json = serde_json::to_string(&line)?;
+        let json = self.out.shape.render(&line)?;
         t.text = String::new();
         if let Some(e) = &o.error {
             self.out.failed += 1;
@@ -370,73 +361,5 @@ impl BatchSink for Sink<'_, '_> {
             return Some(StopReason::OutputClosed);
         }
         interrupt::requested().then_some(StopReason::Interrupted)
-    }
-}
-
-/// Writes lines to stdout in index order: each as soon as every line before it is out.
-struct Writer {
-    next: usize,
-    total: usize,
-    ready: BTreeMap<usize, String>,
-    written: usize,
-    failed: usize,
-    /// Whoever reads stdout has gone: stop writing (and generating).
-    closed: bool,
-}
-
-impl Writer {
-    fn new(total: usize) -> Self {
-        Self {
-            next: 0,
-            total,
-            ready: BTreeMap::new(),
-            written: 0,
-            failed: 0,
-            closed: false,
-        }
-    }
-
-    fn error(&mut self, index: usize, e: LineError) -> Result<()> {
-        self.failed += 1;
-        let line = Line {
-            index,
-            id: &e.id,
-            line: e.line,
-            text: None,
-            error: Some(&e.message),
-            prompt_tokens: None,
-            tokens: None,
-            stop: None,
-            passes: None,
-            ttft_ms: None,
-            wait_ms: None,
-            seed: None,
-        };
-        let json = serde_json::to_string(&line)?;
-        self.put(index, json)
-    }
-
-    fn put(&mut self, index: usize, json: String) -> Result<()> {
-        debug_assert!(index < self.total);
-        self.ready.insert(index, json);
-        if self.closed {
-            return Ok(());
-        }
-        let stdout = std::io::stdout();
-        let mut w = stdout.lock();
-        while let Some(json) = self.ready.remove(&self.next) {
-            let wrote = writeln!(w, "{json}").and_then(|_| w.flush());
-            match wrote {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
-                    self.closed = true;
-                    return Ok(());
-                }
-                Err(e) => return Err(anyhow::Error::new(e).context("cannot write to stdout")),
-            }
-            self.next += 1;
-            self.written += 1;
-        }
-        Ok(())
     }
 }

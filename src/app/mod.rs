@@ -19,6 +19,8 @@ use crate::{chat, interrupt, model};
 
 mod batch;
 mod chat_repl;
+mod jsonl;
+mod remote;
 
 /// How a run ended, for the exit status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -173,6 +175,12 @@ impl Session {
 }
 
 pub fn run(cfg: &Config) -> Result<Outcome> {
+    if let Some(rc) = &cfg.remote {
+        return match &cfg.batch {
+            Some(batch) => remote::run_batch(cfg, batch, rc),
+            None => remote::run_one(cfg, rc),
+        };
+    }
     if let Some(batch) = &cfg.batch {
         return batch::run(cfg, batch);
     }

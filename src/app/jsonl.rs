@@ -1,0 +1,250 @@
+//! The JSON Lines a batch run writes (local or remote): one object per prompt, in input order,
+//! each as soon as it and every prompt before it are done.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
+
+use anyhow::Result;
+use serde::Serialize;
+
+use crate::batch_input::LineError;
+
+/// One line of output.
+#[derive(Serialize)]
+pub(crate) struct Line<'a> {
+    pub index: usize,
+    pub id: &'a Option<serde_json::Value>,
+    pub line: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub text: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stop: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub passes: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ttft_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wait_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+}
+
+/// The shape of each output line (`--batch-output`).
+#[derive(Debug, Clone)]
+pub(crate) enum Shape {
+    /// gen's own (see the README): index, id, line, text or error, tokens, stop, timings.
+    Gen,
+    /// OpenAI's Batch API output: `custom_id`, `response` {status_code, body} or `error`.
+    /// `chat`: the bodies are chat completions; `model`: what they name.
+    OpenAi { chat: bool, model: String },
+}
+
+impl Shape {
+    pub fn render(&self, l: &Line<'_>) -> Result<String> {
+        let Shape::OpenAi { chat, model } = self else {
+            return Ok(serde_json::to_string(l)?);
+        };
+        let custom_id = l.id.clone().unwrap_or_else(|| format!("line-{}", l.line).into());
+        let request_id = format!("gen-{}", l.index);
+        let stop = l.stop.unwrap_or("");
+        let failed = l.error.is_some() || matches!(stop, "interrupted" | "error" | "output-closed");
+        let out = if failed {
+            let (code, message) = match l.error {
+                Some(e) => ("gen_error", e.to_string()),
+                None => ("interrupted", format!("the run ended before this reply did (stop: {stop})")),
+            };
+            serde_json::json!({
+                "id": format!("batch_req_{}", l.index),
+                "custom_id": custom_id,
+                "response": null,
+                "error": {"code": code, "message": message},
+            })
+        } else {
+            let finish = if stop == "max-new" { "length" } else { "stop" };
+            let text = l.text.unwrap_or("");
+            let choice = if *chat {
+                serde_json::json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish})
+            } else {
+                serde_json::json!({"index": 0, "text": text, "finish_reason": finish})
+            };
+            let (p, c) = (l.prompt_tokens.unwrap_or(0), l.tokens.unwrap_or(0));
+            serde_json::json!({
+                "id": format!("batch_req_{}", l.index),
+                "custom_id": custom_id,
+                "response": {
+                    "status_code": 200,
+                    "request_id": request_id,
+                    "body": {
+                        "id": request_id,
+                        "object": if *chat { "chat.completion" } else { "text_completion" },
+                        "model": model,
+                        "choices": [choice],
+                        "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
+                    },
+                },
+                "error": null,
+            })
+        };
+        Ok(out.to_string())
+    }
+}
+
+/// The items an earlier output (`--resume FILE`) holds complete: gen's lines by (index, id),
+/// OpenAI's by custom_id. Lines with an error, an interrupted or failed reply, and a last line
+/// cut short by a crash do not count; nothing in FILE is changed.
+pub(crate) struct Done {
+    by_index: BTreeSet<(usize, String)>,
+    by_custom_id: BTreeSet<String>,
+    pub count: usize,
+}
+
+impl Done {
+    pub fn read(path: &std::path::Path) -> Result<Self> {
+        use anyhow::Context;
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            // Nothing written yet: nothing to skip (the first run of `--resume OUT >> OUT`).
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+        };
+        let mut done = Done {
+            by_index: BTreeSet::new(),
+            by_custom_id: BTreeSet::new(),
+            count: 0,
+        };
+        for line in text.lines() {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            if let Some(custom) = v.get("custom_id") {
+                let ok = v["error"].is_null() && v["response"]["status_code"] == 200;
+                if ok && done.by_custom_id.insert(custom.to_string()) {
+                    done.count += 1;
+                }
+                continue;
+            }
+            let complete = v["text"].is_string()
+                && v.get("error").is_none()
+                && !matches!(v["stop"].as_str(), Some("interrupted" | "error" | "output-closed") | None);
+            if let (true, Some(index)) = (complete, v["index"].as_u64()) {
+                let id = v.get("id").cloned().unwrap_or(serde_json::Value::Null).to_string();
+                if done.by_index.insert((index as usize, id)) {
+                    done.count += 1;
+                }
+            }
+        }
+        Ok(done)
+    }
+
+    /// Whether the item at `index` with this `id` is already complete.
+    pub fn holds(&self, index: usize, id: &Option<serde_json::Value>, line: usize) -> bool {
+        let id_text = id.clone().unwrap_or(serde_json::Value::Null).to_string();
+        let custom = id
+            .clone()
+            .unwrap_or_else(|| format!("line-{line}").into())
+            .to_string();
+        self.by_index.contains(&(index, id_text)) || self.by_custom_id.contains(&custom)
+    }
+}
+
+/// Writes lines to stdout in index order: each as soon as every line before it is out.
+pub(crate) struct Writer {
+    pub next: usize,
+    pub total: usize,
+    pub ready: BTreeMap<usize, String>,
+    pub written: usize,
+    pub failed: usize,
+    /// Whoever reads stdout has gone: stop writing (and generating).
+    pub closed: bool,
+    /// Indices never written here (`--resume`: the output already holds them complete).
+    skipped: BTreeSet<usize>,
+    pub shape: Shape,
+}
+
+impl Writer {
+    pub fn new(total: usize, shape: Shape) -> Self {
+        Self {
+            next: 0,
+            total,
+            ready: BTreeMap::new(),
+            written: 0,
+            failed: 0,
+            closed: false,
+            skipped: BTreeSet::new(),
+            shape,
+        }
+    }
+
+    /// Write one reply's line (in the run's shape) once every line before it is out.
+    pub fn reply(&mut self, line: &Line<'_>) -> Result<()> {
+        let json = self.shape.render(line)?;
+        self.put(line.index, json)
+    }
+
+    /// Index `index` is done elsewhere: lines after it need not wait for it.
+    pub fn skip(&mut self, index: usize) -> Result<()> {
+        self.skipped.insert(index);
+        self.flush()
+    }
+
+    pub fn error(&mut self, index: usize, e: LineError) -> Result<()> {
+        self.failed += 1;
+        let line = Line {
+            index,
+            id: &e.id,
+            line: e.line,
+            text: None,
+            error: Some(&e.message),
+            prompt_tokens: None,
+            tokens: None,
+            stop: None,
+            passes: None,
+            ttft_ms: None,
+            wait_ms: None,
+            seed: None,
+        };
+        let json = self.shape.render(&line)?;
+        self.put(index, json)
+    }
+
+    pub fn put(&mut self, index: usize, json: String) -> Result<()> {
+        debug_assert!(index < self.total);
+        self.ready.insert(index, json);
+        self.flush()
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        if self.closed {
+            return Ok(());
+        }
+        let stdout = std::io::stdout();
+        let mut w = stdout.lock();
+        loop {
+            if self.skipped.remove(&self.next) {
+                self.next += 1;
+                continue;
+            }
+            let Some(json) = self.ready.remove(&self.next) else {
+                break;
+            };
+            let wrote = writeln!(w, "{json}").and_then(|_| w.flush());
+            match wrote {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                    self.closed = true;
+                    return Ok(());
+                }
+                Err(e) => return Err(anyhow::Error::new(e).context("cannot write to stdout")),
+            }
+            self.next += 1;
+            self.written += 1;
+        }
+        Ok(())
+    }
+}
