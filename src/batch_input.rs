@@ -94,7 +94,9 @@ fn from_openai_batch(value: serde_json::Value) -> Result<serde_json::Value, Stri
         .ok_or("\"body\" of a batch request must be an object")?;
     if let Some(url) = value.get("url").and_then(|u| u.as_str()) {
         if !url.ends_with("/completions") {
-            return Err(format!("batch request url {url:?}: gen runs /v1/completions and /v1/chat/completions"));
+            return Err(format!(
+                "batch request url {url:?}: gen runs /v1/completions and /v1/chat/completions"
+            ));
         }
     }
     let mut line = serde_json::Map::new();
@@ -355,8 +357,7 @@ mod tests {
     fn openai_batch_lines_become_gen_lines() {
         let input = [
             r#"{"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7, "temperature": 0}}"#,
-            r#"{"custom_id": "r2", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Once", "seed": 4, "stop": "
-"}}"#,
+            r#"{"custom_id": "r2", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Once", "seed": 4, "stop": "\n"}}"#,
             r#"{"custom_id": "r3", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}"#,
         ]
         .join("\n");

@@ -198,7 +198,12 @@ pub struct Args {
     pub endpoint: Option<String>,
 
     /// The server's API key (default: $OPENAI_API_KEY).
-    #[arg(long, value_name = "KEY", env = "OPENAI_API_KEY", hide_env_values = true)]
+    #[arg(
+        long,
+        value_name = "KEY",
+        env = "OPENAI_API_KEY",
+        hide_env_values = true
+    )]
     pub api_key: Option<String>,
 
     /// The model to ask the server for (default: the first it lists at /models).
@@ -530,7 +535,10 @@ fn remote_config(a: &Args, interactive: bool, constrained: bool) -> Result<Optio
         bail!("--concurrency must be at least 1");
     }
     if !(a.timeout.is_finite() && a.timeout > 0.0) {
-        bail!("--timeout must be a positive number of seconds, got {}", a.timeout);
+        bail!(
+            "--timeout must be a positive number of seconds, got {}",
+            a.timeout
+        );
     }
     Ok(Some(RemoteConfig {
         url: url.clone(),

@@ -96,7 +96,12 @@ enum Failure {
 impl Endpoint {
     /// Connect to `base` (an OpenAI-compatible base URL); `model: None` takes the first model
     /// the server lists at `GET /models`.
-    pub fn new(base: &str, key: Option<String>, model: Option<String>, policy: Policy) -> Result<Self> {
+    pub fn new(
+        base: &str,
+        key: Option<String>,
+        model: Option<String>,
+        policy: Policy,
+    ) -> Result<Self> {
         let base = base.trim_end_matches('/').to_string();
         if !(base.starts_with("http://") || base.starts_with("https://")) {
             bail!("--endpoint {base}: give an http:// or https:// URL, such as http://localhost:8000/v1");
@@ -135,7 +140,9 @@ impl Endpoint {
                     return body["data"][0]["id"]
                         .as_str()
                         .map(str::to_string)
-                        .ok_or_else(|| anyhow!("{url} lists no model; name one with --remote-model"));
+                        .ok_or_else(|| {
+                            anyhow!("{url} lists no model; name one with --remote-model")
+                        });
                 }
                 Err(Failure::Retry { why, after }) => {
                     last = why;
@@ -289,11 +296,17 @@ impl Endpoint {
                 break;
             }
             let event: Value = serde_json::from_str(data).map_err(|e| Failure::Retry {
-                why: format!("the server sent an event that is not JSON ({e}): {}", clip(data)),
+                why: format!(
+                    "the server sent an event that is not JSON ({e}): {}",
+                    clip(data)
+                ),
                 after: None,
             })?;
             if let Some(err) = event.get("error") {
-                return Err(Failure::Fatal(format!("the server says: {}", error_text(err))));
+                return Err(Failure::Fatal(format!(
+                    "the server says: {}",
+                    error_text(err)
+                )));
             }
             take_usage(&event, reply);
             let Some(choice) = event["choices"].get(0) else {
@@ -331,7 +344,9 @@ impl Endpoint {
 }
 
 /// A response, or why not, sorted into what a retry may fix and what it will not.
-fn classify(r: std::result::Result<ureq::Response, ureq::Error>) -> std::result::Result<ureq::Response, Failure> {
+fn classify(
+    r: std::result::Result<ureq::Response, ureq::Error>,
+) -> std::result::Result<ureq::Response, Failure> {
     match r {
         Ok(resp) => Ok(resp),
         Err(ureq::Error::Status(code, resp)) => {
@@ -444,7 +459,10 @@ mod tests {
             let cap = Duration::from_millis(100 * (1 << attempt)).min(Duration::from_secs(1));
             assert!(d >= cap / 2 && d <= cap, "attempt {attempt}: {d:?}");
         }
-        assert_eq!(ep.backoff(0, Some(Duration::from_secs(2))), Duration::from_secs(2));
+        assert_eq!(
+            ep.backoff(0, Some(Duration::from_secs(2))),
+            Duration::from_secs(2)
+        );
     }
 
     #[test]
@@ -471,8 +489,14 @@ mod tests {
         let (url, body) = ep.request(&Prompt::Text("hi"), &params);
         assert_eq!(url, "http://h/v1/completions");
         assert_eq!(body["prompt"], "hi");
-        assert_eq!((body["max_tokens"].clone(), body["top_k"].clone()), (json!(9), json!(7)));
-        assert_eq!((body["seed"].clone(), body["stop"].clone()), (json!(3), json!(["\n"])));
+        assert_eq!(
+            (body["max_tokens"].clone(), body["top_k"].clone()),
+            (json!(9), json!(7))
+        );
+        assert_eq!(
+            (body["seed"].clone(), body["stop"].clone()),
+            (json!(3), json!(["\n"]))
+        );
         assert!(body.get("repetition_penalty").is_none());
         let msgs = [Message {
             role: "user".into(),

@@ -574,3 +574,81 @@ fn ctrl_c_writes_every_line_and_exits_130() {
         (Some("interrupted"), Some(0))
     );
 }
+
+#[test]
+fn resume_runs_only_what_the_output_lacks_and_openai_shapes_round_trip() {
+    let model = common::smollm2();
+    let model = model.to_str().unwrap();
+    let dir = std::env::temp_dir().join(format!("gen-resume-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let input = "{\"prompt\": \"The capital of France is\", \"id\": \"a\"}\n\
+                 {\"prompt\": \"Once upon a time\", \"id\": \"b\"}\n\
+                 {\"prompt\": \"Water boils at\", \"id\": \"c\"}\n\
+                 {\"prompt\": \"The sun rises in the\", \"id\": \"d\"}\n";
+    let args = [
+        "--model",
+        model,
+        "--batch",
+        "-",
+        "-n",
+        "6",
+        "--temperature",
+        "0",
+        "-q",
+    ];
+    let full = run_gen(&args, input);
+    assert!(full.status.success());
+    let full = lines(&full);
+
+    // What a crashed run leaves: a, c complete; b failed; d interrupted; a half-written line.
+    let out = dir.join("out.jsonl");
+    let mut partial = String::new();
+    partial.push_str(&format!("{}\n", full[0]));
+    partial.push_str("{\"index\":1,\"id\":\"b\",\"line\":2,\"error\":\"the server went away\"}\n");
+    partial.push_str(&format!("{}\n", full[2]));
+    partial.push_str(
+        "{\"index\":3,\"id\":\"d\",\"line\":4,\"text\":\" ea\",\"stop\":\"interrupted\"}\n",
+    );
+    partial.push_str("{\"index\":3,\"id\":\"d\",\"li");
+    std::fs::write(&out, &partial).unwrap();
+    let mut resume_args = args.to_vec();
+    let out_arg = out.to_str().unwrap().to_string();
+    resume_args.extend(["--resume", out_arg.as_str()]);
+    let again = run_gen(&resume_args, input);
+    assert!(again.status.success(), "{}", common::text(&again.stderr));
+    let again = lines(&again);
+    let ids: Vec<&str> = again.iter().map(|l| l["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["b", "d"], "only what the output lacks runs");
+    assert_eq!(again[0]["text"], full[1]["text"]);
+    assert_eq!(again[1]["text"], full[3]["text"]);
+    // Resuming from a complete output runs nothing.
+    std::fs::write(
+        &out,
+        full.iter().map(|l| format!("{l}\n")).collect::<String>(),
+    )
+    .unwrap();
+    let none = run_gen(&resume_args, input);
+    assert!(none.status.success() && none.stdout.is_empty());
+
+    // OpenAI's Batch API: its input lines in, its output shape out; resumable by custom_id.
+    let openai_in = "{\"custom_id\": \"x1\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"model\": \"m\", \"prompt\": \"The capital of France is\", \"max_tokens\": 6}}\n\
+                     {\"custom_id\": \"x2\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"model\": \"m\", \"prompt\": \"Once upon a time\", \"max_tokens\": 6}}\n";
+    let mut oa = args.to_vec();
+    oa.extend(["--batch-output", "openai"]);
+    let got = run_gen(&oa, openai_in);
+    assert!(got.status.success(), "{}", common::text(&got.stderr));
+    let got = lines(&got);
+    assert_eq!(got[0]["custom_id"], "x1");
+    assert_eq!(got[0]["response"]["status_code"], 200);
+    let body = &got[0]["response"]["body"];
+    assert_eq!(body["choices"][0]["text"], full[0]["text"]);
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    assert_eq!(body["usage"]["completion_tokens"], 6);
+    assert!(got[0]["error"].is_null());
+    std::fs::write(&out, format!("{}\n", got[0])).unwrap();
+    oa.extend(["--resume", out_arg.as_str()]);
+    let rest = lines(&run_gen(&oa, openai_in));
+    assert_eq!(rest.len(), 1);
+    assert_eq!(rest[0]["custom_id"], "x2");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

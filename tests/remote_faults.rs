@@ -122,7 +122,16 @@ fn stub() -> (String, Seen) {
 #[test]
 fn each_fault_affects_only_its_own_item() {
     let (url, seen) = stub();
-    let prompts = ["a", "rate", "b", "cut", "garbled", "hang", "bad-request", "c"];
+    let prompts = [
+        "a",
+        "rate",
+        "b",
+        "cut",
+        "garbled",
+        "hang",
+        "bad-request",
+        "c",
+    ];
     let input: String = prompts.iter().map(|p| format!("{p}\n")).collect();
     let mut cmd = gen();
     cmd.args(["--endpoint", &url, "--batch", "-", "--concurrency", "3"]);
@@ -142,14 +151,25 @@ fn each_fault_affects_only_its_own_item() {
                 assert!(line.get("text").is_none());
             }
             _ => {
-                assert_eq!(line["text"], format!("reply to {prompt}"), "{prompt}: {line}");
-                assert_eq!((line["tokens"].clone(), line["stop"].clone()), (4.into(), "eos".into()));
+                assert_eq!(
+                    line["text"],
+                    format!("reply to {prompt}"),
+                    "{prompt}: {line}"
+                );
+                assert_eq!(
+                    (line["tokens"].clone(), line["stop"].clone()),
+                    (4.into(), "eos".into())
+                );
             }
         }
     }
     let msg = |i: usize| lines[i]["error"].as_str().unwrap().to_string();
     assert!(msg(4).contains("not JSON"), "{}", msg(4));
-    assert!(msg(6).contains("HTTP 400") && msg(6).contains("no such model x"), "{}", msg(6));
+    assert!(
+        msg(6).contains("HTTP 400") && msg(6).contains("no such model x"),
+        "{}",
+        msg(6)
+    );
     let seen = seen.lock().unwrap();
     // 429 and the cut stream were retried once and then served; the garbled stream was tried
     // three times (two retries); the 400 was not retried.
@@ -172,10 +192,16 @@ fn one_prompt_streams_and_the_report_says_what_is_known() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "reply to x");
     let report: Value = serde_json::from_str(text(&out.stderr).lines().last().unwrap()).unwrap();
-    assert_eq!(report["model"], "stub-model", "the first model /models lists");
+    assert_eq!(
+        report["model"], "stub-model",
+        "the first model /models lists"
+    );
     assert_eq!(report["generated_tokens"], 4);
     assert_eq!(report["prompt_tokens"], 3);
-    assert!(report["forward_passes"].is_null(), "passes happen on the server");
+    assert!(
+        report["forward_passes"].is_null(),
+        "passes happen on the server"
+    );
     assert!(report["ttft_s"].as_f64().unwrap() >= 0.0);
 
     // No server at all: one line, exit 1, after the retries.
@@ -183,7 +209,12 @@ fn one_prompt_streams_and_the_report_says_what_is_known() {
     let port = dead.local_addr().unwrap().port();
     drop(dead);
     let out = gen()
-        .args(["--endpoint", &format!("http://127.0.0.1:{port}/v1"), "--prompt", "x"])
+        .args([
+            "--endpoint",
+            &format!("http://127.0.0.1:{port}/v1"),
+            "--prompt",
+            "x",
+        ])
         .args(["--retries", "1", "--remote-model", "m"])
         .output()
         .unwrap();

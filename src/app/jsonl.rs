@@ -50,14 +50,19 @@ impl Shape {
         let Shape::OpenAi { chat, model } = self else {
             return Ok(serde_json::to_string(l)?);
         };
-        let custom_id = l.id.clone().unwrap_or_else(|| format!("line-{}", l.line).into());
+        let custom_id =
+            l.id.clone()
+                .unwrap_or_else(|| format!("line-{}", l.line).into());
         let request_id = format!("gen-{}", l.index);
         let stop = l.stop.unwrap_or("");
         let failed = l.error.is_some() || matches!(stop, "interrupted" | "error" | "output-closed");
         let out = if failed {
             let (code, message) = match l.error {
                 Some(e) => ("gen_error", e.to_string()),
-                None => ("interrupted", format!("the run ended before this reply did (stop: {stop})")),
+                None => (
+                    "interrupted",
+                    format!("the run ended before this reply did (stop: {stop})"),
+                ),
             };
             serde_json::json!({
                 "id": format!("batch_req_{}", l.index),
@@ -131,9 +136,16 @@ impl Done {
             }
             let complete = v["text"].is_string()
                 && v.get("error").is_none()
-                && !matches!(v["stop"].as_str(), Some("interrupted" | "error" | "output-closed") | None);
+                && !matches!(
+                    v["stop"].as_str(),
+                    Some("interrupted" | "error" | "output-closed") | None
+                );
             if let (true, Some(index)) = (complete, v["index"].as_u64()) {
-                let id = v.get("id").cloned().unwrap_or(serde_json::Value::Null).to_string();
+                let id = v
+                    .get("id")
+                    .cloned()
+                    .unwrap_or(serde_json::Value::Null)
+                    .to_string();
                 if done.by_index.insert((index as usize, id)) {
                     done.count += 1;
                 }

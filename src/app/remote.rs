@@ -73,7 +73,11 @@ impl RemoteReport {
         )?;
         writeln!(w, "forward passes on the server (not known here)")?;
         if let Some(t) = self.ttft_s {
-            writeln!(w, "first token    {:.1} ms (request to first text)", t * 1000.0)?;
+            writeln!(
+                w,
+                "first token    {:.1} ms (request to first text)",
+                t * 1000.0
+            )?;
         }
         let rate = self.decode_tok_s.map_or("?".into(), |r| format!("{r:.1}"));
         writeln!(
@@ -111,7 +115,10 @@ pub fn run_one(cfg: &Config, rc: &RemoteConfig) -> Result<Outcome> {
     if messages.is_none() && text.trim().is_empty() {
         bail!("the prompt is empty: give one with --prompt, --prompt-file or on standard input");
     }
-    let messages = messages.or_else(|| cfg.chat.then(|| chat::one_shot(cfg.system.as_deref(), &text)));
+    let messages = messages.or_else(|| {
+        cfg.chat
+            .then(|| chat::one_shot(cfg.system.as_deref(), &text))
+    });
     let ep = endpoint(rc)?;
     let prompt = match &messages {
         Some(m) => Prompt::Messages(m),
@@ -122,9 +129,8 @@ pub fn run_one(cfg: &Config, rc: &RemoteConfig) -> Result<Outcome> {
     if cfg.echo {
         out.write(&text)?;
     }
-    let mut on_text = |t: &str| -> bool {
-        !interrupt::requested() && out.write(t).unwrap_or(false)
-    };
+    let mut on_text =
+        |t: &str| -> bool { !interrupt::requested() && out.write(t).unwrap_or(false) };
     let reply = ep.complete(&prompt, &params(cfg), false, &mut on_text)?;
     if !out.is_closed() && stdout_is_terminal() {
         out.write("\n")?;
@@ -185,7 +191,11 @@ pub fn run_batch(cfg: &Config, bc: &BatchConfig, rc: &RemoteConfig) -> Result<Ou
     let mut jobs = VecDeque::new();
     for (index, entry) in entries.into_iter().enumerate() {
         match entry.and_then(|e| job(cfg, index, e)) {
-            Ok(j) if done.as_ref().is_some_and(|d| d.holds(index, &j.entry.id, j.entry.line)) => {
+            Ok(j)
+                if done
+                    .as_ref()
+                    .is_some_and(|d| d.holds(index, &j.entry.id, j.entry.line)) =>
+            {
                 out.skip(index)?
             }
             Ok(j) => jobs.push_back(j),
@@ -198,7 +208,11 @@ pub fn run_batch(cfg: &Config, bc: &BatchConfig, rc: &RemoteConfig) -> Result<Ou
         }
     }
     if let (Some(d), false) = (&done, cfg.quiet) {
-        eprintln!("gen: resuming: {} items already complete, {} to run", d.count, jobs.len());
+        eprintln!(
+            "gen: resuming: {} items already complete, {} to run",
+            d.count,
+            jobs.len()
+        );
     }
     let start = Instant::now();
     let queued = jobs.len();
@@ -224,7 +238,10 @@ pub fn run_batch(cfg: &Config, bc: &BatchConfig, rc: &RemoteConfig) -> Result<Ou
         let _ = w.join();
     }
     // Items no worker started (Ctrl-C came first).
-    let left: Vec<Job> = queue.lock().map(|mut q| q.drain(..).collect()).unwrap_or_default();
+    let left: Vec<Job> = queue
+        .lock()
+        .map(|mut q| q.drain(..).collect())
+        .unwrap_or_default();
     for job in left {
         let reply = Reply {
             stop: "interrupted".into(),
@@ -247,7 +264,10 @@ pub fn run_batch(cfg: &Config, bc: &BatchConfig, rc: &RemoteConfig) -> Result<Ou
             prompt_tokens: tally.prompt_tokens,
             generated_tokens: tally.tokens,
             ttft_s: None,
-            decode_tok_s: tally.tokens.filter(|_| elapsed > 0.0).map(|n| n as f64 / elapsed),
+            decode_tok_s: tally
+                .tokens
+                .filter(|_| elapsed > 0.0)
+                .map(|n| n as f64 / elapsed),
             total_s: elapsed,
             retries: tally.retries,
             stop_reason: None,
@@ -335,7 +355,13 @@ struct Tally {
 }
 
 impl Tally {
-    fn write(&mut self, out: &mut Writer, cfg: &Config, job: Job, result: Result<Reply>) -> Result<()> {
+    fn write(
+        &mut self,
+        out: &mut Writer,
+        cfg: &Config,
+        job: Job,
+        result: Result<Reply>,
+    ) -> Result<()> {
         let e = &job.entry;
         let reply = match result {
             Ok(r) => r,
@@ -344,11 +370,14 @@ impl Tally {
                 if !cfg.quiet {
                     eprintln!("gen: prompt {} (line {}: {message})", job.index + 1, e.line);
                 }
-                return out.error(job.index, LineError {
-                    line: e.line,
-                    id: e.id.clone(),
-                    message,
-                });
+                return out.error(
+                    job.index,
+                    LineError {
+                        line: e.line,
+                        id: e.id.clone(),
+                        message,
+                    },
+                );
             }
         };
         let add = |a: Option<usize>, b: Option<usize>| match (a, b) {

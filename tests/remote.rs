@@ -1,0 +1,262 @@
+//! `--endpoint` against a real OpenAI-compatible server: llama.cpp's llama-server (built once by
+//! .ci/llama-server from the llama-cpp-python 0.3.36 sdist, cached), started here on 127.0.0.1
+//! with the default model. One prompt streams; a batch of 32 comes back complete, in order,
+//! with greedy texts equal to the server's own one-at-a-time greedy; a server killed mid-batch
+//! fails only the unfinished items, and `--resume` completes the job with no duplicates.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{gen, smollm2, text, with_stdin};
+use serde_json::Value;
+
+/// The llama-server binary: .ci/llama-server prints it (and builds it first if it must).
+fn llama_server() -> PathBuf {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join(".ci/llama-server");
+    let out = Command::new(&script)
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
+    assert!(out.status.success(), "{} failed", script.display());
+    PathBuf::from(text(&out.stdout).trim())
+}
+
+struct Server {
+    child: Child,
+    url: String,
+}
+
+impl Server {
+    /// llama-server on a free port with the default model, `slots` sequences at once.
+    fn start(slots: usize) -> Self {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let model = smollm2();
+        let child = Command::new(llama_server())
+            .arg("-m")
+            .arg(&model)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["-np", &slots.to_string(), "-c", &(2048 * slots).to_string()])
+            .args(["-t", "2", "--alias", "smollm2"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("llama-server starts");
+        let server = Server {
+            child,
+            url: format!("http://127.0.0.1:{port}/v1"),
+        };
+        let health = format!("http://127.0.0.1:{port}/health");
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while Instant::now() < deadline {
+            if ureq::get(&health).call().is_ok() {
+                return server;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        panic!("llama-server did not become healthy in 120 s");
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+const TOPICS: [&str; 8] = [
+    "The capital of France is",
+    "Once upon a time",
+    "The best way to learn to cook is",
+    "Water boils at",
+    "My favourite animal is",
+    "The history of Rome began",
+    "To write good code, you should",
+    "The sun rises in the",
+];
+
+/// 32 prompts, each distinct.
+fn prompts(n: usize) -> String {
+    (0..n)
+        .map(|i| {
+            let line = serde_json::json!({"id": format!("p{i}"), "prompt": format!("{} (#{i})", TOPICS[i % 8])});
+            format!("{line}\n")
+        })
+        .collect()
+}
+
+fn batch(url: &str, input: &str, extra: &[&str]) -> (Vec<Value>, String, Option<i32>) {
+    let mut cmd = gen();
+    cmd.args([
+        "--endpoint",
+        url,
+        "--batch",
+        "-",
+        "--temperature",
+        "0",
+        "-n",
+        "24",
+    ]);
+    cmd.args(extra);
+    let out = with_stdin(cmd, input);
+    (
+        common::jsonl(&text(&out.stdout)),
+        text(&out.stderr),
+        out.status.code(),
+    )
+}
+
+#[test]
+fn one_prompt_streams_and_a_batch_of_32_is_complete_in_order_and_greedy() {
+    let server = Server::start(4);
+    let out = gen()
+        .args([
+            "--endpoint",
+            &server.url,
+            "--prompt",
+            "The capital of France is",
+        ])
+        .args(["-n", "8", "--temperature", "0", "--stats", "json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("Paris"), "{}", text(&out.stdout));
+    let report: Value = serde_json::from_str(text(&out.stderr).lines().last().unwrap()).unwrap();
+    assert_eq!(report["generated_tokens"], 8, "{report}");
+    assert_eq!(report["stop_reason"], "max-new");
+    assert_eq!(
+        report["model"], "smollm2",
+        "the first (only) model /v1/models lists"
+    );
+
+    // --chat goes through the server's chat template.
+    let out = gen()
+        .args([
+            "--endpoint",
+            &server.url,
+            "--chat",
+            "--prompt",
+            "Say hello.",
+        ])
+        .args(["-n", "16", "--temperature", "0", "-q"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(!text(&out.stdout).trim().is_empty());
+
+    let input = prompts(32);
+    let (together, err, code) = batch(&server.url, &input, &["--concurrency", "8"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(together.len(), 32);
+    for (i, l) in together.iter().enumerate() {
+        assert_eq!(
+            (l["index"].clone(), l["id"].clone()),
+            (i.into(), format!("p{i}").into())
+        );
+        assert!(l["text"].is_string() && l.get("error").is_none(), "{l}");
+        assert!(l["stop"] == "max-new" || l["stop"] == "eos", "{l}");
+    }
+    // The server's greedy one request at a time: the same texts.
+    let (alone, err, code) = batch(&server.url, &input, &["--concurrency", "1"]);
+    assert_eq!(code, Some(0), "{err}");
+    let differ: Vec<usize> = (0..32)
+        .filter(|&i| together[i]["text"] != alone[i]["text"])
+        .collect();
+    assert!(
+        differ.is_empty(),
+        "items {differ:?} differ between concurrency 8 and 1"
+    );
+}
+
+#[test]
+fn a_server_killed_mid_batch_fails_the_rest_and_resume_finishes_with_no_duplicates() {
+    let dir = std::env::temp_dir().join(format!("gen-remote-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let input_path = dir.join("in.jsonl");
+    let out_path = dir.join("out.jsonl");
+    std::fs::write(&input_path, prompts(24)).unwrap();
+
+    let mut first = Server::start(2);
+    let mut run = gen()
+        .args(["--endpoint", &first.url, "--batch"])
+        .arg(&input_path)
+        .args([
+            "--temperature",
+            "0",
+            "-n",
+            "40",
+            "--concurrency",
+            "2",
+            "--retries",
+            "1",
+        ])
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Kill the server once a few lines are out.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while std::fs::read_to_string(&out_path).unwrap().lines().count() < 4 {
+        assert!(Instant::now() < deadline, "no progress");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    first.kill();
+    let status = run.wait().unwrap();
+    assert_eq!(status.code(), Some(1), "a failed item fails the run");
+    let written: Vec<Value> = common::jsonl(&std::fs::read_to_string(&out_path).unwrap());
+    assert_eq!(written.len(), 24, "every item has its line");
+    let complete = |l: &Value| l["text"].is_string() && l.get("error").is_none();
+    let first_done = written.iter().filter(|l| complete(l)).count();
+    assert!(
+        (4..24).contains(&first_done),
+        "{first_done} complete before the kill"
+    );
+
+    // A new server (a new address, as after a restart), and the same command with --resume.
+    let second = Server::start(2);
+    let mut cmd = gen();
+    cmd.args(["--endpoint", &second.url, "--batch"])
+        .arg(&input_path)
+        .args([
+            "--temperature",
+            "0",
+            "-n",
+            "40",
+            "--concurrency",
+            "2",
+            "--resume",
+        ])
+        .arg(&out_path);
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains(&format!("{first_done} items already complete")));
+    let added: Vec<Value> = common::jsonl(&text(&out.stdout));
+    assert_eq!(
+        added.len(),
+        24 - first_done,
+        "only the unfinished items run again"
+    );
+    let mut by_index: BTreeMap<u64, usize> = BTreeMap::new();
+    for l in written.iter().chain(&added).filter(|l| complete(l)) {
+        *by_index.entry(l["index"].as_u64().unwrap()).or_default() += 1;
+    }
+    assert_eq!(by_index.len(), 24, "every item complete");
+    assert!(
+        by_index.values().all(|&n| n == 1),
+        "an item complete twice: {by_index:?}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
