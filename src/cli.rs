@@ -211,20 +211,20 @@ pub struct Args {
     pub remote_model: Option<String>,
 
     /// With --endpoint and --batch: requests in flight at once, so the server's own batching
-    /// fills its GPUs.
-    #[arg(long, value_name = "N", default_value_t = 8)]
-    pub concurrency: usize,
+    /// fills its GPUs [default: 8].
+    #[arg(long, value_name = "N", requires = "endpoint")]
+    pub concurrency: Option<usize>,
 
     /// With --endpoint: seconds one try of a request may take (or stay silent) before it
-    /// counts as failed.
-    #[arg(long, value_name = "SECS", default_value_t = 600.0)]
-    pub timeout: f64,
+    /// counts as failed [default: 600].
+    #[arg(long, value_name = "SECS", requires = "endpoint")]
+    pub timeout: Option<f64>,
 
     /// With --endpoint: retries of a request that failed in a way that may pass (no
     /// connection, 408, 429, 5xx, a stream cut short), with exponential backoff and jitter,
-    /// honouring Retry-After.
-    #[arg(long, value_name = "N", default_value_t = 4)]
-    pub retries: u32,
+    /// honouring Retry-After [default: 4].
+    #[arg(long, value_name = "N", requires = "endpoint")]
+    pub retries: Option<u32>,
 
     /// Continue a batch run that died or was interrupted: skip the items OUT (its output so
     /// far) holds complete, run the others, as in `gen --batch IN --resume OUT >> OUT`.
@@ -531,23 +531,22 @@ fn remote_config(a: &Args, interactive: bool, constrained: bool) -> Result<Optio
     if a.dry_run {
         bail!("--dry-run shows the local chat template's text; with --endpoint the server applies its own");
     }
-    if a.concurrency == 0 {
+    let concurrency = a.concurrency.unwrap_or(8);
+    if concurrency == 0 {
         bail!("--concurrency must be at least 1");
     }
-    if !(a.timeout.is_finite() && a.timeout > 0.0) {
-        bail!(
-            "--timeout must be a positive number of seconds, got {}",
-            a.timeout
-        );
+    let timeout = a.timeout.unwrap_or(600.0);
+    if !(timeout.is_finite() && timeout > 0.0) {
+        bail!("--timeout must be a positive number of seconds, got {timeout}");
     }
     Ok(Some(RemoteConfig {
         url: url.clone(),
         key: a.api_key.clone().filter(|k| !k.is_empty()),
         model: a.remote_model.clone(),
-        concurrency: a.concurrency,
+        concurrency,
         policy: crate::remote::Policy {
-            attempts: a.retries.saturating_add(1),
-            timeout: std::time::Duration::from_secs_f64(a.timeout),
+            attempts: a.retries.unwrap_or(4).saturating_add(1),
+            timeout: std::time::Duration::from_secs_f64(timeout),
             ..crate::remote::Policy::default()
         },
     }))
@@ -697,5 +696,38 @@ mod tests {
     #[test]
     fn seed_given_is_kept() {
         assert_eq!(parse(&["--seed", "7"]).unwrap().sampling.seed, 7);
+    }
+
+    #[test]
+    fn remote_flags_need_an_endpoint_and_refuse_local_only_ones() {
+        let url = "http://127.0.0.1:8000/v1";
+        let rc = parse(&["--endpoint", url, "--concurrency", "32", "--retries", "0"])
+            .unwrap()
+            .remote
+            .unwrap();
+        assert_eq!((rc.concurrency, rc.policy.attempts), (32, 1));
+        let rc = parse(&["--endpoint", url]).unwrap().remote.unwrap();
+        assert_eq!(rc.concurrency, 8);
+        assert!(parse(&[]).unwrap().remote.is_none());
+        for bad in [
+            &["--concurrency", "4"][..],
+            &["--timeout", "5"],
+            &["--remote-model", "m"],
+            &["--endpoint", url, "--concurrency", "0"],
+            &["--endpoint", url, "--timeout", "-1"],
+            &["--endpoint", url, "--json"],
+            &["--endpoint", url, "--dry-run", "--chat"],
+            &["chat", "--endpoint", url],
+            &["--endpoint", "gpu-box:8000"],
+            &["--resume", "out.jsonl"],
+        ] {
+            let err = parse(bad);
+            // A bad URL is found when connecting; the rest before anything runs.
+            if bad.contains(&"gpu-box:8000") {
+                assert!(err.is_ok());
+                continue;
+            }
+            assert!(err.is_err(), "{bad:?} was accepted");
+        }
     }
 }
