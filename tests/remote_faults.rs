@@ -96,6 +96,19 @@ fn serve(mut stream: TcpStream, seen: &Seen) {
             let _ = stream.write_all(b"data: {this is not json}\n\n");
         }
         "hang" => std::thread::sleep(Duration::from_secs(30)),
+        "slow" => {
+            let _ = stream.write_all(stream_head().as_bytes());
+            for i in 0..50 {
+                if stream
+                    .write_all(event(&format!("{i} "), None).as_bytes())
+                    .is_err()
+                {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = stream.write_all(b"data: [DONE]\n\n");
+        }
         "bad-request" => json_reply(
             &mut stream,
             "400 Bad Request",
@@ -221,4 +234,40 @@ fn one_prompt_streams_and_the_report_says_what_is_known() {
     assert_eq!(out.status.code(), Some(1));
     let line = common::one_error_line(&out);
     assert!(line.contains("after 2 tries"), "{line}");
+}
+
+#[test]
+fn ctrl_c_writes_every_line_and_marks_the_unfinished_interrupted() {
+    let (url, _) = stub();
+    let mut child = gen()
+        .args(["--endpoint", &url, "--batch", "-", "--concurrency", "1"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"a\nslow\nb\nc\n").unwrap();
+    drop(stdin);
+    // Item 0 is done at once; item 1 streams for 5 s: interrupt it midway.
+    std::thread::sleep(Duration::from_millis(1500));
+    let status = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130), "{}", text(&out.stderr));
+    let lines: Vec<Value> = common::jsonl(&text(&out.stdout));
+    assert_eq!(lines.len(), 4, "every item has its line");
+    assert_eq!(lines[0]["text"], "reply to a");
+    assert_eq!(lines[1]["stop"], "interrupted");
+    assert!(
+        lines[1]["text"].as_str().unwrap().starts_with("0 1 "),
+        "{}",
+        lines[1]
+    );
+    for l in &lines[2..] {
+        assert_eq!(l["stop"], "interrupted", "never started: {l}");
+    }
 }
