@@ -160,8 +160,9 @@ impl Endpoint {
     /// The wait before retry number `attempt + 1`: the server's Retry-After if it gave one,
     /// otherwise exponential with full jitter.
     fn backoff(&self, attempt: u32, after: Option<Duration>) -> Duration {
+        // The server knows best when it will have room (the header is capped at an hour).
         if let Some(a) = after {
-            return a.min(self.policy.max_backoff.max(a));
+            return a;
         }
         let exp = self
             .policy
