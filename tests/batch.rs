@@ -621,6 +621,31 @@ fn resume_runs_only_what_the_output_lacks_and_openai_shapes_round_trip() {
     assert_eq!(ids, ["b", "d"], "only what the output lacks runs");
     assert_eq!(again[0]["text"], full[1]["text"]);
     assert_eq!(again[1]["text"], full[3]["text"]);
+    // Appended to the cut file itself (`--resume OUT >> OUT`): the fragment is ended first, so
+    // every new line is whole and OUT then holds every item complete.
+    let appended = std::process::Command::new(env!("CARGO_BIN_EXE_gen"))
+        .args(&resume_args)
+        .stdin(
+            std::fs::File::open({
+                let p = dir.join("in.jsonl");
+                std::fs::write(&p, input).unwrap();
+                p
+            })
+            .unwrap(),
+        )
+        .stdout(std::fs::OpenOptions::new().append(true).open(&out).unwrap())
+        .status()
+        .unwrap();
+    assert!(appended.success());
+    let whole = std::fs::read_to_string(&out).unwrap();
+    let complete: Vec<serde_json::Value> = whole
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|l| l["text"].is_string() && l["stop"] != "interrupted")
+        .collect();
+    let mut ids: Vec<&str> = complete.iter().map(|l| l["id"].as_str().unwrap()).collect();
+    ids.sort();
+    assert_eq!(ids, ["a", "b", "c", "d"], "{whole}");
     // Resuming from a complete output runs nothing.
     std::fs::write(
         &out,

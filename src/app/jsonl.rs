@@ -109,6 +109,23 @@ pub(crate) struct Done {
     pub count: usize,
 }
 
+/// Whether standard output is the file at `path` (as with `--resume OUT >> OUT`).
+fn stdout_is(path: &std::path::Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        match (std::fs::metadata("/dev/stdout"), std::fs::metadata(path)) {
+            (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+            _ => false,
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = path;
+        false
+    }
+}
+
 impl Done {
     pub fn read(path: &std::path::Path) -> Result<Self> {
         use anyhow::Context;
@@ -118,6 +135,12 @@ impl Done {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
             Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
         };
+        // A run that died mid-line left OUT without its last newline: when the new lines go
+        // to the end of OUT, end that fragment first so the first new line stays whole.
+        if !text.is_empty() && !text.ends_with('\n') && stdout_is(path) {
+            let mut out = std::io::stdout().lock();
+            out.write_all(b"\n").and_then(|()| out.flush())?;
+        }
         let mut done = Done {
             by_index: BTreeSet::new(),
             by_custom_id: BTreeSet::new(),
