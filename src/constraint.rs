@@ -84,9 +84,7 @@ impl Spec {
     /// Compile it against a vocabulary of single bytes: whatever the model, a spec that passes
     /// here compiles for it (the grammar does not depend on the vocabulary). One line on error.
     pub fn check(&self) -> Result<()> {
-        let env = byte_env();
-        let factory = factory(&env)?;
-        compile(&factory, self).map(drop)
+        compile(byte_factory()?, self).map(drop)
     }
 }
 
@@ -145,6 +143,17 @@ fn one_line(s: &str) -> String {
 
 fn byte_env() -> TokEnv {
     toktrie::ApproximateTokEnv::single_byte_env()
+}
+
+/// The single-byte vocabulary's factory, built once per process: every `--batch` line with a
+/// spec is checked against it.
+fn byte_factory() -> Result<&'static ParserFactory> {
+    static FACTORY: std::sync::OnceLock<std::result::Result<ParserFactory, String>> =
+        std::sync::OnceLock::new();
+    FACTORY
+        .get_or_init(|| factory(&byte_env()).map_err(|e| e.to_string()))
+        .as_ref()
+        .map_err(|e| anyhow!("{e}"))
 }
 
 /// gen's tokenizer as llguidance sees it: each id's bytes (special tokens behind the 0xFF
@@ -397,9 +406,8 @@ fn next_mask(matcher: &mut Matcher) -> Result<Msg> {
 /// one EOS), for tests of what uses constraints.
 #[doc(hidden)]
 pub fn byte_constraint(spec: &Spec) -> Constraint {
-    let env = byte_env();
-    let factory = factory(&env).expect("the byte vocabulary builds");
-    let matcher = compile(&factory, spec).expect("a spec for tests compiles");
+    let factory = byte_factory().expect("the byte vocabulary builds");
+    let matcher = compile(factory, spec).expect("a spec for tests compiles");
     Constraint::start(matcher, spec.kind()).expect("a thread starts")
 }
 
@@ -409,12 +417,12 @@ pub fn byte_constraint(spec: &Spec) -> Constraint {
 /// For the fuzz target: whatever the spec, this must end without a panic or a hang.
 #[doc(hidden)]
 pub fn walk_bytes(spec: &Spec, picks: &[u8]) -> Result<(Vec<u8>, bool)> {
-    let env = byte_env();
-    let factory = factory(&env)?;
-    let mut c = Constraint::start(compile(&factory, spec)?, spec.kind())?;
+    let factory = byte_factory()?;
+    let mut c = Constraint::start(compile(factory, spec)?, spec.kind())?;
+    let vocab = factory.tok_env().tok_trie().vocab_size();
     let mut written = Vec::new();
     for &pick in picks {
-        let mut logits = vec![0.0f32; env.tok_trie().vocab_size()];
+        let mut logits = vec![0.0f32; vocab];
         c.apply(&mut logits)?;
         let allowed: Vec<u8> = (0..=255u8)
             .filter(|&b| logits[usize::from(b)] == 0.0)
