@@ -20,6 +20,7 @@ Examples:
   gen --prompt-file question.txt --stop \"\\n\\n\" --stats json 2>stats.json
   gen --batch prompts.jsonl --temperature 0 > replies.jsonl
   gen --chat --prompt \"Classify: I loved it\" --json-schema label.json
+  gen --endpoint http://gpu-box:8000/v1 --batch prompts.jsonl --concurrency 32 > replies.jsonl
   gen --model ./my-model.gguf --prompt \"Hello\"
   gen --model TheOrg/Some-GGUF --model-file some.Q4_0.gguf --prompt \"Hello\"
 
