@@ -9,7 +9,6 @@
 
 mod common;
 
-use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -30,24 +29,11 @@ const TOPICS: [&str; 8] = [
 /// Wall seconds and generated tokens of one `gen --batch` run with `args`.
 fn run(args: &[&str], input: &str, threads: usize) -> (f64, f64) {
     let start = Instant::now();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_gen"))
-        .args(args)
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_gen"));
+    cmd.args(args)
         .args(["--batch", "-", "--temperature", "0", "--stats", "json"])
-        .args(["--threads", &threads.to_string()])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| fail(&format!("cannot run gen: {e}")));
-    child
-        .stdin
-        .take()
-        .expect("piped")
-        .write_all(input.as_bytes())
-        .unwrap_or_else(|e| fail(&e.to_string()));
-    let out = child
-        .wait_with_output()
-        .unwrap_or_else(|e| fail(&e.to_string()));
+        .args(["--threads", &threads.to_string()]);
+    let out = common::with_stdin(&mut cmd, input);
     let wall = start.elapsed().as_secs_f64();
     let err = String::from_utf8_lossy(&out.stderr);
     if !out.status.success() {

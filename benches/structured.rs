@@ -16,7 +16,6 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
@@ -85,22 +84,9 @@ fn batch(model: &Path, threads: usize, cases: &[Case], constrained: bool) -> Vec
             format!("{line}\n")
         })
         .collect();
-    let mut child = gen_cmd(model, threads)
-        .args(["--batch", "-", "--max-new", "200", "-q"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| fail(&format!("cannot run gen: {e}")));
-    child
-        .stdin
-        .take()
-        .expect("piped")
-        .write_all(input.as_bytes())
-        .unwrap_or_else(|e| fail(&e.to_string()));
-    let out = child
-        .wait_with_output()
-        .unwrap_or_else(|e| fail(&e.to_string()));
+    let mut cmd = gen_cmd(model, threads);
+    cmd.args(["--batch", "-", "--max-new", "200", "-q"]);
+    let out = common::with_stdin(&mut cmd, &input);
     if !out.status.success() {
         fail(&format!(
             "gen --batch failed: {}",

@@ -68,3 +68,25 @@ pub fn last_json(text: &str) -> Option<serde_json::Value> {
         .filter(|l| l.trim_start().starts_with('{'))
         .find_map(|l| serde_json::from_str(l).ok())
 }
+
+/// Run `cmd` with `input` on its standard input, stdout and stderr collected (ending the
+/// benchmark with one line if it cannot run).
+pub fn with_stdin(cmd: &mut std::process::Command, input: &str) -> std::process::Output {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| fail(&format!("cannot run gen: {e}")));
+    child
+        .stdin
+        .take()
+        .expect("piped")
+        .write_all(input.as_bytes())
+        .unwrap_or_else(|e| fail(&e.to_string()));
+    child
+        .wait_with_output()
+        .unwrap_or_else(|e| fail(&e.to_string()))
+}

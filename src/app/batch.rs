@@ -160,14 +160,7 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
             StatsFormat::Json => report.write_json(&mut err)?,
         }
     }
-    if interrupt::requested() {
-        return Ok(Outcome::Interrupted);
-    }
-    Ok(if failed > 0 {
-        Outcome::PromptsFailed { failed, total }
-    } else {
-        Outcome::Done
-    })
+    Ok(out.outcome())
 }
 
 /// The requests to run, with the prompts they came from. A prompt the pool cannot hold even

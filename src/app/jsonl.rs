@@ -216,6 +216,20 @@ impl Writer {
         }
     }
 
+    /// How the run ends: interrupted (Ctrl-C), with failed items (exit 1), or done.
+    pub fn outcome(&self) -> super::Outcome {
+        if crate::interrupt::requested() {
+            super::Outcome::Interrupted
+        } else if self.failed > 0 {
+            super::Outcome::PromptsFailed {
+                failed: self.failed,
+                total: self.total,
+            }
+        } else {
+            super::Outcome::Done
+        }
+    }
+
     /// Write one reply's line (in the run's shape) once every line before it is out.
     pub fn reply(&mut self, line: &Line<'_>) -> Result<()> {
         let json = self.shape.render(line)?;

@@ -275,14 +275,7 @@ pub fn run_batch(cfg: &Config, bc: &BatchConfig, rc: &RemoteConfig) -> Result<Ou
         }
         .write(cfg.stats)?;
     }
-    if interrupt::requested() {
-        return Ok(Outcome::Interrupted);
-    }
-    Ok(if failed > 0 {
-        Outcome::PromptsFailed { failed, total }
-    } else {
-        Outcome::Done
-    })
+    Ok(out.outcome())
 }
 
 fn job(cfg: &Config, index: usize, entry: Entry) -> Result<Job, LineError> {
