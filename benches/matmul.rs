@@ -7,7 +7,6 @@
 //!
 //! A yardstick for kernel work, not a test: nothing here asserts a speed.
 
-#[allow(dead_code)] // bench_model: this benchmark makes its own weights
 mod common;
 
 use std::time::Instant;

@@ -494,7 +494,7 @@ mod tests {
         let mut logits: Vec<f32> = (0..262).map(|i| i as f32).collect();
         c.apply(&mut logits).unwrap();
         for (i, l) in logits.iter().enumerate() {
-            if (b'0'..=b'9').contains(&(i as u8)) && i < 256 {
+            if i < 256 && (i as u8).is_ascii_digit() {
                 assert_eq!(*l, i as f32);
             } else {
                 assert_eq!(*l, f32::NEG_INFINITY, "id {i}");
