@@ -220,7 +220,7 @@ mod tests {
         assert_eq!(c.turns[0].content, "b");
         assert_eq!(c.system.as_deref(), Some("Be brief."));
         assert!(!c.drop_oldest(), "the last exchange stays");
-        assert!(Conversation::new(None).undo() == false);
+        assert!(!Conversation::new(None).undo());
     }
 
     #[test]

@@ -909,8 +909,6 @@ impl Model<'_> {
         Ok(())
     }
 
-    /// Token arrays and special token ids against a vocabulary of `vocab` tokens.
-
     /// (layers, width, heads, kv heads, head width), each checked.
     fn llama_hyper_parameters(&self) -> Check<(u64, u64, u64, u64, u64)> {
         let a = self.arch;
@@ -1066,6 +1064,7 @@ impl Model<'_> {
         Ok(())
     }
 
+    /// Token arrays and special token ids against a vocabulary of `vocab` tokens.
     fn check_tokenizer(&self, vocab: u64) -> Check<()> {
         let array = |key: &str, ok: &dyn Fn(u32) -> bool, kind: &str| -> Check<()> {
             match self.md.get(key) {
