@@ -19,7 +19,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use common::{env_or, fail, last_json, median};
+use common::{env_or, fail, json_report, last_json, median};
 
 #[derive(Debug, Clone, Copy, Default)]
 struct Sample {
@@ -51,8 +51,8 @@ fn sample(j: &serde_json::Value) -> Option<Sample> {
 }
 
 fn run_gen(model: &Path, prompt: &Path, max_new: usize, threads: usize) -> Sample {
-    let out = Command::new(env!("CARGO_BIN_EXE_gen"))
-        .arg("--model")
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_gen"));
+    cmd.arg("--model")
         .arg(model)
         .arg("--prompt-file")
         .arg(prompt)
@@ -63,21 +63,10 @@ fn run_gen(model: &Path, prompt: &Path, max_new: usize, threads: usize) -> Sampl
             "0",
             "--ignore-eos",
         ])
-        .args(["--threads", &threads.to_string(), "--stats", "json"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| fail(&format!("cannot run gen: {e}")));
-    let err = String::from_utf8_lossy(&out.stderr);
-    if !out.status.success() {
-        fail(&format!("gen failed ({}): {}", out.status, err.trim()));
-    }
-    last_json(&err)
-        .as_ref()
-        .and_then(sample)
-        .unwrap_or_else(|| fail(&format!("gen printed no JSON report: {}", err.trim())))
+        .args(["--threads", &threads.to_string(), "--stats", "json"]);
+    let report = json_report(&mut cmd);
+    sample(&report).unwrap_or_else(|| fail(&format!("gen's report lacks a field: {report}")))
 }
-
 /// What gen is compared with: a program, and the name its rows go by.
 struct Peer {
     program: PathBuf,

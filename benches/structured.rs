@@ -17,9 +17,9 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 
-use common::{env_or, fail, last_json, median};
+use common::{env_or, fail, json_report, median};
 use serde_json::Value;
 
 fn asset(name: &str) -> String {
@@ -144,16 +144,7 @@ fn single(model: &Path, threads: usize, case: &Case, constrained: bool) -> (f64,
     if constrained {
         cmd.args(["--json-schema", &schema]);
     }
-    let out = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .output()
-        .unwrap_or_else(|e| fail(&format!("cannot run gen: {e}")));
-    let err = String::from_utf8_lossy(&out.stderr);
-    if !out.status.success() {
-        fail(&format!("gen failed: {}", err.trim()));
-    }
-    let report = last_json(&err).unwrap_or_else(|| fail(&format!("no JSON report: {err}")));
+    let report = json_report(&mut cmd);
     let c = &report["constraint"];
     (
         report["decode_tok_s"].as_f64().unwrap_or(f64::NAN),

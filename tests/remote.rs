@@ -181,6 +181,9 @@ fn one_prompt_streams_and_a_batch_of_32_is_complete_in_order_and_greedy() {
     );
 }
 
+/// The batch settings both runs of the kill-and-resume test share.
+const RUN: [&str; 6] = ["--temperature", "0", "-n", "40", "--concurrency", "2"];
+
 #[test]
 fn a_server_killed_mid_batch_fails_the_rest_and_resume_finishes_with_no_duplicates() {
     let dir = std::env::temp_dir().join(format!("gen-remote-{}", std::process::id()));
@@ -193,16 +196,8 @@ fn a_server_killed_mid_batch_fails_the_rest_and_resume_finishes_with_no_duplicat
     let mut run = gen()
         .args(["--endpoint", &first.url, "--batch"])
         .arg(&input_path)
-        .args([
-            "--temperature",
-            "0",
-            "-n",
-            "40",
-            "--concurrency",
-            "2",
-            "--retries",
-            "1",
-        ])
+        .args(RUN)
+        .args(["--retries", "1"])
         .stdout(std::fs::File::create(&out_path).unwrap())
         .stderr(Stdio::piped())
         .spawn()
@@ -230,15 +225,8 @@ fn a_server_killed_mid_batch_fails_the_rest_and_resume_finishes_with_no_duplicat
     let mut cmd = gen();
     cmd.args(["--endpoint", &second.url, "--batch"])
         .arg(&input_path)
-        .args([
-            "--temperature",
-            "0",
-            "-n",
-            "40",
-            "--concurrency",
-            "2",
-            "--resume",
-        ])
+        .args(RUN)
+        .arg("--resume")
         .arg(&out_path);
     let out = cmd.output().unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));

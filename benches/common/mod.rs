@@ -90,3 +90,19 @@ pub fn with_stdin(cmd: &mut std::process::Command, input: &str) -> std::process:
         .wait_with_output()
         .unwrap_or_else(|e| fail(&e.to_string()))
 }
+
+/// Run gen as `cmd` (nothing on stdin, stdout discarded) and return the JSON report it printed
+/// last on stderr, ending the benchmark with one line if it failed or printed none.
+pub fn json_report(cmd: &mut std::process::Command) -> serde_json::Value {
+    use std::process::Stdio;
+    let out = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| fail(&format!("cannot run gen: {e}")));
+    let err = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        fail(&format!("gen failed ({}): {}", out.status, err.trim()));
+    }
+    last_json(&err).unwrap_or_else(|| fail(&format!("gen printed no JSON report: {}", err.trim())))
+}
