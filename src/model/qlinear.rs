@@ -1,8 +1,9 @@
 //! Linear layers as the decoder holds them: y = x W^T, with W kept the way its device runs it.
 //!
-//! On the CPU, Q4_1 and Q8_0 weights run on gen's own kernels ([`super::cpu::matmul`]); f32, f16
-//! and bf16 weights are plain matrices in their own type; every other type, and every type off
-//! the CPU, goes through candle's `QMatMul` (or is widened once to f32, see [`DeviceWeights`]).
+//! On the CPU, every quantized GGUF type gen reads runs on gen's own kernels (Q4_1 and Q8_0 in
+//! [`super::cpu::matmul`], the others in [`super::cpu::quants`]); f32, f16 and bf16 weights are
+//! plain matrices in their own type; off the CPU, quantized types go through candle's `QMatMul`
+//! (or are widened once to f32, see [`DeviceWeights`]).
 //! Several projections of one input (q/k/v, gate/up) can run as one matrix ([`Projections`]).
 
 use anyhow::Result;

@@ -20,6 +20,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::ops::SharedOut;
+use super::quants::{self, QType};
 
 const QK: usize = 32;
 const Q4_1_BYTES: usize = 20;
@@ -72,6 +73,8 @@ impl Kernel {
 enum WeightType {
     Q4_1,
     Q8_0,
+    /// Every other quantized type: [`super::quants`].
+    Quant(QType),
 }
 
 /// Rows of 32-value blocks, repacked for the kernels: each block's scale (and Q4_1's minimum,
@@ -116,6 +119,7 @@ impl Blocks {
         let (block_bytes, header, per_block) = match ty {
             WeightType::Q4_1 => (Q4_1_BYTES, 4, 16),
             WeightType::Q8_0 => (Q8_0_BYTES, 2, 32),
+            WeightType::Quant(_) => unreachable!("quant types have their own tiles"),
         };
         let n = raw.len() / block_bytes;
         let mut b = Blocks {
@@ -234,6 +238,8 @@ impl Tiles {
 enum Layout {
     Rows(Blocks),
     Tiles(Tiles),
+    /// The types of [`super::quants`], in their tiles for every kernel (scalar included).
+    Quant(quants::Tiles),
 }
 
 /// A weight matrix (N, K) in our own CPU layout.
@@ -282,6 +288,7 @@ impl CpuQWeight {
                                 *o = match self.ty {
                                     WeightType::Q4_1 => dot_q4_1_q8_1_scalar(w, act.row(tt)),
                                     WeightType::Q8_0 => dot_q8_0_q8_0_scalar(w, act.row(tt)),
+                                    WeightType::Quant(_) => unreachable!("quant tiles"),
                                 };
                             }
                         }
@@ -299,71 +306,23 @@ impl CpuQWeight {
             }
             Layout::Tiles(tiles) => {
                 let act = ActTiles::quantize(x, k, t, with_sums, self.kernel);
-                // Written by the kernels before it is read: not zeroed first (that memset was
-                // 2-3% of a batch run).
-                let mut outs: Vec<Vec<f32>> =
-                    widths.iter().map(|&w| Vec::with_capacity(t * w)).collect();
-                // Per part: its first row group, its width, where its output starts.
-                let mut parts = Vec::with_capacity(widths.len());
-                let mut first = 0;
-                for (o, &w) in outs.iter_mut().zip(widths) {
-                    parts.push((first, w, SharedOut(o.as_mut_ptr())));
-                    first += w.div_ceil(8);
-                }
-                debug_assert_eq!(first, tiles.groups);
                 let per_call = self.tokens_per_tile();
-                let chunk = (tiles.groups / (rayon::current_num_threads() * 4)).max(1);
-                let group_ranges: Vec<(usize, usize)> = (0..tiles.groups)
-                    .step_by(chunk)
-                    .map(|g| (g, (g + chunk).min(tiles.groups)))
-                    .collect();
-                // Many tokens (a prefill): the tokens go in blocks of about 48 KiB of quantized
-                // activations, each block through all of a task's row groups while it and the
-                // block's outputs sit in L2; otherwise a wide input (the down projection's,
-                // 1,536 values a token) streamed from L3 once per row group. (192 KiB measured
-                // 3-4% slower on a batch's prefill, 24 KiB the same as 48.)
-                let per_block = (48 * 1024 / (k * TOKENS)).max(1);
-                group_ranges.into_par_iter().for_each(|(g0, g1)| {
-                    for c_start in (0..act.chunks).step_by(per_block) {
-                        for g in g0..g1 {
-                            let p = parts.partition_point(|part| part.0 <= g) - 1;
-                            let (pg, w, out) = parts[p];
-                            let col = (g - pg) * 8;
-                            let real = (w - col).min(8);
-                            let tile = tiles.tile(g);
-                            for c in c_start..(c_start + per_block).min(act.chunks) {
-                                let in_chunk = (t - c * TOKENS).min(TOKENS);
-                                let mut i0 = 0;
-                                while i0 < in_chunk {
-                                    let n = (in_chunk - i0).min(per_call);
-                                    let token = c * TOKENS + i0;
-                                    // SAFETY: token + n <= T and col + real <= w, so every row
-                                    // written is inside this part's T x w buffer; row group g's
-                                    // columns are written by this task only.
-                                    unsafe {
-                                        self.tile_dot(
-                                            tile,
-                                            &act,
-                                            token,
-                                            n,
-                                            out.at(token * w + col),
-                                            w,
-                                            real,
-                                        )
-                                    };
-                                    i0 += n;
-                                }
-                            }
-                        }
-                    }
-                });
-                for (o, &w) in outs.iter_mut().zip(widths) {
-                    // SAFETY: every token's row of every part was written above: the row
-                    // groups cover each part's w columns (the last one its `real` ones) and
-                    // the chunks cover all T tokens; f32 has no invalid bit patterns.
-                    unsafe { o.set_len(t * w) };
-                }
-                outs
+                schedule(t, k, widths, tiles.groups, act.chunks, per_call, |g, token, n, out, stride, real| {
+                    // SAFETY: as `schedule` promises for out; tiles and activations hold the
+                    // same block count.
+                    unsafe { self.tile_dot(tiles.tile(g), &act, token, n, out, stride, real) }
+                })
+            }
+            Layout::Quant(tiles) => {
+                let spec = tiles.ty.spec();
+                let act = quants::Acts::quantize(x, k, t, spec.act, self.kernel);
+                let per_call = self.tokens_per_tile();
+                let stream = act.chunks <= STREAM_CHUNKS;
+                schedule(t, k, widths, tiles.groups, act.chunks, per_call, |g, token, n, out, stride, real| {
+                    // SAFETY: as `schedule` promises for out; tiles and activations hold the
+                    // same block count.
+                    unsafe { quant_dot(tiles.ty, self.kernel, tiles.tile(g), act.chunk(token), n, out, stride, real, stream) }
+                })
             }
         }
     }
@@ -434,6 +393,130 @@ impl CpuQWeight {
     }
 }
 
+/// Runs a tiled product: row groups split among the threads, each group through the tokens
+/// in blocks (see below), `dot(g, token, n, out, stride, real)` computing tokens
+/// token..token + n (n <= `per_call`, within one chunk of 8) against row group g into out +
+/// i * stride, its first `real` rows. Returns T rows of widths[i] values per part.
+fn schedule(
+    t: usize,
+    k: usize,
+    widths: &[usize],
+    groups: usize,
+    chunks: usize,
+    per_call: usize,
+    dot: impl Fn(usize, usize, usize, *mut f32, usize, usize) + Sync,
+) -> Vec<Vec<f32>> {
+    // Written by the kernels before it is read: not zeroed first (that memset was 2-3% of a
+    // batch run).
+    let mut outs: Vec<Vec<f32>> = widths.iter().map(|&w| Vec::with_capacity(t * w)).collect();
+    // Per part: its first row group, its width, where its output starts.
+    let mut parts = Vec::with_capacity(widths.len());
+    let mut first = 0;
+    for (o, &w) in outs.iter_mut().zip(widths) {
+        parts.push((first, w, SharedOut(o.as_mut_ptr())));
+        first += w.div_ceil(8);
+    }
+    debug_assert_eq!(first, groups);
+    let chunk = (groups / (rayon::current_num_threads() * 4)).max(1);
+    let group_ranges: Vec<(usize, usize)> = (0..groups)
+        .step_by(chunk)
+        .map(|g| (g, (g + chunk).min(groups)))
+        .collect();
+    // Many tokens (a prefill): the tokens go in blocks of about 48 KiB of quantized
+    // activations, each block through all of a task's row groups while it and the block's
+    // outputs sit in L2; otherwise a wide input (the down projection's, 1,536 values a token)
+    // streamed from L3 once per row group. (192 KiB measured 3-4% slower on a batch's
+    // prefill, 24 KiB the same as 48.)
+    let per_block = (48 * 1024 / (k * TOKENS)).max(1);
+    group_ranges.into_par_iter().for_each(|(g0, g1)| {
+        for c_start in (0..chunks).step_by(per_block) {
+            for g in g0..g1 {
+                let p = parts.partition_point(|part| part.0 <= g) - 1;
+                let (pg, w, out) = parts[p];
+                let col = (g - pg) * 8;
+                let real = (w - col).min(8);
+                for c in c_start..(c_start + per_block).min(chunks) {
+                    let in_chunk = (t - c * TOKENS).min(TOKENS);
+                    let mut i0 = 0;
+                    while i0 < in_chunk {
+                        let n = (in_chunk - i0).min(per_call);
+                        let token = c * TOKENS + i0;
+                        // token + n <= T and col + real <= w, so every row written is inside
+                        // this part's T x w buffer; row group g's columns are written by this
+                        // task only.
+                        dot(g, token, n, out.at(token * w + col), w, real);
+                        i0 += n;
+                    }
+                }
+            }
+        }
+    });
+    for (o, &w) in outs.iter_mut().zip(widths) {
+        // SAFETY: every token's row of every part was written above: the row groups cover each
+        // part's w columns (the last one its `real` ones) and the chunks cover all T tokens;
+        // f32 has no invalid bit patterns.
+        unsafe { o.set_len(t * w) };
+    }
+    outs
+}
+
+/// One call of a [`super::quants`] kernel: the type's instance for the kernel and token count.
+///
+/// # Safety
+/// As for the kernels: `a` holds n tokens of the tile's blocks, out valid for the writes.
+#[allow(clippy::too_many_arguments)]
+unsafe fn quant_dot(
+    ty: QType,
+    kernel: Kernel,
+    w: quants::Tile<'_>,
+    a: quants::ActChunk,
+    n: usize,
+    out: *mut f32,
+    stride: usize,
+    real: usize,
+    stream: bool,
+) {
+    macro_rules! by_n {
+        ($m:ident, $ty:expr) => {{
+            const TY: u8 = $ty as u8;
+            use super::quants_x86::$m::tile;
+            match n {
+                1 => tile::<TY, 1>(w, a, out, stride, real, stream),
+                2 => tile::<TY, 2>(w, a, out, stride, real, stream),
+                3 => tile::<TY, 3>(w, a, out, stride, real, stream),
+                4 => tile::<TY, 4>(w, a, out, stride, real, stream),
+                5 => tile::<TY, 5>(w, a, out, stride, real, stream),
+                6 => tile::<TY, 6>(w, a, out, stride, real, stream),
+                7 => tile::<TY, 7>(w, a, out, stride, real, stream),
+                _ => tile::<TY, 8>(w, a, out, stride, real, stream),
+            }
+        }};
+    }
+    macro_rules! by_type {
+        ($f:ident) => {
+            match ty {
+                QType::Q4_0 => by_n!($f, QType::Q4_0),
+                QType::Q5_0 => by_n!($f, QType::Q5_0),
+                QType::Q5_1 => by_n!($f, QType::Q5_1),
+                QType::Q2K => by_n!($f, QType::Q2K),
+                QType::Q3K => by_n!($f, QType::Q3K),
+                QType::Q4K => by_n!($f, QType::Q4K),
+                QType::Q5K => by_n!($f, QType::Q5K),
+                QType::Q6K => by_n!($f, QType::Q6K),
+                QType::Iq4Nl => by_n!($f, QType::Iq4Nl),
+                QType::Iq4Xs => by_n!($f, QType::Iq4Xs),
+            }
+        };
+    }
+    match kernel {
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 => by_type!(avx2),
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Vnni => by_type!(vnni),
+        Kernel::Scalar => quants::scalar_tile(ty.spec(), w, a, n, out, stride, real),
+    }
+}
+
 /// How far ahead of the block it works on (in bytes of quants) a kernel called for a few
 /// tokens asks for weights: the tile's next blocks, then the next tile's (tiles of a task are
 /// consecutive in memory). A decode step streams every weight from memory once, with little
@@ -442,7 +525,7 @@ impl CpuQWeight {
 /// to ~4.3 ms and single-sequence decode 10-20% up (1,536-3,072 measured alike; 4,096 and
 /// more, and whole tiles at a time, slower). Prefill calls, which reuse each tile for many
 /// tokens, do not ask.
-const PREFETCH_AHEAD: usize = 2048;
+pub(super) const PREFETCH_AHEAD: usize = 2048;
 
 /// Calls with activations of at most this many chunks (of 8 tokens) prefetch weights.
 const STREAM_CHUNKS: usize = 4;
@@ -571,35 +654,65 @@ impl ActTiles {
 }
 
 impl CpuQWeight {
-    /// Repack a GGUF weight of a type these kernels run (Q4_1, Q8_0); None for other types.
+    /// Repack a GGUF weight of a type gen's kernels run; None for other types (f32, f16, bf16).
     pub fn from_qtensor(q: &QTensor, kernel: Kernel) -> Result<Option<Self>> {
-        let ty = match q.dtype() {
-            GgmlDType::Q4_1 => WeightType::Q4_1,
-            GgmlDType::Q8_0 => WeightType::Q8_0,
+        let id = match q.dtype() {
+            GgmlDType::Q4_0 => 2,
+            GgmlDType::Q4_1 => 3,
+            GgmlDType::Q5_0 => 6,
+            GgmlDType::Q5_1 => 7,
+            GgmlDType::Q8_0 => 8,
+            GgmlDType::Q2K => 10,
+            GgmlDType::Q3K => 11,
+            GgmlDType::Q4K => 12,
+            GgmlDType::Q5K => 13,
+            GgmlDType::Q6K => 14,
             _ => return Ok(None),
         };
         let (rows, cols) = q.shape().dims2()?;
-        if cols % QK != 0 {
-            bail!("a weight's width {cols} is not a multiple of the block size {QK}");
-        }
-        let raw = q.data()?;
-        let block_bytes = if ty == WeightType::Q4_1 {
-            Q4_1_BYTES
-        } else {
-            Q8_0_BYTES
+        Self::from_raw(id, &q.data()?, rows, cols, kernel)
+    }
+
+    /// A weight of `rows` x `cols` in GGUF blocks of ggml type `ggml` (its number), repacked;
+    /// None for a type these kernels do not run.
+    pub fn from_raw(
+        ggml: u32,
+        raw: &[u8],
+        rows: usize,
+        cols: usize,
+        kernel: Kernel,
+    ) -> Result<Option<Self>> {
+        let (ty, block_values, block_bytes) = match ggml {
+            3 => (WeightType::Q4_1, QK, Q4_1_BYTES),
+            8 => (WeightType::Q8_0, QK, Q8_0_BYTES),
+            _ => match QType::from_ggml(ggml) {
+                Some(q) => {
+                    let s = q.spec();
+                    (WeightType::Quant(q), s.per_super * QK, s.block_bytes)
+                }
+                None => return Ok(None),
+            },
         };
-        let expected = rows * cols / QK * block_bytes;
+        if cols % block_values != 0 {
+            bail!("a weight's width {cols} is not a multiple of the block size {block_values}");
+        }
+        let expected = rows * cols / block_values * block_bytes;
         if raw.len() != expected {
             bail!(
                 "a {rows}x{cols} weight holds {} bytes, expected {expected}",
                 raw.len()
             );
         }
-        let blocks = Blocks::from_gguf(&raw, ty, cols / QK);
-        let layout = if kernel == Kernel::Scalar {
-            Layout::Rows(blocks)
-        } else {
-            Layout::Tiles(Tiles::from_rows(&blocks, ty, rows))
+        let layout = match ty {
+            WeightType::Quant(q) => Layout::Quant(quants::Tiles::from_gguf(q, raw, rows, cols)),
+            _ => {
+                let blocks = Blocks::from_gguf(raw, ty, cols / QK);
+                if kernel == Kernel::Scalar {
+                    Layout::Rows(blocks)
+                } else {
+                    Layout::Tiles(Tiles::from_rows(&blocks, ty, rows))
+                }
+            }
         };
         Ok(Some(CpuQWeight {
             ty,
@@ -608,6 +721,15 @@ impl CpuQWeight {
             layout,
             kernel,
         }))
+    }
+
+    /// The ggml type name of the weights (for reports and errors).
+    pub fn type_name(&self) -> &'static str {
+        match self.ty {
+            WeightType::Q4_1 => "Q4_1",
+            WeightType::Q8_0 => "Q8_0",
+            WeightType::Quant(q) => q.spec().name,
+        }
     }
 
     /// Whether these weights can be stacked into one matrix ([`Self::concat`]): one type, one
@@ -637,6 +759,7 @@ impl CpuQWeight {
                     a.qs.extend_from_slice(&b.qs);
                 }
                 (Layout::Tiles(a), Layout::Tiles(b)) => a.append(b),
+                (Layout::Quant(a), Layout::Quant(b)) => a.append(b),
                 _ => unreachable!("same kernel, same layout"),
             }
         }
@@ -679,7 +802,7 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 }
 
 /// f32 -> f16 -> f32: the precision llama.cpp stores activation scales in.
-fn through_f16(v: f32) -> f32 {
+pub(super) fn through_f16(v: f32) -> f32 {
     f16::from_f32(v).to_f32()
 }
 
@@ -687,7 +810,7 @@ fn through_f16(v: f32) -> f32 {
 /// leaves no fraction bits, so the FPU's own rounding does the work (inlined, unlike libm's
 /// rintf, which showed up in profiles).
 #[inline(always)]
-fn round_half_even(v: f32) -> f32 {
+pub(super) fn round_half_even(v: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0;
     (v + MAGIC) - MAGIC
 }
@@ -717,7 +840,7 @@ fn quantize_rows(x: &[f32], k: usize, with_sums: bool) -> Blocks {
 /// One block of 32 values to 8 bits, as llama.cpp does: d = amax / 127, q = round-half-even(x *
 /// 127 / amax). Returns d (before any f16 rounding) and sum(q).
 #[inline]
-fn quantize_block(blk: &[f32], q: &mut [u8]) -> (f32, i32) {
+pub(super) fn quantize_block(blk: &[f32], q: &mut [u8]) -> (f32, i32) {
     let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
     let d = amax / 127.0;
     let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
@@ -937,6 +1060,15 @@ macro_rules! x86_kernels {
             }
         }
     };
+}
+
+/// The AVX2 block quantizer, for [`super::quants`].
+///
+/// # Safety
+/// The CPU must have AVX2; blk and q hold 32 values.
+#[cfg(target_arch = "x86_64")]
+pub(super) unsafe fn x86_quantize_block(blk: &[f32], q: &mut [u8]) -> (f32, i32) {
+    x86::quantize_block(blk, q)
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -13,6 +13,9 @@
 pub mod attention;
 pub mod kv_store;
 pub mod matmul;
+pub mod quants;
+#[cfg(target_arch = "x86_64")]
+mod quants_x86;
 pub mod ops;
 
 use anyhow::Result;
