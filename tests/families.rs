@@ -9,6 +9,8 @@
 //! The GGUF is what llama.cpp's converter would write (GGUF names, Gemma norms stored as 1 + w,
 //! no q/k permutation for these families); both files must give the same logits.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -356,27 +358,6 @@ fn reference(s: &Spec, w: &Weights, tokens: &[u32]) -> Vec<Vec<f32>> {
 
 // ---- Writing the checkpoints. ----
 
-fn tokenizer_json(vocab: usize) -> serde_json::Value {
-    let mut v = serde_json::Map::new();
-    v.insert("<unk>".into(), 0.into());
-    v.insert("</s>".into(), 1.into());
-    for i in 2..vocab {
-        v.insert(format!("w{i}"), i.into());
-    }
-    json!({
-        "version": "1.0",
-        "added_tokens": [
-            {"id": 1, "content": "</s>", "single_word": false, "lstrip": false, "rstrip": false,
-             "normalized": false, "special": true}
-        ],
-        "normalizer": null,
-        "pre_tokenizer": {"type": "WhitespaceSplit"},
-        "post_processor": null,
-        "decoder": null,
-        "model": {"type": "WordLevel", "vocab": v, "unk_token": "<unk>"}
-    })
-}
-
 fn hf_config(s: &Spec) -> serde_json::Value {
     let (arch, mt) = match s.fam {
         Fam::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
@@ -427,7 +408,7 @@ fn write_hf(s: &Spec, w: &Weights, dir: &Path) {
     std::fs::write(dir.join("config.json"), hf_config(s).to_string()).unwrap();
     std::fs::write(
         dir.join("tokenizer.json"),
-        tokenizer_json(s.vocab).to_string(),
+        common::tokenizer_json(s.vocab).to_string(),
     )
     .unwrap();
 }

@@ -300,8 +300,9 @@ fn hand_made_hostile_headers_are_rejected_naming_the_field() {
                 .bytes(),
             &[
                 "tensor #0 \"t\"",
-                "ggml type 16 (IQ2_XXS)",
-                "candle cannot load",
+                "type IQ2_XXS (ggml type 16), which gen does not run",
+                "supported types: F32, F16, BF16, Q4_0",
+                "IQ4_XS",
             ],
         ),
         (

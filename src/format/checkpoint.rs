@@ -60,6 +60,9 @@ enum Store {
         // Reading a tensor seeks: interior mutability lets `tensor` take `&self`, so a model
         // constructor can hold a tensor-reading closure and still ask `has_tensor`.
         file: RefCell<File>,
+        /// Tensors of a type candle cannot read (name -> ggml type): gen reads their bytes
+        /// itself ([`Checkpoint::own_matrix`]).
+        own: HashMap<String, u32>,
     },
     Safetensors(Safetensors),
 }
@@ -82,9 +85,29 @@ impl Checkpoint {
         let mut file =
             File::open(path).with_context(|| format!("cannot open model file {shown}"))?;
         // candle's reader trusts every count and size in the file: check them all first.
-        crate::format::gguf::validate(&mut file, path)?;
-        let content = gguf_file::Content::read(&mut file)
-            .map_err(|e| anyhow!("{shown} is not a readable GGUF file: {e}"))?;
+        let summary = crate::format::gguf::validate(&mut file, path)?;
+        let content = if summary.own_types.is_empty() {
+            gguf_file::Content::read(&mut file)
+        } else {
+            // candle refuses the whole file for one tensor of a type it does not know: it
+            // reads a copy of the header where those tensors say F32 (it checks no sizes), and
+            // gen reads their data itself.
+            let mut header = vec![0u8; summary.data_offset as usize];
+            std::io::Read::read_exact(&mut file, &mut header)
+                .with_context(|| format!("reading the header of {shown}"))?;
+            std::io::Seek::rewind(&mut file)?;
+            for t in &summary.own_types {
+                let at = t.type_pos as usize;
+                header[at..at + 4].copy_from_slice(&0u32.to_le_bytes());
+            }
+            gguf_file::Content::read(&mut std::io::Cursor::new(header))
+        }
+        .map_err(|e| anyhow!("{shown} is not a readable GGUF file: {e}"))?;
+        let own = summary
+            .own_types
+            .into_iter()
+            .map(|t| (t.name, t.ggml))
+            .collect();
         let arch = content
             .metadata
             .get("general.architecture")
@@ -103,6 +126,7 @@ impl Checkpoint {
             store: Store::Gguf {
                 content,
                 file: RefCell::new(file),
+                own,
             },
         })
     }
@@ -180,6 +204,39 @@ impl Checkpoint {
         })
     }
 
+    /// A matrix of a type gen reads itself: (ggml type, rows, columns, its GGUF blocks); None
+    /// for any other tensor (read those with [`Self::tensor`]).
+    pub fn own_matrix(&self, name: &str) -> Result<Option<(u32, usize, usize, Vec<u8>)>> {
+        let Store::Gguf {
+            content, file, own, ..
+        } = &self.store
+        else {
+            return Ok(None);
+        };
+        let Some(&ggml) = own.get(name) else {
+            return Ok(None);
+        };
+        let info = &content.tensor_infos[name];
+        // candle's shape is reversed from GGUF's: (rows, columns) for a matrix.
+        let (rows, cols) = match info.shape.dims() {
+            [cols] => (1, *cols),
+            [rows, cols] => (*rows, *cols),
+            d => bail!("{name} has shape {d:?}; a matrix was expected"),
+        };
+        let q = crate::model::cpu::quants::QType::from_ggml(ggml)
+            .with_context(|| format!("{name}: no kernel for ggml type {ggml}"))?
+            .spec();
+        let bytes = rows * cols / (q.per_super * 32) * q.block_bytes;
+        let mut raw = vec![0u8; bytes];
+        let mut f = file.borrow_mut();
+        std::io::Seek::seek(
+            &mut *f,
+            std::io::SeekFrom::Start(content.tensor_data_offset + info.offset),
+        )?;
+        std::io::Read::read_exact(&mut *f, &mut raw).with_context(|| format!("reading {name}"))?;
+        Ok(Some((ggml, rows, cols, raw)))
+    }
+
     /// Whether the checkpoint holds a tensor of this GGUF name.
     pub fn has_tensor(&self, name: &str) -> bool {
         match &self.store {
@@ -205,10 +262,24 @@ impl Checkpoint {
         }
     }
 
-    /// The tensor of this GGUF name, on `device`.
+    /// The tensor of this GGUF name, on `device`. A tensor of a type candle cannot hold
+    /// (IQ4_NL, IQ4_XS) comes widened to f32: matrices of those types are read with
+    /// [`Self::own_matrix`] instead, so this serves an embedding or a norm in such a type.
     pub fn tensor(&self, name: &str, device: &Device) -> Result<QTensor> {
         match &self.store {
-            Store::Gguf { content, file } => {
+            Store::Gguf { own, .. } if own.contains_key(name) => {
+                use crate::model::cpu::quants::{QType, Tiles};
+                let (ggml, rows, cols, raw) = self.own_matrix(name)?.expect("an own type");
+                let ty = QType::from_ggml(ggml).expect("own types have kernels");
+                let tiles = Tiles::from_gguf(ty, &raw, rows, cols);
+                let mut values = vec![0f32; rows * cols];
+                for (r, row) in values.chunks_exact_mut(cols).enumerate() {
+                    tiles.dequantize_row(r, row);
+                }
+                let t = Tensor::from_vec(values, (rows, cols), device)?;
+                Ok(QTensor::quantize(&t, GgmlDType::F32)?)
+            }
+            Store::Gguf { content, file, .. } => {
                 Ok(content.tensor(&mut *file.borrow_mut(), name, device)?)
             }
             Store::Safetensors(st) => st.tensor(name, device),

@@ -44,6 +44,36 @@ pub struct GgufSummary {
     /// Absolute file offset where tensor data starts: the end of the header rounded up to the
     /// alignment. Equal to candle's `Content::tensor_data_offset` for the same file.
     pub data_offset: u64,
+    /// Tensors of a type gen runs but candle cannot read (IQ4_NL, IQ4_XS): the loader reads
+    /// them itself.
+    pub own_types: Vec<OwnType>,
+}
+
+/// A tensor whose type candle cannot read: where its type field is in the header (so a copy
+/// of the header can name a type candle reads instead) and its real type.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OwnType {
+    pub name: String,
+    pub ggml: u32,
+    pub type_pos: u64,
+}
+
+/// Tensor types gen runs (and so loads), by ggml's names: what a refusal lists.
+pub const SUPPORTED_TYPES: &str =
+    "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS";
+
+/// Values per block and bytes per block of a type gen reads though candle cannot.
+fn own_layout(t: u32) -> Option<(u64, u64)> {
+    match t {
+        20 => Some((32, 18)),   // IQ4_NL
+        23 => Some((256, 136)), // IQ4_XS
+        _ => None,
+    }
+}
+
+/// ggml's type name (public for the loader's messages).
+pub fn type_label(t: u32) -> &'static str {
+    ggml_type_name(t)
 }
 
 // --- Limits. Each is far above what real models use and exists to bound work or memory. ---
@@ -270,6 +300,8 @@ struct TensorInfo {
     dims: Vec<u64>,
     offset: u64,
     size: u64,
+    /// Set for a type gen reads itself (see [`OwnType`]).
+    own: Option<OwnType>,
 }
 
 /// Reads the header sequentially, tracking the position so every read can be checked against
@@ -519,12 +551,14 @@ fn check(file: &mut File) -> Check<GgufSummary> {
         model.check_llama()?;
     }
 
+    let own_types = tensors.iter().filter_map(|t| t.own.clone()).collect();
     Ok(GgufSummary {
         version,
         tensor_count,
         metadata: md.len(),
         architecture,
         data_offset,
+        own_types,
     })
 }
 
@@ -705,26 +739,40 @@ fn read_tensor_infos(
                     what()
                 )
             })?;
+        let type_pos = r.pos;
         let ty = r.u32(&|| format!("{}'s type", what()))?;
-        let dtype = candle_dtype(ty).ok_or_else(|| {
-            format!(
-                "{} has ggml type {ty} ({}), which candle cannot load",
-                what(),
-                ggml_type_name(ty)
-            )
-        })?;
-        // Quantized types pack whole blocks per row (ggml and candle both require this).
-        let block = dtype.block_size() as u64;
+        // (values, bytes) per block, and whether gen reads the type itself.
+        let (block, block_bytes, own) = match (candle_dtype(ty), own_layout(ty)) {
+            // Q8_1 and Q8_K are activation formats: no weights come in them.
+            (Some(dt), _) if !matches!(dt, GgmlDType::Q8_1 | GgmlDType::Q8K) => {
+                (dt.block_size() as u64, dt.type_size() as u64, false)
+            }
+            (_, Some((b, bytes))) => (b, bytes, true),
+            _ => {
+                return Err(format!(
+                    "{} has type {} (ggml type {ty}), which gen does not run; supported types: {SUPPORTED_TYPES}",
+                    what(),
+                    ggml_type_name(ty)
+                ))
+            }
+        };
+        // Quantized types pack whole blocks per row (ggml requires this).
         if dims[0] % block != 0 {
             return Err(format!(
-                "{} has rows of {} elements, not a multiple of the {dtype:?} block size {block}",
+                "{} has rows of {} elements, not a multiple of the {} block size {block}",
                 what(),
-                dims[0]
+                dims[0],
+                ggml_type_name(ty)
             ));
         }
         let size = (elems / block)
-            .checked_mul(dtype.type_size() as u64)
+            .checked_mul(block_bytes)
             .ok_or_else(|| format!("{}'s byte size overflows 64 bits", what()))?;
+        let own = own.then(|| OwnType {
+            name: name.clone(),
+            ggml: ty,
+            type_pos,
+        });
         let offset = r.u64(&|| format!("{}'s data offset", what()))?;
         by_name.insert(name.clone(), tensors.len());
         tensors.push(TensorInfo {
@@ -732,6 +780,7 @@ fn read_tensor_infos(
             dims,
             offset,
             size,
+            own,
         });
     }
     Ok((tensors, by_name))

@@ -8,6 +8,7 @@ use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 
 use super::config::{DecoderConfig, Family};
+use super::cpu::matmul::{CpuQWeight, Kernel};
 use super::qlinear::{DeviceWeights, Projections, QLinear};
 use crate::format::checkpoint::Checkpoint;
 
@@ -65,6 +66,21 @@ impl Reader<'_> {
 
     /// The matrix `n` of `rows` (any, if None) by `cols`, and its row count.
     fn matrix(&self, n: &str, rows: Option<usize>, cols: usize) -> Result<(QLinear, usize)> {
+        // A type gen reads itself (IQ4_NL, IQ4_XS): its blocks straight to our kernels on the
+        // CPU; widened elsewhere.
+        if self.device.is_cpu() && self.kind == DeviceWeights::Quantized {
+            if let Some((ggml, r, c, raw)) = self.ckpt.own_matrix(n)? {
+                if rows.is_some_and(|want| want != r) || c != cols {
+                    bail!(
+                        "{n} has shape [{r}, {c}], expected [{}, {cols}]",
+                        rows.map_or("_".into(), |r| r.to_string())
+                    );
+                }
+                let w = CpuQWeight::from_raw(ggml, &raw, r, c, Kernel::detect())?
+                    .with_context(|| format!("{n}: no kernel for its type"))?;
+                return Ok((QLinear::Cpu(w), r));
+            }
+        }
         let q = self.tensor(n)?;
         let dims = q.shape().dims().to_vec();
         if dims.len() != 2 || rows.is_some_and(|r| r != dims[0]) || dims[1] != cols {
@@ -104,19 +120,12 @@ impl Weights {
         }
         let out_norm = r.vector("output_norm.weight", cfg.d_model)?;
         // Tied embeddings (SmolLM2, Gemma, small Qwens): the output layer is the embedding matrix.
-        let output = if ckpt.has_tensor("output.weight") {
-            let q = r.tensor("output.weight")?;
-            if q.shape().dims() != [vocab_size, cfg.d_model] {
-                bail!(
-                    "output.weight has shape {:?}, expected [{vocab_size}, {}]",
-                    q.shape().dims(),
-                    cfg.d_model
-                );
-            }
-            QLinear::for_device(q, device, kind)?
+        let name = if ckpt.has_tensor("output.weight") {
+            "output.weight"
         } else {
-            QLinear::for_device(r.tensor("token_embd.weight")?, device, kind)?
+            "token_embd.weight"
         };
+        let (output, _) = r.matrix(name, Some(vocab_size), cfg.d_model)?;
         Ok(Self {
             embedding,
             layers,

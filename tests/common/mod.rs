@@ -118,3 +118,81 @@ pub fn argmax(row: &[f32]) -> u32 {
         .max_by(|a, b| a.1.total_cmp(b.1))
         .map_or(0, |(i, _)| i as u32)
 }
+
+/// A word-level tokenizer.json of `vocab` tokens (`<unk>`, `</s>`, then `w2`, `w3`, ...), for
+/// tiny random-weight models.
+pub fn tokenizer_json(vocab: usize) -> serde_json::Value {
+    let mut v = serde_json::Map::new();
+    v.insert("<unk>".into(), 0.into());
+    v.insert("</s>".into(), 1.into());
+    for i in 2..vocab {
+        v.insert(format!("w{i}"), i.into());
+    }
+    serde_json::json!({
+        "version": "1.0",
+        "added_tokens": [
+            {"id": 1, "content": "</s>", "single_word": false, "lstrip": false, "rstrip": false,
+             "normalized": false, "special": true}
+        ],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": v, "unk_token": "<unk>"}
+    })
+}
+
+/// A metadata value of [`write_gguf`].
+pub enum Meta {
+    U32(u32),
+    F32(f32),
+    Str(String),
+}
+
+/// A GGUF (version 3) written byte by byte: `meta` in order, then each tensor (name, GGUF
+/// dimensions with the row width first, ggml type number, its bytes) at 32-byte alignment.
+/// Unlike candle's writer it takes any type's blocks, those candle cannot hold included.
+pub fn write_gguf(path: &std::path::Path, meta: &[(&str, Meta)], tensors: &[(String, Vec<u64>, u32, Vec<u8>)]) {
+    fn string(out: &mut Vec<u8>, s: &str) {
+        out.extend((s.len() as u64).to_le_bytes());
+        out.extend(s.as_bytes());
+    }
+    let mut out = Vec::new();
+    out.extend(b"GGUF");
+    out.extend(3u32.to_le_bytes());
+    out.extend((tensors.len() as u64).to_le_bytes());
+    out.extend((meta.len() as u64).to_le_bytes());
+    for (k, v) in meta {
+        string(&mut out, k);
+        match v {
+            Meta::U32(x) => {
+                out.extend(4u32.to_le_bytes());
+                out.extend(x.to_le_bytes());
+            }
+            Meta::F32(x) => {
+                out.extend(6u32.to_le_bytes());
+                out.extend(x.to_le_bytes());
+            }
+            Meta::Str(x) => {
+                out.extend(8u32.to_le_bytes());
+                string(&mut out, x);
+            }
+        }
+    }
+    let mut offset = 0u64;
+    for (name, dims, ty, bytes) in tensors {
+        string(&mut out, name);
+        out.extend((dims.len() as u32).to_le_bytes());
+        for d in dims {
+            out.extend(d.to_le_bytes());
+        }
+        out.extend(ty.to_le_bytes());
+        out.extend(offset.to_le_bytes());
+        offset = (offset + bytes.len() as u64).next_multiple_of(32);
+    }
+    for (_, _, _, bytes) in tensors {
+        out.resize(out.len().next_multiple_of(32), 0);
+        out.extend(bytes);
+    }
+    std::fs::write(path, out).unwrap();
+}
