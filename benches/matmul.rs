@@ -5,6 +5,10 @@
 //!
 //!     cargo bench --bench matmul
 //!
+//! Then every GGUF type gen runs (GEN_BENCH_TYPES=0 skips it) on a K-quant-shaped matrix
+//! (5,632 x 1,024: a 1B-class model's fused gate+up), on GEN_BENCH_THREADS: one token with the
+//! weights from memory (GB/s of weight bytes) and 512 tokens (GMAC/s).
+//!
 //! A yardstick for kernel work, not a test: nothing here asserts a speed.
 
 mod common;
@@ -14,7 +18,8 @@ use std::time::Instant;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use common::{data, env_or, median};
-use gen::model::cpu::matmul::Kernel;
+use gen::model::cpu::matmul::{CpuQWeight, Kernel};
+use gen::model::cpu::quants::{random_blocks, QType};
 use gen::model::qlinear::{DeviceWeights, QLinear};
 
 fn main() {
@@ -80,5 +85,72 @@ fn main() {
                 }
             }
         }
+    }
+    if env_or("GEN_BENCH_TYPES", 1) == 1 {
+        every_type(threads, reps, kernel);
+    }
+}
+
+/// One row per type: decode-like (T = 1, weights cycled from memory) and prefill-like.
+fn every_type(threads: usize, reps: usize, kernel: Kernel) {
+    let (n, k) = (5632, 1024);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("thread pool");
+    println!();
+    println!("| type | bytes | T=1 ms | T=1 GB/s | T=512 ms | T=512 GMAC/s |");
+    println!("|---|---|---|---|---|---|");
+    let mut types: Vec<(String, u32, Box<dyn Fn(u64) -> Vec<u8>>)> = Vec::new();
+    for (name, dt, id) in [("Q4_1", GgmlDType::Q4_1, 3), ("Q8_0", GgmlDType::Q8_0, 8)] {
+        types.push((
+            name.into(),
+            id,
+            Box::new(move |seed| {
+                let w = Tensor::from_vec(data(n * k, seed), (n, k), &Device::Cpu).unwrap();
+                QTensor::quantize(&w, dt).unwrap().data().unwrap().to_vec()
+            }),
+        ));
+    }
+    for q in QType::ALL {
+        types.push((
+            q.spec().name.into(),
+            q.spec().ggml,
+            Box::new(move |seed| random_blocks(q, n, k, seed)),
+        ));
+    }
+    for (name, id, make) in &types {
+        let raw = make(7);
+        let copies = (160 << 20) / raw.len() + 1;
+        let ws: Vec<CpuQWeight> = (0..copies)
+            .map(|i| {
+                CpuQWeight::from_raw(*id, &make(7 + i as u64), n, k, kernel)
+                    .unwrap()
+                    .unwrap()
+            })
+            .collect();
+        let time = |t: usize, set: &[CpuQWeight]| {
+            let x = data(t * k, 11);
+            let times: Vec<f64> = pool.install(|| {
+                set[0].matmul(&x, t);
+                (0..reps.max(set.len()))
+                    .map(|i| {
+                        let start = Instant::now();
+                        std::hint::black_box(set[i % set.len()].matmul(&x, t));
+                        start.elapsed().as_secs_f64()
+                    })
+                    .collect()
+            });
+            median(times)
+        };
+        let (one, many) = (time(1, &ws), time(512, &ws[..1]));
+        println!(
+            "| {name} | {} | {:.3} | {:.1} | {:.2} | {:.1} |",
+            raw.len(),
+            one * 1e3,
+            raw.len() as f64 / one / 1e9,
+            many * 1e3,
+            (512 * n * k) as f64 / many / 1e9
+        );
     }
 }

@@ -52,7 +52,9 @@ macro_rules! quant_kernels {
             ) {
                 let spec = spec_of(TY);
                 let pb = spec.plane_bytes();
-                let nb = w.qs.len() / pb;
+                let (sbb, bb) = (spec.sb_bytes(), spec.blk_bytes());
+                let nb = w.buf.len() / sbb * spec.per_super;
+                let buf = w.buf.as_ptr();
                 let spb = spec.scales_per_block();
                 let lut = spec.bits == Bits::Lut;
                 // Signed codes are biased on VNNI: subtract 128 * sum(a) too.
@@ -69,19 +71,19 @@ macro_rules! quant_kernels {
                 let mut dv = _mm256_setzero_ps();
                 let mut dmv = _mm256_setzero_ps();
                 for b in 0..nb {
-                    let base = w.qs.as_ptr().add(b * pb);
+                    let base = buf.add(spec.block_at(b));
                     if stream {
                         let mut l = 0;
-                        while l < pb {
+                        while l < bb {
                             prefetch(base.wrapping_add(AHEAD + l));
                             l += 64;
                         }
                     }
                     if b % spec.per_super == 0 {
-                        let s = b / spec.per_super;
-                        dv = widen(w.d.as_ptr().add(s * 8));
+                        let hdr = buf.add((b / spec.per_super) * sbb);
+                        dv = widen(hdr as *const u16);
                         if spec.min != Min::None {
-                            dmv = widen(w.dm.as_ptr().add(s * 8));
+                            dmv = widen(hdr.add(16) as *const u16);
                         }
                     }
                     // The 8 registers of codes: register c holds codes 4c..4c+4 of each row.
@@ -143,8 +145,8 @@ macro_rules! quant_kernels {
                         _ => {}
                     }
                     // Scales and minimums of this block (per half: index 0 and 1).
-                    let sc_at = |h: usize| w.sc.as_ptr().add((b * spb + h) * 8);
-                    let mn_at = |h: usize| w.mn.as_ptr().add((b * spb + h) * 8);
+                    let sc_at = |h: usize| base.add(pb + h * 8);
+                    let mn_at = |h: usize| base.add(pb + 8 * spb + h * 8);
                     let bytes = |p: *const u8| _mm_loadl_epi64(p as *const __m128i);
                     let sub = |h: usize| -> (__m256, __m256) {
                         if spb == 0 {
