@@ -20,54 +20,14 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::ops::SharedOut;
+use super::q8::{quantize_block, through_f16, PREFETCH_AHEAD};
+pub use super::q8::Kernel;
 use super::quants::{self, QType};
 
 const QK: usize = 32;
 const Q4_1_BYTES: usize = 20;
 const Q8_0_BYTES: usize = 34;
 
-/// Which dot-product implementation to use; picked once from the CPU's features.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kernel {
-    Scalar,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    #[cfg(target_arch = "x86_64")]
-    Vnni,
-}
-
-impl Kernel {
-    /// The fastest kernel this CPU supports, unless `GEN_KERNEL=scalar` (or `avx2`) asks for a
-    /// slower one.
-    pub fn detect() -> Self {
-        if std::env::var("GEN_KERNEL").is_ok_and(|v| v == "scalar") {
-            return Kernel::Scalar;
-        }
-        #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
-        {
-            let vnni =
-                is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl");
-            if vnni && !std::env::var("GEN_KERNEL").is_ok_and(|v| v == "avx2") {
-                return Kernel::Vnni;
-            }
-            return Kernel::Avx2;
-        }
-        Kernel::Scalar
-    }
-
-    pub fn name(&self) -> &'static str {
-        match self {
-            Kernel::Scalar => "scalar",
-            #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => "avx2",
-            #[cfg(target_arch = "x86_64")]
-            Kernel::Vnni => "avx512-vnni",
-        }
-    }
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum WeightType {
@@ -517,15 +477,6 @@ unsafe fn quant_dot(
     }
 }
 
-/// How far ahead of the block it works on (in bytes of quants) a kernel called for a few
-/// tokens asks for weights: the tile's next blocks, then the next tile's (tiles of a task are
-/// consecutive in memory). A decode step streams every weight from memory once, with little
-/// arithmetic per byte, and the hardware prefetchers restart at each 4 KiB page; asking ~2 KiB
-/// ahead, two cache lines a block, took a batch-size-8 decode pass's Q4_1 products from ~4.9
-/// to ~4.3 ms and single-sequence decode 10-20% up (1,536-3,072 measured alike; 4,096 and
-/// more, and whole tiles at a time, slower). Prefill calls, which reuse each tile for many
-/// tokens, do not ask.
-pub(super) const PREFETCH_AHEAD: usize = 2048;
 
 /// Calls with activations of at most this many chunks (of 8 tokens) prefetch weights.
 const STREAM_CHUNKS: usize = 4;
@@ -597,7 +548,7 @@ impl ActTiles {
                         let (d, sum) = match kernel {
                             // SAFETY: a SIMD kernel is only chosen on CPUs with AVX2.
                             #[cfg(target_arch = "x86_64")]
-                            Kernel::Avx2 | Kernel::Vnni => unsafe { x86::quantize_block(blk, q) },
+                            Kernel::Avx2 | Kernel::Vnni => unsafe { super::q8::x86_quantize_block(blk, q) },
                             _ => quantize_block(blk, q),
                         };
                         scale[at] = through_f16(d);
@@ -801,19 +752,7 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
 }
 
-/// f32 -> f16 -> f32: the precision llama.cpp stores activation scales in.
-pub(super) fn through_f16(v: f32) -> f32 {
-    f16::from_f32(v).to_f32()
-}
 
-/// Round to the nearest integer, ties to even, for |v| <= 2^22: adding and removing 1.5 * 2^23
-/// leaves no fraction bits, so the FPU's own rounding does the work (inlined, unlike libm's
-/// rintf, which showed up in profiles).
-#[inline(always)]
-pub(super) fn round_half_even(v: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0;
-    (v + MAGIC) - MAGIC
-}
 
 /// Rows of K values into Q8_1 blocks (`with_sums`: s = d * sum(q) computed in f32, then rounded
 /// to f16 once, as llama.cpp does) or Q8_0 blocks, for the scalar kernels. d is kept at f16
@@ -837,21 +776,6 @@ fn quantize_rows(x: &[f32], k: usize, with_sums: bool) -> Blocks {
     b
 }
 
-/// One block of 32 values to 8 bits, as llama.cpp does: d = amax / 127, q = round-half-even(x *
-/// 127 / amax). Returns d (before any f16 rounding) and sum(q).
-#[inline]
-pub(super) fn quantize_block(blk: &[f32], q: &mut [u8]) -> (f32, i32) {
-    let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let d = amax / 127.0;
-    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-    let mut sum = 0i32;
-    for (v, q) in blk.iter().zip(q.iter_mut()) {
-        let qi = round_half_even(v * id) as i8;
-        *q = qi as u8;
-        sum += qi as i32;
-    }
-    (d, sum)
-}
 
 /// Q4_1 weights against Q8_1 activations: sum over blocks of d_w*d_a*sum(q_w*q_a) + m_w*s_a.
 fn dot_q4_1_q8_1_scalar(w: Row<'_>, a: Row<'_>) -> f32 {
@@ -1062,14 +986,6 @@ macro_rules! x86_kernels {
     };
 }
 
-/// The AVX2 block quantizer, for [`super::quants`].
-///
-/// # Safety
-/// The CPU must have AVX2; blk and q hold 32 values.
-#[cfg(target_arch = "x86_64")]
-pub(super) unsafe fn x86_quantize_block(blk: &[f32], q: &mut [u8]) -> (f32, i32) {
-    x86::quantize_block(blk, q)
-}
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -1119,51 +1035,6 @@ mod x86 {
         _mm256_dpbusd_epi32(acc, w_biased, a)
     }
 
-    /// `super::quantize_block` with AVX2, bit for bit: the same amax, the same products
-    /// rounded half to even, the same integer sum.
-    ///
-    /// # Safety
-    /// The CPU must have AVX2; blk and q hold 32 values.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn quantize_block(blk: &[f32], q: &mut [u8]) -> (f32, i32) {
-        assert!(blk.len() >= 32 && q.len() >= 32);
-        let p = blk.as_ptr();
-        let v = [
-            _mm256_loadu_ps(p),
-            _mm256_loadu_ps(p.add(8)),
-            _mm256_loadu_ps(p.add(16)),
-            _mm256_loadu_ps(p.add(24)),
-        ];
-        let sign = _mm256_set1_ps(-0.0);
-        let mut m = _mm256_andnot_ps(sign, v[0]);
-        for x in &v[1..] {
-            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, *x));
-        }
-        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        let m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-        let amax = _mm_cvtss_f32(m);
-        let d = amax / 127.0;
-        let id = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
-        let r = v.map(|x| {
-            _mm256_cvtps_epi32(_mm256_round_ps(
-                _mm256_mul_ps(x, id),
-                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
-            ))
-        });
-        // i32 -> i8 in two packing steps; the packs work within 128-bit lanes, so the 4-byte
-        // groups come out as 0 2 4 6 1 3 5 7 and one permute puts them back in order.
-        let lo = _mm256_packs_epi32(r[0], r[1]);
-        let hi = _mm256_packs_epi32(r[2], r[3]);
-        let bytes = _mm256_packs_epi16(lo, hi);
-        let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, bytes);
-        let s = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
-        let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
-        (d, _mm_cvtsi128_si32(s))
-    }
 
     x86_kernels!(avx2, "avx2,fma,f16c", dot_u4_avx2, keep_i8, dot_i8_avx2, 0);
     x86_kernels!(
@@ -1205,42 +1076,5 @@ mod tests {
         assert_eq!(b.offset[0], f16::from_f32(d * 4064.0).to_f32());
         assert_eq!(b.scale[0], f16::from_f32(d).to_f32());
         assert!(b.qs.iter().all(|&q| q as i8 == 127));
-    }
-
-    /// The AVX2 quantizer gives the scalar one's bytes, scale and sum exactly, ties and zero
-    /// blocks included.
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn simd_quantization_equals_scalar() {
-        if !is_x86_feature_detected!("avx2") || !is_x86_feature_detected!("fma") {
-            return;
-        }
-        let mut blocks: Vec<Vec<f32>> = (0..200).map(|i| data(32, 11 + i)).collect();
-        blocks.push(vec![0.0; 32]);
-        // amax 127 makes the factor exactly 1: every other value is a tie, k + 0.5.
-        blocks.push(
-            (0..32)
-                .map(|i| if i == 0 { 127.0 } else { i as f32 - 15.5 })
-                .collect(),
-        );
-        blocks.push((0..32).map(|i| if i == 3 { -1e-30 } else { 0.0 }).collect());
-        for (i, blk) in blocks.iter().enumerate() {
-            let (mut a, mut b) = ([0u8; 32], [0u8; 32]);
-            let want = quantize_block(blk, &mut a);
-            // SAFETY: checked above.
-            let got = unsafe { x86::quantize_block(blk, &mut b) };
-            assert_eq!(got, want, "block {i}");
-            assert_eq!(a, b, "block {i}");
-        }
-    }
-
-    #[test]
-    fn rounding_matches_round_ties_even() {
-        for i in -2540..=2540 {
-            let v = i as f32 * 0.05;
-            assert_eq!(round_half_even(v), v.round_ties_even(), "{v}");
-        }
-        assert_eq!(round_half_even(2.5), 2.0);
-        assert_eq!(round_half_even(-3.5), -4.0);
     }
 }

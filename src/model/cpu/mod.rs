@@ -13,6 +13,7 @@
 pub mod attention;
 pub mod kv_store;
 pub mod matmul;
+pub mod q8;
 pub mod quants;
 #[cfg(target_arch = "x86_64")]
 mod quants_x86;

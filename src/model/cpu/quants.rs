@@ -28,7 +28,7 @@
 
 use half::f16;
 
-use super::matmul::{quantize_block, round_half_even, through_f16, Kernel};
+use super::q8::{quantize_block, round_half_even, through_f16, Kernel};
 
 /// Values in a block: the unit of tiles and activations.
 pub const QK: usize = 32;
@@ -701,7 +701,7 @@ fn quantize_token(
                     // SAFETY: a SIMD kernel is only chosen on CPUs with AVX2.
                     #[cfg(target_arch = "x86_64")]
                     Kernel::Avx2 | Kernel::Vnni => unsafe {
-                        super::matmul::x86_quantize_block(blk, &mut q)
+                        super::q8::x86_quantize_block(blk, &mut q)
                     },
                     _ => quantize_block(blk, &mut q),
                 };

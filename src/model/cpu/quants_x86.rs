@@ -64,10 +64,8 @@ macro_rules! quant_kernels {
                     *t = IQ4_VALUES[i % 16] ^ $lut_xor;
                 }
                 let table = _mm256_loadu_si256(table.as_ptr() as *const __m256i);
-                let m4 = _mm256_set1_epi8(0x0F);
-                let m2 = _mm256_set1_epi8(0x03);
                 let mut acc = [_mm256_setzero_ps(); N];
-                const AHEAD: usize = super::super::matmul::PREFETCH_AHEAD;
+                const AHEAD: usize = super::super::q8::PREFETCH_AHEAD;
                 let mut dv = _mm256_setzero_ps();
                 let mut dmv = _mm256_setzero_ps();
                 for b in 0..nb {
@@ -86,64 +84,7 @@ macro_rules! quant_kernels {
                             dmv = widen(hdr.add(16) as *const u16);
                         }
                     }
-                    // The 8 registers of codes: register c holds codes 4c..4c+4 of each row.
-                    let mut wv = [_mm256_setzero_si256(); 8];
-                    match spec.bits {
-                        Bits::Four | Bits::Five | Bits::Six | Bits::Lut => {
-                            for c in 0..4 {
-                                let raw = _mm256_loadu_si256(base.add(c * 32) as *const __m256i);
-                                wv[c] = _mm256_and_si256(raw, m4);
-                                wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-                            }
-                        }
-                        Bits::Two | Bits::Three => {
-                            for p in 0..2 {
-                                let raw = _mm256_loadu_si256(base.add(p * 32) as *const __m256i);
-                                for c in 0..4 {
-                                    let sh = _mm_cvtsi32_si128(2 * c as i32);
-                                    wv[p * 4 + c] = _mm256_and_si256(_mm256_srl_epi16(raw, sh), m2);
-                                }
-                            }
-                        }
-                    }
-                    match spec.bits {
-                        Bits::Five | Bits::Three => {
-                            // Bit c of each byte is register c's extra bit, moved to `to`.
-                            let (at, to) = if spec.bits == Bits::Five { (128, 4) } else { (64, 2) };
-                            let h = _mm256_loadu_si256(base.add(at) as *const __m256i);
-                            let keep = _mm256_set1_epi8((1i32 << to) as i8);
-                            for c in 0..8i32 {
-                                let moved = if c <= to {
-                                    _mm256_sll_epi16(h, _mm_cvtsi32_si128(to - c))
-                                } else {
-                                    _mm256_srl_epi16(h, _mm_cvtsi32_si128(c - to))
-                                };
-                                wv[c as usize] = _mm256_or_si256(wv[c as usize], _mm256_and_si256(moved, keep));
-                            }
-                        }
-                        Bits::Six => {
-                            let keep = _mm256_set1_epi8(0x30);
-                            for p in 0..2 {
-                                let h = _mm256_loadu_si256(base.add(128 + p * 32) as *const __m256i);
-                                for c in 0..4i32 {
-                                    // Bits 2c, 2c+1 to bits 4, 5.
-                                    let moved = if 2 * c <= 4 {
-                                        _mm256_sll_epi16(h, _mm_cvtsi32_si128(4 - 2 * c))
-                                    } else {
-                                        _mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c - 4))
-                                    };
-                                    let r = p * 4 + c as usize;
-                                    wv[r] = _mm256_or_si256(wv[r], _mm256_and_si256(moved, keep));
-                                }
-                            }
-                        }
-                        Bits::Lut => {
-                            for r in wv.iter_mut() {
-                                *r = _mm256_shuffle_epi8(table, *r);
-                            }
-                        }
-                        _ => {}
-                    }
+                    let wv = unpack::<TY>(base, table);
                     // Scales and minimums of this block (per half: index 0 and 1).
                     let sc_at = |h: usize| base.add(pb + h * 8);
                     let mn_at = |h: usize| base.add(pb + 8 * spb + h * 8);
@@ -221,6 +162,75 @@ macro_rules! quant_kernels {
                     }
                 }
                 store(&acc, out, stride, real);
+            }
+
+
+            /// The 8 registers of block codes at `base`: register c holds codes 4c..4c+4 of
+            /// each of the 8 rows (IQ4: their table values, biased on VNNI).
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn unpack<const TY: u8>(base: *const u8, table: __m256i) -> [__m256i; 8] {
+                let spec = spec_of(TY);
+                let m4 = _mm256_set1_epi8(0x0F);
+                let m2 = _mm256_set1_epi8(0x03);
+                let mut wv = [_mm256_setzero_si256(); 8];
+                match spec.bits {
+                    Bits::Four | Bits::Five | Bits::Six | Bits::Lut => {
+                        for c in 0..4 {
+                            let raw = _mm256_loadu_si256(base.add(c * 32) as *const __m256i);
+                            wv[c] = _mm256_and_si256(raw, m4);
+                            wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                        }
+                    }
+                    Bits::Two | Bits::Three => {
+                        for p in 0..2 {
+                            let raw = _mm256_loadu_si256(base.add(p * 32) as *const __m256i);
+                            for c in 0..4 {
+                                let sh = _mm_cvtsi32_si128(2 * c as i32);
+                                wv[p * 4 + c] = _mm256_and_si256(_mm256_srl_epi16(raw, sh), m2);
+                            }
+                        }
+                    }
+                }
+                match spec.bits {
+                    Bits::Five | Bits::Three => {
+                        // Bit c of each byte is register c's extra bit, moved to `to`.
+                        let (at, to) = if spec.bits == Bits::Five { (128, 4) } else { (64, 2) };
+                        let h = _mm256_loadu_si256(base.add(at) as *const __m256i);
+                        let keep = _mm256_set1_epi8((1i32 << to) as i8);
+                        for c in 0..8i32 {
+                            let moved = if c <= to {
+                                _mm256_sll_epi16(h, _mm_cvtsi32_si128(to - c))
+                            } else {
+                                _mm256_srl_epi16(h, _mm_cvtsi32_si128(c - to))
+                            };
+                            wv[c as usize] = _mm256_or_si256(wv[c as usize], _mm256_and_si256(moved, keep));
+                        }
+                    }
+                    Bits::Six => {
+                        let keep = _mm256_set1_epi8(0x30);
+                        for p in 0..2 {
+                            let h = _mm256_loadu_si256(base.add(128 + p * 32) as *const __m256i);
+                            for c in 0..4i32 {
+                                // Bits 2c, 2c+1 to bits 4, 5.
+                                let moved = if 2 * c <= 4 {
+                                    _mm256_sll_epi16(h, _mm_cvtsi32_si128(4 - 2 * c))
+                                } else {
+                                    _mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c - 4))
+                                };
+                                let r = p * 4 + c as usize;
+                                wv[r] = _mm256_or_si256(wv[r], _mm256_and_si256(moved, keep));
+                            }
+                        }
+                    }
+                    Bits::Lut => {
+                        for r in wv.iter_mut() {
+                            *r = _mm256_shuffle_epi8(table, *r);
+                        }
+                    }
+                    _ => {}
+                }
+                wv
             }
 
             #[inline]

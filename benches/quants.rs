@@ -1,0 +1,272 @@
+//! Every GGUF weight type on gen's own CPU kernels, side by side with llama.cpp's llama-bench
+//! in the same run: per file, prefill (a 512-token prompt) and decode (128 tokens) tok/s for
+//! both, the ratios, the weight bytes a decode step reads, and decode against the memory
+//! roofline (those bytes over the machine's read bandwidth, measured here first); then time to
+//! first token on the 1,000-token prompt for the files as published (mixed types).
+//!
+//!     .ci/llama-server llama-bench           # once, the peer (about 8 minutes on 2 cores)
+//!     GEN_BENCH_QUANTS=DIR cargo bench --bench quants
+//!
+//! GEN_BENCH_QUANTS: a folder of GGUF files to measure (default ~/.cache/gen-peer/quants: where
+//! the team's quant-files script writes the default model requantized by llama-quantize and a
+//! random-weight llama, widths multiples of 256, in every type); Gemma 3 270M Q4_K_M (fetched
+//! by gen) comes first. GEN_BENCH_FILTER: only files whose name contains it. GEN_BENCH_RUNS
+//! (3): alternating rounds of gen and llama-bench, medians. GEN_BENCH_THREADS (2).
+//! GEN_LLAMA_BENCH: the llama-bench binary (default: where `.ci/llama-server llama-bench`
+//! builds it); absent, the rows say "no peer". Not a test: nothing here asserts a speed.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::{env_or, json_report, median};
+
+/// Memory read bandwidth with `threads` threads: best of 5 passes summing 1 GiB.
+fn read_bandwidth(threads: usize) -> f64 {
+    use rayon::prelude::*;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("thread pool");
+    let v = vec![1u64; (1 << 30) / 8];
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let start = std::time::Instant::now();
+        let s: u64 = pool.install(|| {
+            v.par_chunks(1 << 16)
+                .map(|c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))
+                .sum()
+        });
+        std::hint::black_box(s);
+        best = best.max((v.len() * 8) as f64 / start.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}
+
+/// Bytes of weights a decode step reads: every tensor but the embedding matrix when the file
+/// has a separate output layer (then only one row of it is read), and the type mix by bytes.
+fn decode_bytes(path: &Path) -> (f64, String) {
+    let mut f = std::fs::File::open(path).expect("open the model");
+    let s = gen::format::gguf::validate(&mut f, path).unwrap_or_else(|e| common::fail(&e.to_string()));
+    let untied = s.tensor_bytes.iter().any(|(n, _)| n == "output.weight");
+    let bytes: u64 = s
+        .tensor_bytes
+        .iter()
+        .filter(|(n, _)| !(untied && n == "token_embd.weight"))
+        .map(|(_, b)| b)
+        .sum();
+    (bytes as f64, file_types(path))
+}
+
+/// The file's matrix types by share of bytes, e.g. "Q5_0 59%, Q8_0 35%, Q6_K 6%".
+fn file_types(path: &Path) -> String {
+    let mut f = std::fs::File::open(path).expect("open");
+    let s = gen::format::gguf::validate(&mut f, path).expect("valid");
+    let ck = gen::format::checkpoint::Checkpoint::open_gguf(path).expect("open");
+    let mut by: Vec<(String, u64)> = Vec::new();
+    for (name, bytes) in &s.tensor_bytes {
+        let ty = ck.tensor_type_name(name).unwrap_or("?").to_string();
+        match by.iter_mut().find(|(t, _)| *t == ty) {
+            Some(e) => e.1 += bytes,
+            None => by.push((ty, *bytes)),
+        }
+    }
+    let total: u64 = by.iter().map(|b| b.1).sum();
+    by.sort_by(|a, b| b.1.cmp(&a.1));
+    by.iter()
+        .filter(|(_, b)| *b * 50 >= total)
+        .map(|(t, b)| format!("{t} {}%", (100 * b).div_ceil(total.max(1))))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+struct Gen {
+    prefill: f64,
+    decode: f64,
+}
+
+fn run_gen(model: &Path, prompt: &Path, max_new: usize, threads: usize) -> serde_json::Value {
+    json_report(
+        Command::new(env!("CARGO_BIN_EXE_gen"))
+            .arg("--model")
+            .arg(model)
+            .arg("--prompt-file")
+            .arg(prompt)
+            .args(["--max-new", &max_new.to_string(), "--temperature", "0"])
+            .args(["--ignore-eos", "--stats", "json", "--threads", &threads.to_string()]),
+    )
+}
+
+/// gen's prefill tok/s on `prompt` (one token generated) and decode tok/s (128 tokens after a
+/// short prompt).
+fn gen_sample(model: &Path, prompt: &Path, short: &Path, threads: usize) -> Gen {
+    let p = run_gen(model, prompt, 1, threads);
+    let d = run_gen(model, short, 128, threads);
+    Gen {
+        prefill: p["prefill_tok_s"].as_f64().unwrap_or(f64::NAN),
+        decode: d["decode_tok_s"].as_f64().unwrap_or(f64::NAN),
+    }
+}
+
+/// llama-bench's prefill (pp`prompt`) and decode (tg128) tok/s; None if it failed.
+fn peer_sample(bin: &Path, model: &Path, prompt: usize, threads: usize) -> Option<(f64, f64)> {
+    let out = Command::new(bin)
+        .arg("-m")
+        .arg(model)
+        .args(["-t", &threads.to_string(), "-p", &prompt.to_string(), "-n", "128"])
+        .args(["-r", "1", "-o", "json"])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        eprintln!(
+            "bench: llama-bench failed on {}: {}",
+            model.display(),
+            String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("")
+        );
+        return None;
+    }
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    let rate = |gen: bool| {
+        rows.as_array()?
+            .iter()
+            .find(|r| (r["n_gen"].as_u64().unwrap_or(0) > 0) == gen)?["avg_ts"]
+            .as_f64()
+    };
+    Some((rate(false)?, rate(true)?))
+}
+
+fn peer() -> Option<PathBuf> {
+    let bin = std::env::var_os("GEN_LLAMA_BENCH").map(PathBuf::from).unwrap_or_else(|| {
+        let home = std::env::var_os("GEN_PEER_HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/gen-peer"));
+        home.join("llama-server-0.3.36/llama.cpp/build/bin/llama-bench")
+    });
+    if bin.is_file() {
+        Some(bin)
+    } else {
+        eprintln!(
+            "bench: no peer: {} is missing (build it once with `.ci/llama-server llama-bench`, or set GEN_LLAMA_BENCH)",
+            bin.display()
+        );
+        None
+    }
+}
+
+fn files() -> Vec<PathBuf> {
+    let dir = std::env::var_os("GEN_BENCH_QUANTS").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/gen-peer/quants")
+    });
+    let mut fs: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|e| e == "gguf"))
+                .collect()
+        })
+        .unwrap_or_else(|e| {
+            eprintln!("bench: no quantized files in {} ({e}): Gemma 3 only", dir.display());
+            Vec::new()
+        });
+    fs.sort();
+    let gemma = gen::source::resolve(
+        &gen::source::ModelSpec::Known("gemma3-270m".into()),
+        &gen::source::FetchOptions::default(),
+    )
+    .unwrap_or_else(|e| common::fail(&format!("cannot fetch gemma3-270m: {e:#}")));
+    fs.insert(0, gemma);
+    let filter = std::env::var("GEN_BENCH_FILTER").unwrap_or_default();
+    fs.retain(|f| f.file_name().is_some_and(|n| n.to_string_lossy().contains(&filter)));
+    fs
+}
+
+fn main() {
+    let runs: usize = env_or("GEN_BENCH_RUNS", 3);
+    let threads: usize = env_or("GEN_BENCH_THREADS", 2);
+    let text = std::fs::read_to_string(common::bench_text()).expect("the benchmark text");
+    let dir = std::env::temp_dir().join(format!("gen-bench-quants-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("scratch folder");
+    // About 512 SmolLM2 tokens: the first half of the 1,000-token text.
+    let half: String = text.chars().take(text.chars().count() / 2).collect();
+    let (p512, short) = (dir.join("p512.txt"), dir.join("short.txt"));
+    std::fs::write(&p512, half).unwrap();
+    std::fs::write(&short, "Once upon a time").unwrap();
+    let p1000 = common::bench_text();
+    let bw = read_bandwidth(threads);
+    let peer = peer();
+    println!(
+        "read bandwidth {bw:.1} GB/s ({threads} threads) | {runs} rounds, medians | gen vs {}",
+        peer.as_ref().map_or("no peer".into(), |p| p.display().to_string())
+    );
+    println!();
+    println!("| file (types by bytes) | MB/token | prefill tok/s llama.cpp / gen / ratio | decode tok/s llama.cpp / gen / ratio | roofline tok/s | gen / roofline |");
+    println!("|---|---|---|---|---|---|");
+    let mut mixed = Vec::new();
+    for f in files() {
+        let (bytes, types) = decode_bytes(&f);
+        let (mut g, mut l) = (Vec::new(), Vec::new());
+        for _ in 0..runs {
+            g.push(gen_sample(&f, &p512, &short, threads));
+            if let Some(bin) = &peer {
+                l.extend(peer_sample(bin, &f, 512, threads));
+            }
+        }
+        let gp = median(g.iter().map(|s| s.prefill).collect());
+        let gd = median(g.iter().map(|s| s.decode).collect());
+        let lp = median(l.iter().map(|s| s.0).collect());
+        let ld = median(l.iter().map(|s| s.1).collect());
+        let roof = bw * 1e9 / bytes;
+        let name = f.file_stem().unwrap_or_default().to_string_lossy().into_owned();
+        println!(
+            "| {name} ({types}) | {:.1} | {} / {gp:.0} / {} | {} / {gd:.1} / {} | {roof:.0} | {:.0}% |",
+            bytes / 1e6,
+            show(lp, 0),
+            ratio(gp, lp),
+            show(ld, 1),
+            ratio(gd, ld),
+            100.0 * gd / roof
+        );
+        if !name.starts_with("k256") && !name.ends_with("Q4_0") && !name.ends_with("Q8_0") && !name.ends_with("Q6_K") {
+            mixed.push(f);
+        }
+    }
+    println!();
+    println!("Files as published (mixed types), time to first token on the 1,000-token prompt:");
+    println!();
+    println!("| file | TTFT llama.cpp (s) | TTFT gen (s) | gen / llama.cpp |");
+    println!("|---|---|---|---|");
+    for f in mixed {
+        let (mut g, mut l) = (Vec::new(), Vec::new());
+        for _ in 0..runs {
+            g.push(run_gen(&f, &p1000, 1, threads)["ttft_s"].as_f64().unwrap_or(f64::NAN));
+            if let Some(bin) = &peer {
+                // llama-bench's pp1000 is the prompt's prefill: TTFT without sampling.
+                l.extend(peer_sample(bin, &f, 1000, threads).map(|(pp, _)| 1000.0 / pp));
+            }
+        }
+        let (g, l) = (median(g), median(l));
+        println!(
+            "| {} | {} | {g:.2} | {} |",
+            f.file_stem().unwrap_or_default().to_string_lossy(),
+            show(l, 2),
+            ratio(g, l)
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn show(v: f64, digits: usize) -> String {
+    if v.is_nan() {
+        "no peer".into()
+    } else {
+        format!("{v:.digits$}")
+    }
+}
+
+fn ratio(a: f64, b: f64) -> String {
+    if b.is_nan() {
+        "-".into()
+    } else {
+        format!("{:.2}x", a / b)
+    }
+}
