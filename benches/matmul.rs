@@ -121,7 +121,12 @@ fn every_type(threads: usize, reps: usize, kernel: Kernel) {
     }
     for (name, id, make) in &types {
         let raw = make(7);
-        let copies = (160 << 20) / raw.len() + 1;
+        // GEN_BENCH_WARM=1: one copy (T=1 from cache: a quick look at compute alone).
+        let copies = if env_or("GEN_BENCH_WARM", 0) == 1 {
+            1
+        } else {
+            (160 << 20) / raw.len() + 1
+        };
         let ws: Vec<CpuQWeight> = (0..copies)
             .map(|i| {
                 CpuQWeight::from_raw(*id, &make(7 + i as u64), n, k, kernel)

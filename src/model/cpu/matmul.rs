@@ -22,6 +22,7 @@ use rayon::prelude::*;
 use super::ops::SharedOut;
 use super::q8::{quantize_block, through_f16, PREFETCH_AHEAD};
 pub use super::q8::Kernel;
+use super::wide16::{self as half_kernels, Half, HalfTiles};
 use super::quants::{self, QType};
 
 const QK: usize = 32;
@@ -35,6 +36,8 @@ enum WeightType {
     Q8_0,
     /// Every other quantized type: [`super::quants`].
     Quant(QType),
+    /// F16 and BF16: [`super::wide16`].
+    Half(Half),
 }
 
 /// Rows of 32-value blocks, repacked for the kernels: each block's scale (and Q4_1's minimum,
@@ -79,7 +82,7 @@ impl Blocks {
         let (block_bytes, header, per_block) = match ty {
             WeightType::Q4_1 => (Q4_1_BYTES, 4, 16),
             WeightType::Q8_0 => (Q8_0_BYTES, 2, 32),
-            WeightType::Quant(_) => unreachable!("quant types have their own tiles"),
+            WeightType::Quant(_) | WeightType::Half(_) => unreachable!("these types have their own tiles"),
         };
         let n = raw.len() / block_bytes;
         let mut b = Blocks {
@@ -200,6 +203,8 @@ enum Layout {
     Tiles(Tiles),
     /// The types of [`super::quants`], in their tiles for every kernel (scalar included).
     Quant(quants::Tiles),
+    /// F16 and BF16, column-interleaved.
+    Half(HalfTiles),
 }
 
 /// A weight matrix (N, K) in our own CPU layout.
@@ -248,7 +253,7 @@ impl CpuQWeight {
                                 *o = match self.ty {
                                     WeightType::Q4_1 => dot_q4_1_q8_1_scalar(w, act.row(tt)),
                                     WeightType::Q8_0 => dot_q8_0_q8_0_scalar(w, act.row(tt)),
-                                    WeightType::Quant(_) => unreachable!("quant tiles"),
+                                    WeightType::Quant(_) | WeightType::Half(_) => unreachable!("own tiles"),
                                 };
                             }
                         }
@@ -275,13 +280,24 @@ impl CpuQWeight {
             }
             Layout::Quant(tiles) => {
                 let spec = tiles.ty.spec();
-                let act = quants::Acts::quantize(x, k, t, spec.act, self.kernel);
+                let centre = quants::centre_of(tiles.ty, self.kernel);
+                let act = quants::Acts::quantize(x, k, t, spec.act, self.kernel, centre);
                 let per_call = self.tokens_per_tile();
                 let stream = act.chunks <= STREAM_CHUNKS;
                 schedule(t, k, widths, tiles.groups, act.chunks, per_call, |g, token, n, out, stride, real| {
                     // SAFETY: as `schedule` promises for out; tiles and activations hold the
                     // same block count.
                     unsafe { quant_dot(tiles.ty, self.kernel, tiles.tile(g), act.chunk(token), n, out, stride, real, stream) }
+                })
+            }
+            Layout::Half(tiles) => {
+                let per_call = self.tokens_per_tile();
+                let chunks = t.div_ceil(TOKENS);
+                let stream = chunks <= STREAM_CHUNKS;
+                let xs = SharedIn(x.as_ptr());
+                schedule(t, k, widths, tiles.groups, chunks, per_call, |g, token, n, out, stride, real| {
+                    // SAFETY: tokens token..token + n are rows of x; `schedule` promises out.
+                    unsafe { half_dot(tiles.ty, self.kernel, tiles.tile(g), xs.at(token * k), k, n, out, stride, real, stream) }
                 })
             }
         }
@@ -418,6 +434,64 @@ fn schedule(
         unsafe { o.set_len(t * w) };
     }
     outs
+}
+
+/// The input rows, shared by the tasks of one product (read only).
+#[derive(Clone, Copy)]
+struct SharedIn(*const f32);
+// SAFETY: the tasks only read through it, while the caller's slice is borrowed.
+unsafe impl Send for SharedIn {}
+unsafe impl Sync for SharedIn {}
+
+impl SharedIn {
+    fn at(self, i: usize) -> *const f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
+/// One call of an F16/BF16 kernel ([`super::wide16`]).
+///
+/// # Safety
+/// x holds n rows of k values; w is a group's k * 8 values; out is valid for the writes.
+#[allow(clippy::too_many_arguments)]
+unsafe fn half_dot(
+    ty: Half,
+    kernel: Kernel,
+    w: &[u16],
+    x: *const f32,
+    k: usize,
+    n: usize,
+    out: *mut f32,
+    stride: usize,
+    real: usize,
+    stream: bool,
+) {
+    macro_rules! by_n {
+        ($m:ident, $bf:literal) => {{
+            use half_kernels::$m::tile;
+            match n {
+                1 => tile::<$bf, 1>(w, x, k, out, stride, real, stream),
+                2 => tile::<$bf, 2>(w, x, k, out, stride, real, stream),
+                3 => tile::<$bf, 3>(w, x, k, out, stride, real, stream),
+                4 => tile::<$bf, 4>(w, x, k, out, stride, real, stream),
+                5 => tile::<$bf, 5>(w, x, k, out, stride, real, stream),
+                6 => tile::<$bf, 6>(w, x, k, out, stride, real, stream),
+                7 => tile::<$bf, 7>(w, x, k, out, stride, real, stream),
+                _ => tile::<$bf, 8>(w, x, k, out, stride, real, stream),
+            }
+        }};
+    }
+    match (kernel, ty) {
+        #[cfg(target_arch = "x86_64")]
+        (Kernel::Avx2, Half::F16) => by_n!(avx2, false),
+        #[cfg(target_arch = "x86_64")]
+        (Kernel::Avx2, Half::Bf16) => by_n!(avx2, true),
+        #[cfg(target_arch = "x86_64")]
+        (Kernel::Vnni, Half::F16) => by_n!(vnni, false),
+        #[cfg(target_arch = "x86_64")]
+        (Kernel::Vnni, Half::Bf16) => by_n!(vnni, true),
+        _ => half_kernels::scalar_tile(ty, w, x, k, n, out, stride, real),
+    }
 }
 
 /// One call of a [`super::quants`] kernel: the type's instance for the kernel and token count.
@@ -608,6 +682,8 @@ impl CpuQWeight {
     /// Repack a GGUF weight of a type gen's kernels run; None for other types (f32, f16, bf16).
     pub fn from_qtensor(q: &QTensor, kernel: Kernel) -> Result<Option<Self>> {
         let id = match q.dtype() {
+            GgmlDType::F16 => 1,
+            GgmlDType::BF16 => 30,
             GgmlDType::Q4_0 => 2,
             GgmlDType::Q4_1 => 3,
             GgmlDType::Q5_0 => 6,
@@ -634,6 +710,8 @@ impl CpuQWeight {
         kernel: Kernel,
     ) -> Result<Option<Self>> {
         let (ty, block_values, block_bytes) = match ggml {
+            1 => (WeightType::Half(Half::F16), 1, 2),
+            30 => (WeightType::Half(Half::Bf16), 1, 2),
             3 => (WeightType::Q4_1, QK, Q4_1_BYTES),
             8 => (WeightType::Q8_0, QK, Q8_0_BYTES),
             _ => match QType::from_ggml(ggml) {
@@ -647,6 +725,9 @@ impl CpuQWeight {
         if cols % block_values != 0 {
             bail!("a weight's width {cols} is not a multiple of the block size {block_values}");
         }
+        if matches!(ty, WeightType::Half(_)) && cols % 2 == 1 {
+            return Ok(None); // odd widths stay with candle's product
+        }
         let expected = rows * cols / block_values * block_bytes;
         if raw.len() != expected {
             bail!(
@@ -656,6 +737,7 @@ impl CpuQWeight {
         }
         let layout = match ty {
             WeightType::Quant(q) => Layout::Quant(quants::Tiles::from_gguf(q, raw, rows, cols)),
+            WeightType::Half(h) => Layout::Half(HalfTiles::from_raw(h, raw, rows, cols)),
             _ => {
                 let blocks = Blocks::from_gguf(raw, ty, cols / QK);
                 if kernel == Kernel::Scalar {
@@ -680,6 +762,8 @@ impl CpuQWeight {
             WeightType::Q4_1 => "Q4_1",
             WeightType::Q8_0 => "Q8_0",
             WeightType::Quant(q) => q.spec().name,
+            WeightType::Half(Half::F16) => "F16",
+            WeightType::Half(Half::Bf16) => "BF16",
         }
     }
 
@@ -711,6 +795,7 @@ impl CpuQWeight {
                 }
                 (Layout::Tiles(a), Layout::Tiles(b)) => a.append(b),
                 (Layout::Quant(a), Layout::Quant(b)) => a.append(b),
+                (Layout::Half(a), Layout::Half(b)) => a.append(b),
                 _ => unreachable!("same kernel, same layout"),
             }
         }

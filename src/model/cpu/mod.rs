@@ -11,6 +11,7 @@
 //! projection, and the residual add fused with the next layer's attention norm.
 
 pub mod attention;
+pub mod wide16;
 pub mod kv_store;
 pub mod matmul;
 pub mod q8;
@@ -105,7 +106,7 @@ impl CpuBackend {
             profile.mark(dev, "gate/up");
             let act = match cfg.family.activation() {
                 Activation::Silu => ops::silu_mul(&gate, &up)?,
-                Activation::GeluTanh => (gate.gelu()? * up)?,
+                Activation::GeluTanh => ops::gelu_mul(&gate, &up)?,
             };
             profile.mark(dev, "activation");
             let mut o = layer.w_down.forward(&act)?;

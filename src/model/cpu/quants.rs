@@ -597,6 +597,19 @@ pub fn block_scales(spec: Spec, t: &Tile<'_>, b: usize) -> ([[f32; 8]; 2], [[f32
     (scale, min)
 }
 
+/// What a kernel's integer dot products of `ty`'s codes with activation bytes must lose per
+/// unit of the activations' sum: the type's centre, plus 128 for the IQ4 tables on VNNI (which
+/// takes them as unsigned bytes, biased by 128). [`Acts`] holds the sums times this.
+pub fn centre_of(ty: QType, kernel: Kernel) -> i32 {
+    let spec = ty.spec();
+    #[cfg(target_arch = "x86_64")]
+    if spec.bits == Bits::Lut && kernel == Kernel::Vnni {
+        return spec.centre + 128;
+    }
+    let _ = kernel;
+    spec.centre
+}
+
 /// Activations quantized for these kernels: tokens in chunks of 8 and, within a chunk, per
 /// block, the 8 tokens' 32 quants side by side (256 bytes); per token and block its scale, its
 /// integer sums (first half, second half, whole) and those sums times the scale (for Q8_1 the
@@ -604,7 +617,8 @@ pub fn block_scales(spec: Spec, t: &Tile<'_>, b: usize) -> ([[f32; 8]; 2], [[f32
 pub struct Acts {
     pub qs: Vec<u8>,
     pub d: Vec<f32>,
-    /// 4 per slot: halves, whole, unused.
+    /// 4 per slot: the sums of the halves and of the whole block, times the kernel's centre
+    /// (what its integer dot products must lose: see [`centre_of`]); unused.
     pub isum: Vec<i32>,
     pub asum: Vec<f32>,
     pub nb: usize,
@@ -622,8 +636,8 @@ pub struct ActChunk {
 }
 
 impl Acts {
-    /// T rows of K values, as `act` says.
-    pub fn quantize(x: &[f32], k: usize, t: usize, act: Act, kernel: Kernel) -> Self {
+    /// T rows of K values, as `act` says; integer sums times `centre`.
+    pub fn quantize(x: &[f32], k: usize, t: usize, act: Act, kernel: Kernel, centre: i32) -> Self {
         let nb = k / QK;
         let chunks = t.div_ceil(TOKENS);
         let slots = chunks * nb * TOKENS;
@@ -647,7 +661,9 @@ impl Acts {
                     let at = b * TOKENS + i;
                     qs[at * QK..at * QK + QK].copy_from_slice(q);
                     d[at] = scale;
-                    isum[at * 4..at * 4 + 3].copy_from_slice(&sums);
+                    for (o, s) in isum[at * 4..at * 4 + 3].iter_mut().zip(sums) {
+                        *o = centre * s;
+                    }
                     asum[at * 4..at * 4 + 3].copy_from_slice(&f);
                 });
             }
@@ -781,8 +797,8 @@ pub unsafe fn scalar_tile(
                     (l0..l1).map(|l| v[r][l] * q[l] as i8 as i32).sum()
                 };
                 if spec.halves {
-                    let lo = dot(0, 16) - spec.centre * isum[0];
-                    let hi = dot(16, 32) - spec.centre * isum[1];
+                    let lo = dot(0, 16) - isum[0];
+                    let hi = dot(16, 32) - isum[1];
                     let f = (hi as f32).mul_add(scale[1][r], lo as f32 * scale[0][r]);
                     *acc = f.mul_add(da, *acc);
                     if spec.min != Min::None {
@@ -790,7 +806,7 @@ pub unsafe fn scalar_tile(
                         *acc = min[1][r].mul_add(asum[1], *acc);
                     }
                 } else {
-                    let s = dot(0, 32) - spec.centre * isum[2];
+                    let s = dot(0, 32) - isum[2];
                     *acc = (s as f32).mul_add(scale[0][r] * da, *acc);
                     if spec.min != Min::None {
                         *acc = min[0][r].mul_add(asum[2], *acc);

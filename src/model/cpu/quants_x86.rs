@@ -57,7 +57,8 @@ macro_rules! quant_kernels {
                 let buf = w.buf.as_ptr();
                 let spb = spec.scales_per_block();
                 let lut = spec.bits == Bits::Lut;
-                // Signed codes are biased on VNNI: subtract 128 * sum(a) too.
+                // Signed codes are biased on VNNI: the activation sums come times 128 more
+                // (`centre_of`).
                 let centre = spec.centre + if lut { $lut_bias } else { 0 };
                 let mut table = [0i8; 32];
                 for (i, t) in table.iter_mut().enumerate() {
@@ -138,8 +139,8 @@ macro_rules! quant_kernels {
                         let asum = a.asum.add(slot * 4);
                         if spec.halves {
                             if centre != 0 {
-                                s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(centre * *isum));
-                                s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(centre * *isum.add(1)));
+                                s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(*isum));
+                                s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(*isum.add(1)));
                             }
                             let f = _mm256_mul_ps(_mm256_cvtepi32_ps(s0), scale0);
                             let f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), scale1, f);
@@ -151,7 +152,7 @@ macro_rules! quant_kernels {
                         } else {
                             let mut s = _mm256_add_epi32(s0, s1);
                             if centre != 0 {
-                                s = _mm256_sub_epi32(s, _mm256_set1_epi32(centre * *isum.add(2)));
+                                s = _mm256_sub_epi32(s, _mm256_set1_epi32(*isum.add(2)));
                             }
                             let d = _mm256_mul_ps(scale0, da);
                             *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, *acc);

@@ -1,0 +1,224 @@
+//! F16 and BF16 weights on gen's own kernels: y = x W^T with W kept in its 16-bit type (the
+//! bytes a decode step reads are the file's), widened in registers, multiplied with f32
+//! activations (no rounding of the activations, unlike llama.cpp, which rounds them to the
+//! weights' type).
+//!
+//! Layout: rows in groups of 8; within a group, column by column, the 8 rows' values side by
+//! side (16 bytes), so one load and one widening give a column of 8 rows in the 8 lanes of a
+//! register, and a multiply-add with one activation broadcast to every lane adds that column's
+//! products to 8 rows' sums: no horizontal sums. Up to 8 tokens (4 on AVX2) share each widened
+//! column.
+
+use half::{bf16, f16};
+
+/// Which 16-bit type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Half {
+    F16,
+    Bf16,
+}
+
+/// Rows in groups of 8, column-interleaved (see the module doc); the last group's padding rows
+/// are zero. Rows have an even number of columns (odd widths are refused at load).
+pub struct HalfTiles {
+    pub ty: Half,
+    bits: Vec<u16>,
+    pub groups: usize,
+    pub cols: usize,
+}
+
+impl HalfTiles {
+    /// `rows` x `cols` values of `ty` as the file stores them (little-endian 16-bit words).
+    pub fn from_raw(ty: Half, raw: &[u8], rows: usize, cols: usize) -> Self {
+        use rayon::prelude::*;
+        let groups = rows.div_ceil(8);
+        let mut bits = vec![0u16; groups * cols * 8];
+        bits.par_chunks_mut(cols * 8).enumerate().for_each(|(g, out)| {
+            for r in 0..8.min(rows - g * 8) {
+                let row = &raw[(g * 8 + r) * cols * 2..(g * 8 + r + 1) * cols * 2];
+                for (c, v) in row.chunks_exact(2).enumerate() {
+                    out[c * 8 + r] = u16::from_le_bytes([v[0], v[1]]);
+                }
+            }
+        });
+        HalfTiles {
+            ty,
+            bits,
+            groups,
+            cols,
+        }
+    }
+
+    pub fn tile(&self, g: usize) -> &[u16] {
+        &self.bits[g * self.cols * 8..(g + 1) * self.cols * 8]
+    }
+
+    pub fn append(&mut self, other: HalfTiles) {
+        self.bits.extend_from_slice(&other.bits);
+        self.groups += other.groups;
+    }
+}
+
+/// One 16-bit value widened.
+#[inline]
+pub fn widen(ty: Half, b: u16) -> f32 {
+    match ty {
+        Half::F16 => f16::from_bits(b).to_f32(),
+        Half::Bf16 => bf16::from_bits(b).to_f32(),
+    }
+}
+
+/// Tokens x[0..n] (rows of `k` values, row-major) against one group of 8 rows, written to
+/// out + i * stride (the first `real` rows). The portable kernel: the same products, summed
+/// in the same order per row, as the SIMD ones (whose fused multiply-adds round once).
+///
+/// # Safety
+/// `x` holds n rows of k values; `out` is valid for those writes.
+pub unsafe fn scalar_tile(
+    ty: Half,
+    w: &[u16],
+    x: *const f32,
+    k: usize,
+    n: usize,
+    out: *mut f32,
+    stride: usize,
+    real: usize,
+) {
+    for i in 0..n {
+        let xi = std::slice::from_raw_parts(x.add(i * k), k);
+        // Two partial sums (even and odd columns), added at the end: as the SIMD kernels.
+        let mut acc = [[0f32; 8]; 2];
+        for (c, &xv) in xi.iter().enumerate() {
+            for (r, a) in acc[c % 2].iter_mut().enumerate() {
+                *a = widen(ty, w[c * 8 + r]).mul_add(xv, *a);
+            }
+        }
+        let sum: Vec<f32> = (0..8).map(|r| acc[0][r] + acc[1][r]).collect();
+        std::ptr::copy_nonoverlapping(sum.as_ptr(), out.add(i * stride), real);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+macro_rules! half_kernels {
+    ($name:ident, $features:literal) => {
+        pub mod $name {
+            use super::Half;
+            use std::arch::x86_64::*;
+
+            /// N tokens at x (rows of k values) against one group of 8 rows, as
+            /// [`super::scalar_tile`].
+            ///
+            /// # Safety
+            /// The CPU must support the features; x holds N rows of k values, w k * 8 values;
+            /// out is valid for the writes.
+            #[target_feature(enable = $features)]
+            pub unsafe fn tile<const BF: bool, const N: usize>(
+                w: &[u16],
+                x: *const f32,
+                k: usize,
+                out: *mut f32,
+                stride: usize,
+                real: usize,
+                stream: bool,
+            ) {
+                debug_assert!(w.len() >= k * 8 && k % 2 == 0);
+                // Two partial sums per token (even and odd columns): two independent chains of
+                // multiply-adds, so a one-token call is not bound by their latency.
+                let mut acc = [_mm256_setzero_ps(); N];
+                let mut odd = [_mm256_setzero_ps(); N];
+                let p = w.as_ptr();
+                let load = |c: usize| {
+                    let raw = _mm_loadu_si128(p.add(c * 8) as *const __m128i);
+                    if BF {
+                        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))
+                    } else {
+                        _mm256_cvtph_ps(raw)
+                    }
+                };
+                for c in (0..k).step_by(2) {
+                    if stream && c % 4 == 0 {
+                        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(c * 8 + 1024) as *const i8);
+                    }
+                    let (w0, w1) = (load(c), load(c + 1));
+                    for i in 0..N {
+                        acc[i] = _mm256_fmadd_ps(w0, _mm256_set1_ps(*x.add(i * k + c)), acc[i]);
+                        odd[i] = _mm256_fmadd_ps(w1, _mm256_set1_ps(*x.add(i * k + c + 1)), odd[i]);
+                    }
+                }
+                for i in 0..N {
+                    acc[i] = _mm256_add_ps(acc[i], odd[i]);
+                }
+                if real == 8 {
+                    for (i, a) in acc.iter().enumerate() {
+                        _mm256_storeu_ps(out.add(i * stride), *a);
+                    }
+                } else {
+                    let mut buf = [0f32; 8];
+                    for (i, a) in acc.iter().enumerate() {
+                        _mm256_storeu_ps(buf.as_mut_ptr(), *a);
+                        std::ptr::copy_nonoverlapping(buf.as_ptr(), out.add(i * stride), real);
+                    }
+                }
+                let _ = Half::F16;
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+half_kernels!(avx2, "avx2,fma,f16c");
+#[cfg(target_arch = "x86_64")]
+half_kernels!(vnni, "avx2,fma,f16c,avx512f,avx512vl");
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::cpu::matmul::{test_data, CpuQWeight, Kernel};
+
+    /// Every kernel against f64 sums of the widened weights, ragged rows, 1 to 17 tokens; SIMD
+    /// and scalar within float rounding; a token alone or with others: the same bits.
+    #[test]
+    fn half_kernels_match_the_widened_product() {
+        let mut kernels = vec![Kernel::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+            kernels.push(Kernel::Avx2);
+            if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
+                kernels.push(Kernel::Vnni);
+            }
+        }
+        for (ty, id) in [(Half::F16, 1u32), (Half::Bf16, 30)] {
+            for &(t, n, k) in &[(1, 13, 64), (3, 37, 96), (17, 9, 160), (8, 24, 32)] {
+                let w = test_data(n * k, 3 + n as u64);
+                let raw: Vec<u8> = w
+                    .iter()
+                    .flat_map(|&v| match ty {
+                        Half::F16 => f16::from_f32(v).to_bits().to_le_bytes(),
+                        Half::Bf16 => bf16::from_f32(v).to_bits().to_le_bytes(),
+                    })
+                    .collect();
+                let wide: Vec<f32> = raw.chunks_exact(2).map(|b| widen(ty, u16::from_le_bytes([b[0], b[1]]))).collect();
+                let x = test_data(t * k, 9 + t as u64);
+                let mut outs = Vec::new();
+                for &kernel in &kernels {
+                    let lin = CpuQWeight::from_raw(id, &raw, n, k, kernel).unwrap().unwrap();
+                    let got = lin.matmul(&x, t);
+                    for i in 0..t {
+                        for j in 0..n {
+                            let want: f64 = (0..k).map(|c| x[i * k + c] as f64 * wide[j * k + c] as f64).sum();
+                            let l1: f64 = (0..k).map(|c| (x[i * k + c] * wide[j * k + c]).abs() as f64).sum();
+                            let g = got[i * n + j] as f64;
+                            assert!((g - want).abs() <= 1e-5 * l1 + 1e-6, "{ty:?} {kernel:?} [{i},{j}]: {g} vs {want}");
+                        }
+                        let alone = lin.matmul(&x[i * k..(i + 1) * k], 1);
+                        assert_eq!(&got[i * n..(i + 1) * n], &alone[..], "{ty:?} {kernel:?} token {i}");
+                    }
+                    outs.push(got);
+                }
+                for o in &outs[1..] {
+                    assert_eq!(o, &outs[0], "{ty:?}: SIMD and scalar differ");
+                }
+            }
+        }
+    }
+}
