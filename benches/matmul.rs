@@ -101,7 +101,8 @@ fn every_type(threads: usize, reps: usize, kernel: Kernel) {
     println!();
     println!("| type | bytes | T=1 ms | T=1 GB/s | T=512 ms | T=512 GMAC/s |");
     println!("|---|---|---|---|---|---|");
-    let mut types: Vec<(String, u32, Box<dyn Fn(u64) -> Vec<u8>>)> = Vec::new();
+    type Make = Box<dyn Fn(u64) -> Vec<u8>>;
+    let mut types: Vec<(String, u32, Make)> = Vec::new();
     for (name, dt, id) in [("Q4_1", GgmlDType::Q4_1, 3), ("Q8_0", GgmlDType::Q8_0, 8)] {
         types.push((
             name.into(),

@@ -48,7 +48,8 @@ fn read_bandwidth(threads: usize) -> f64 {
 /// has a separate output layer (then only one row of it is read), and the type mix by bytes.
 fn decode_bytes(path: &Path) -> (f64, String) {
     let mut f = std::fs::File::open(path).expect("open the model");
-    let s = gen::format::gguf::validate(&mut f, path).unwrap_or_else(|e| common::fail(&e.to_string()));
+    let s =
+        gen::format::gguf::validate(&mut f, path).unwrap_or_else(|e| common::fail(&e.to_string()));
     let untied = s.tensor_bytes.iter().any(|(n, _)| n == "output.weight");
     let bytes: u64 = s
         .tensor_bytes
@@ -73,7 +74,7 @@ fn file_types(path: &Path) -> String {
         }
     }
     let total: u64 = by.iter().map(|b| b.1).sum();
-    by.sort_by(|a, b| b.1.cmp(&a.1));
+    by.sort_by_key(|b| std::cmp::Reverse(b.1));
     by.iter()
         .filter(|(_, b)| *b * 50 >= total)
         .map(|(t, b)| format!("{t} {}%", (100 * b).div_ceil(total.max(1))))
@@ -94,7 +95,13 @@ fn run_gen(model: &Path, prompt: &Path, max_new: usize, threads: usize) -> serde
             .arg("--prompt-file")
             .arg(prompt)
             .args(["--max-new", &max_new.to_string(), "--temperature", "0"])
-            .args(["--ignore-eos", "--stats", "json", "--threads", &threads.to_string()]),
+            .args([
+                "--ignore-eos",
+                "--stats",
+                "json",
+                "--threads",
+                &threads.to_string(),
+            ]),
     )
 }
 
@@ -114,7 +121,14 @@ fn peer_sample(bin: &Path, model: &Path, prompt: usize, threads: usize) -> Optio
     let out = Command::new(bin)
         .arg("-m")
         .arg(model)
-        .args(["-t", &threads.to_string(), "-p", &prompt.to_string(), "-n", "128"])
+        .args([
+            "-t",
+            &threads.to_string(),
+            "-p",
+            &prompt.to_string(),
+            "-n",
+            "128",
+        ])
         .args(["-r", "1", "-o", "json"])
         .output()
         .ok()?;
@@ -122,7 +136,10 @@ fn peer_sample(bin: &Path, model: &Path, prompt: usize, threads: usize) -> Optio
         eprintln!(
             "bench: llama-bench failed on {}: {}",
             model.display(),
-            String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("")
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .last()
+                .unwrap_or("")
         );
         return None;
     }
@@ -137,12 +154,17 @@ fn peer_sample(bin: &Path, model: &Path, prompt: usize, threads: usize) -> Optio
 }
 
 fn peer() -> Option<PathBuf> {
-    let bin = std::env::var_os("GEN_LLAMA_BENCH").map(PathBuf::from).unwrap_or_else(|| {
-        let home = std::env::var_os("GEN_PEER_HOME")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/gen-peer"));
-        home.join("llama-server-0.3.36/llama.cpp/build/bin/llama-bench")
-    });
+    let bin = std::env::var_os("GEN_LLAMA_BENCH")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let home = std::env::var_os("GEN_PEER_HOME")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| {
+                    PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                        .join(".cache/gen-peer")
+                });
+            home.join("llama-server-0.3.36/llama.cpp/build/bin/llama-bench")
+        });
     if bin.is_file() {
         Some(bin)
     } else {
@@ -155,9 +177,12 @@ fn peer() -> Option<PathBuf> {
 }
 
 fn files() -> Vec<PathBuf> {
-    let dir = std::env::var_os("GEN_BENCH_QUANTS").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/gen-peer/quants")
-    });
+    let dir = std::env::var_os("GEN_BENCH_QUANTS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                .join(".cache/gen-peer/quants")
+        });
     let mut fs: Vec<PathBuf> = std::fs::read_dir(&dir)
         .map(|d| {
             d.filter_map(|e| e.ok().map(|e| e.path()))
@@ -165,7 +190,10 @@ fn files() -> Vec<PathBuf> {
                 .collect()
         })
         .unwrap_or_else(|e| {
-            eprintln!("bench: no quantized files in {} ({e}): Gemma 3 only", dir.display());
+            eprintln!(
+                "bench: no quantized files in {} ({e}): Gemma 3 only",
+                dir.display()
+            );
             Vec::new()
         });
     fs.sort();
@@ -176,7 +204,10 @@ fn files() -> Vec<PathBuf> {
     .unwrap_or_else(|e| common::fail(&format!("cannot fetch gemma3-270m: {e:#}")));
     fs.insert(0, gemma);
     let filter = std::env::var("GEN_BENCH_FILTER").unwrap_or_default();
-    fs.retain(|f| f.file_name().is_some_and(|n| n.to_string_lossy().contains(&filter)));
+    fs.retain(|f| {
+        f.file_name()
+            .is_some_and(|n| n.to_string_lossy().contains(&filter))
+    });
     fs
 }
 
@@ -196,7 +227,8 @@ fn main() {
     let peer = peer();
     println!(
         "read bandwidth {bw:.1} GB/s ({threads} threads) | {runs} rounds, medians | gen vs {}",
-        peer.as_ref().map_or("no peer".into(), |p| p.display().to_string())
+        peer.as_ref()
+            .map_or("no peer".into(), |p| p.display().to_string())
     );
     println!();
     println!("| file (types by bytes) | MB/token | prefill tok/s llama.cpp / gen / ratio | decode tok/s llama.cpp / gen / ratio | roofline tok/s | gen / roofline |");
@@ -216,7 +248,11 @@ fn main() {
         let lp = median(l.iter().map(|s| s.0).collect());
         let ld = median(l.iter().map(|s| s.1).collect());
         let roof = bw * 1e9 / bytes;
-        let name = f.file_stem().unwrap_or_default().to_string_lossy().into_owned();
+        let name = f
+            .file_stem()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
         println!(
             "| {name} ({types}) | {:.1} | {} / {gp:.0} / {} | {} / {gd:.1} / {} | {roof:.0} | {:.0}% |",
             bytes / 1e6,
@@ -226,7 +262,11 @@ fn main() {
             ratio(gd, ld),
             100.0 * gd / roof
         );
-        if !name.starts_with("k256") && !name.ends_with("Q4_0") && !name.ends_with("Q8_0") && !name.ends_with("Q6_K") {
+        if !name.starts_with("k256")
+            && !name.ends_with("Q4_0")
+            && !name.ends_with("Q8_0")
+            && !name.ends_with("Q6_K")
+        {
             mixed.push(f);
         }
     }
@@ -238,7 +278,11 @@ fn main() {
     for f in mixed {
         let (mut g, mut l) = (Vec::new(), Vec::new());
         for _ in 0..runs {
-            g.push(run_gen(&f, &p1000, 1, threads)["ttft_s"].as_f64().unwrap_or(f64::NAN));
+            g.push(
+                run_gen(&f, &p1000, 1, threads)["ttft_s"]
+                    .as_f64()
+                    .unwrap_or(f64::NAN),
+            );
             if let Some(bin) = &peer {
                 // llama-bench's pp1000 is the prompt's prefill: TTFT without sampling.
                 l.extend(peer_sample(bin, &f, 1000, threads).map(|(pp, _)| 1000.0 / pp));

@@ -121,7 +121,9 @@ fn own_kernels_agree_with_candle_on_the_real_matrices() {
             continue;
         }
         shapes.push((n, k));
-        let x: Vec<f32> = (0..5 * k).map(|i| ((i * 7919 % 1000) as f32 / 250.0 - 2.0)).collect();
+        let x: Vec<f32> = (0..5 * k)
+            .map(|i| (i * 7919 % 1000) as f32 / 250.0 - 2.0)
+            .collect();
         for kernel in [Kernel::detect(), Kernel::Scalar] {
             let ours = CpuQWeight::from_qtensor(&q, kernel).unwrap().unwrap();
             let got = ours.matmul(&x, 5);
@@ -141,7 +143,11 @@ fn own_kernels_agree_with_candle_on_the_real_matrices() {
             }
         }
     }
-    assert_eq!(seen.len(), 3, "expected Q5_0, Q4_K and Q6_K matrices, saw {seen:?}");
+    assert_eq!(
+        seen.len(),
+        3,
+        "expected Q5_0, Q4_K and Q6_K matrices, saw {seen:?}"
+    );
 }
 
 /// Free-running greedy generation: the first tokens are exactly llama.cpp's on every prompt.

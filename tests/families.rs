@@ -11,6 +11,8 @@
 
 mod common;
 
+use common::data;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -82,19 +84,6 @@ impl Spec {
     fn local(&self, l: usize) -> bool {
         self.window.is_some() && l % 6 < 5
     }
-}
-
-/// Pseudo-random values in [-a, a).
-fn data(n: usize, seed: u64, a: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * a
-        })
-        .collect()
 }
 
 /// Hugging Face tensors of a random model: name -> (shape, values).

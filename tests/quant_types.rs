@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use common::{write_gguf, Meta};
+use common::{data, write_gguf, Meta};
 use gen::model::SeqStep;
 use half::f16;
 
@@ -32,22 +32,13 @@ const IQ4: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 
-/// Pseudo-random values in [-a, a).
-fn data(n: usize, seed: u64, a: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * a
-        })
-        .collect()
-}
-
 fn nearest_iq4(v: f32) -> u8 {
     (0..16)
-        .min_by(|&a, &b| (IQ4[a] as f32 - v).abs().total_cmp(&(IQ4[b] as f32 - v).abs()))
+        .min_by(|&a, &b| {
+            (IQ4[a] as f32 - v)
+                .abs()
+                .total_cmp(&(IQ4[b] as f32 - v).abs())
+        })
         .unwrap() as u8
 }
 
@@ -135,7 +126,11 @@ fn quantize(w: &[f32], rows: usize, cols: usize, ty: u32) -> (Vec<u8>, Vec<f32>)
 
 /// The model with its matrices in type `ty` (0: f32, given as the values `quantize` gave back
 /// for the same type), written to `path`; returns the widened matrices for the f32 twin.
-fn write_model(path: &Path, ty: u32, widened: Option<&[(String, Vec<f32>)]>) -> Vec<(String, Vec<f32>)> {
+fn write_model(
+    path: &Path,
+    ty: u32,
+    widened: Option<&[(String, Vec<f32>)]>,
+) -> Vec<(String, Vec<f32>)> {
     let mut tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)> = Vec::new();
     let mut values = Vec::new();
     let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
@@ -162,7 +157,12 @@ fn write_model(path: &Path, ty: u32, widened: Option<&[(String, Vec<f32>)]>) -> 
         }
     };
     let emb = data(VOCAB * D, 3, 1.0);
-    tensors.push(("token_embd.weight".into(), vec![D as u64, VOCAB as u64], 0, f32_bytes(&emb)));
+    tensors.push((
+        "token_embd.weight".into(),
+        vec![D as u64, VOCAB as u64],
+        0,
+        f32_bytes(&emb),
+    ));
     for l in 0..LAYERS {
         let p = format!("blk.{l}");
         vector(format!("{p}.attn_norm.weight"), D, 1.0, &mut tensors);
@@ -173,7 +173,12 @@ fn write_model(path: &Path, ty: u32, widened: Option<&[(String, Vec<f32>)]>) -> 
         matrix(format!("{p}.attn_q.weight"), HEADS * HD, D, &mut tensors);
         matrix(format!("{p}.attn_k.weight"), KV * HD, D, &mut tensors);
         matrix(format!("{p}.attn_v.weight"), KV * HD, D, &mut tensors);
-        matrix(format!("{p}.attn_output.weight"), D, HEADS * HD, &mut tensors);
+        matrix(
+            format!("{p}.attn_output.weight"),
+            D,
+            HEADS * HD,
+            &mut tensors,
+        );
         matrix(format!("{p}.ffn_gate.weight"), FF, D, &mut tensors);
         matrix(format!("{p}.ffn_up.weight"), FF, D, &mut tensors);
         matrix(format!("{p}.ffn_down.weight"), D, FF, &mut tensors);
@@ -260,24 +265,46 @@ fn every_type_runs_and_agrees_with_its_widened_twin() {
         assert!(scale > 1.0, "{name}: logits too flat to compare ({scale})");
         let mut same_pick = 0;
         for (step, (g, w)) in got.iter().zip(&want).enumerate() {
-            let diff = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let diff = g
+                .iter()
+                .zip(w)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
             assert!(
                 diff < 0.03 * scale,
                 "{name} step {step}: logits differ by {diff} (scale {scale})"
             );
             same_pick += (common::argmax(g) == common::argmax(w)) as usize;
         }
-        assert!(same_pick >= got.len() - 1, "{name}: greedy picks agree at {same_pick} of {} steps", got.len());
+        assert!(
+            same_pick >= got.len() - 1,
+            "{name}: greedy picks agree at {same_pick} of {} steps",
+            got.len()
+        );
         // Through the binary too: it loads and generates.
         let out = common::gen()
-            .args(["--prompt", "w5 w9 w17", "-n", "4", "-t", "0", "--ignore-eos", "--stats", "json"])
+            .args([
+                "--prompt",
+                "w5 w9 w17",
+                "-n",
+                "4",
+                "-t",
+                "0",
+                "--ignore-eos",
+                "--stats",
+                "json",
+            ])
             .arg("--model")
             .arg(&q)
             .arg("--tokenizer")
             .arg(&tok)
             .output()
             .unwrap();
-        assert!(out.status.success(), "{name}: {}", common::text(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            common::text(&out.stderr)
+        );
         let _ = std::fs::remove_file(&q);
         let _ = std::fs::remove_file(&f);
     }
@@ -305,7 +332,13 @@ fn a_type_gen_does_not_run_is_refused_in_one_line_naming_it() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let line = common::one_error_line(&out);
-    for want in ["blk.0.attn_q.weight", "IQ2_XXS", "gen does not run", "Q4_K", "IQ4_XS"] {
+    for want in [
+        "blk.0.attn_q.weight",
+        "IQ2_XXS",
+        "gen does not run",
+        "Q4_K",
+        "IQ4_XS",
+    ] {
         assert!(line.contains(want), "{want:?} not in {line}");
     }
     assert!(!line.to_lowercase().contains("candle"), "{line}");

@@ -78,6 +78,9 @@ struct Safetensors {
     family: &'static str,
 }
 
+/// A matrix gen reads itself: (ggml type, rows, columns, its GGUF blocks).
+pub type OwnMatrix = (u32, usize, usize, Vec<u8>);
+
 impl Checkpoint {
     /// Open a GGUF file: validate every count and size in it, then read its header.
     pub fn open_gguf(path: &Path) -> Result<Self> {
@@ -204,9 +207,9 @@ impl Checkpoint {
         })
     }
 
-    /// A matrix of a type gen reads itself: (ggml type, rows, columns, its GGUF blocks); None
+    /// A matrix of a type gen reads itself ([`OwnMatrix`]); None
     /// for any other tensor (read those with [`Self::tensor`]).
-    pub fn own_matrix(&self, name: &str) -> Result<Option<(u32, usize, usize, Vec<u8>)>> {
+    pub fn own_matrix(&self, name: &str) -> Result<Option<OwnMatrix>> {
         let Store::Gguf {
             content, file, own, ..
         } = &self.store

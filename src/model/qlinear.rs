@@ -233,15 +233,7 @@ mod tests {
     }
 
     fn kernels() -> Vec<Kernel> {
-        let mut k = vec![Kernel::Scalar];
-        #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            k.push(Kernel::Avx2);
-            if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
-                k.push(Kernel::Vnni);
-            }
-        }
-        k
+        crate::model::cpu::q8::test_kernels()
     }
 
     /// Every kernel against the plain f32 product of the dequantized weights, for ragged sizes

@@ -152,7 +152,11 @@ pub enum Meta {
 /// A GGUF (version 3) written byte by byte: `meta` in order, then each tensor (name, GGUF
 /// dimensions with the row width first, ggml type number, its bytes) at 32-byte alignment.
 /// Unlike candle's writer it takes any type's blocks, those candle cannot hold included.
-pub fn write_gguf(path: &std::path::Path, meta: &[(&str, Meta)], tensors: &[(String, Vec<u64>, u32, Vec<u8>)]) {
+pub fn write_gguf(
+    path: &std::path::Path,
+    meta: &[(&str, Meta)],
+    tensors: &[(String, Vec<u64>, u32, Vec<u8>)],
+) {
     fn string(out: &mut Vec<u8>, s: &str) {
         out.extend((s.len() as u64).to_le_bytes());
         out.extend(s.as_bytes());
@@ -195,4 +199,17 @@ pub fn write_gguf(path: &std::path::Path, meta: &[(&str, Meta)], tensors: &[(Str
         out.extend(bytes);
     }
     std::fs::write(path, out).unwrap();
+}
+
+/// Pseudo-random values in [-a, a).
+pub fn data(n: usize, seed: u64, a: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * a
+        })
+        .collect()
 }

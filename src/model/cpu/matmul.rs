@@ -20,15 +20,14 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::ops::SharedOut;
-use super::q8::{quantize_block, through_f16, PREFETCH_AHEAD};
 pub use super::q8::Kernel;
-use super::wide16::{self as half_kernels, Half, HalfTiles};
+use super::q8::{quantize_block, through_f16, PREFETCH_AHEAD};
 use super::quants::{self, QType};
+use super::wide16::{self as half_kernels, Half, HalfTiles};
 
 const QK: usize = 32;
 const Q4_1_BYTES: usize = 20;
 const Q8_0_BYTES: usize = 34;
-
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum WeightType {
@@ -82,7 +81,9 @@ impl Blocks {
         let (block_bytes, header, per_block) = match ty {
             WeightType::Q4_1 => (Q4_1_BYTES, 4, 16),
             WeightType::Q8_0 => (Q8_0_BYTES, 2, 32),
-            WeightType::Quant(_) | WeightType::Half(_) => unreachable!("these types have their own tiles"),
+            WeightType::Quant(_) | WeightType::Half(_) => {
+                unreachable!("these types have their own tiles")
+            }
         };
         let n = raw.len() / block_bytes;
         let mut b = Blocks {
@@ -253,7 +254,9 @@ impl CpuQWeight {
                                 *o = match self.ty {
                                     WeightType::Q4_1 => dot_q4_1_q8_1_scalar(w, act.row(tt)),
                                     WeightType::Q8_0 => dot_q8_0_q8_0_scalar(w, act.row(tt)),
-                                    WeightType::Quant(_) | WeightType::Half(_) => unreachable!("own tiles"),
+                                    WeightType::Quant(_) | WeightType::Half(_) => {
+                                        unreachable!("own tiles")
+                                    }
                                 };
                             }
                         }
@@ -272,11 +275,19 @@ impl CpuQWeight {
             Layout::Tiles(tiles) => {
                 let act = ActTiles::quantize(x, k, t, with_sums, self.kernel);
                 let per_call = self.tokens_per_tile();
-                schedule(t, k, widths, tiles.groups, act.chunks, per_call, |g, token, n, out, stride, real| {
-                    // SAFETY: as `schedule` promises for out; tiles and activations hold the
-                    // same block count.
-                    unsafe { self.tile_dot(tiles.tile(g), &act, token, n, out, stride, real) }
-                })
+                schedule(
+                    t,
+                    k,
+                    widths,
+                    tiles.groups,
+                    act.chunks,
+                    per_call,
+                    |g, token, n, out, stride, real| {
+                        // SAFETY: as `schedule` promises for out; tiles and activations hold the
+                        // same block count.
+                        unsafe { self.tile_dot(tiles.tile(g), &act, token, n, out, stride, real) }
+                    },
+                )
             }
             Layout::Quant(tiles) => {
                 let spec = tiles.ty.spec();
@@ -284,21 +295,62 @@ impl CpuQWeight {
                 let act = quants::Acts::quantize(x, k, t, spec.act, self.kernel, centre);
                 let per_call = self.tokens_per_tile();
                 let stream = act.chunks <= STREAM_CHUNKS;
-                schedule(t, k, widths, tiles.groups, act.chunks, per_call, |g, token, n, out, stride, real| {
-                    // SAFETY: as `schedule` promises for out; tiles and activations hold the
-                    // same block count.
-                    unsafe { quant_dot(tiles.ty, self.kernel, tiles.tile(g), act.chunk(token), n, out, stride, real, stream) }
-                })
+                schedule(
+                    t,
+                    k,
+                    widths,
+                    tiles.groups,
+                    act.chunks,
+                    per_call,
+                    |g, token, n, out, stride, real| {
+                        // SAFETY: as `schedule` promises for out; tiles and activations hold the
+                        // same block count.
+                        unsafe {
+                            quant_dot(
+                                tiles.ty,
+                                self.kernel,
+                                tiles.tile(g),
+                                act.chunk(token),
+                                n,
+                                out,
+                                stride,
+                                real,
+                                stream,
+                            )
+                        }
+                    },
+                )
             }
             Layout::Half(tiles) => {
                 let per_call = self.tokens_per_tile();
                 let chunks = t.div_ceil(TOKENS);
                 let stream = chunks <= STREAM_CHUNKS;
                 let xs = SharedIn(x.as_ptr());
-                schedule(t, k, widths, tiles.groups, chunks, per_call, |g, token, n, out, stride, real| {
-                    // SAFETY: tokens token..token + n are rows of x; `schedule` promises out.
-                    unsafe { half_dot(tiles.ty, self.kernel, tiles.tile(g), xs.at(token * k), k, n, out, stride, real, stream) }
-                })
+                schedule(
+                    t,
+                    k,
+                    widths,
+                    tiles.groups,
+                    chunks,
+                    per_call,
+                    |g, token, n, out, stride, real| {
+                        // SAFETY: tokens token..token + n are rows of x; `schedule` promises out.
+                        unsafe {
+                            half_dot(
+                                tiles.ty,
+                                self.kernel,
+                                tiles.tile(g),
+                                xs.at(token * k),
+                                k,
+                                n,
+                                out,
+                                stride,
+                                real,
+                                stream,
+                            )
+                        }
+                    },
+                )
             }
         }
     }
@@ -551,7 +603,6 @@ unsafe fn quant_dot(
     }
 }
 
-
 /// Calls with activations of at most this many chunks (of 8 tokens) prefetch weights.
 const STREAM_CHUNKS: usize = 4;
 
@@ -622,7 +673,9 @@ impl ActTiles {
                         let (d, sum) = match kernel {
                             // SAFETY: a SIMD kernel is only chosen on CPUs with AVX2.
                             #[cfg(target_arch = "x86_64")]
-                            Kernel::Avx2 | Kernel::Vnni => unsafe { super::q8::x86_quantize_block(blk, q) },
+                            Kernel::Avx2 | Kernel::Vnni => unsafe {
+                                super::q8::x86_quantize_block(blk, q)
+                            },
                             _ => quantize_block(blk, q),
                         };
                         scale[at] = through_f16(d);
@@ -722,7 +775,7 @@ impl CpuQWeight {
                 None => return Ok(None),
             },
         };
-        if cols % block_values != 0 {
+        if !cols.is_multiple_of(block_values) {
             bail!("a weight's width {cols} is not a multiple of the block size {block_values}");
         }
         if matches!(ty, WeightType::Half(_)) && cols % 2 == 1 {
@@ -837,8 +890,6 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
 }
 
-
-
 /// Rows of K values into Q8_1 blocks (`with_sums`: s = d * sum(q) computed in f32, then rounded
 /// to f16 once, as llama.cpp does) or Q8_0 blocks, for the scalar kernels. d is kept at f16
 /// precision.
@@ -860,7 +911,6 @@ fn quantize_rows(x: &[f32], k: usize, with_sums: bool) -> Blocks {
     }
     b
 }
-
 
 /// Q4_1 weights against Q8_1 activations: sum over blocks of d_w*d_a*sum(q_w*q_a) + m_w*s_a.
 fn dot_q4_1_q8_1_scalar(w: Row<'_>, a: Row<'_>) -> f32 {
@@ -899,6 +949,7 @@ macro_rules! x86_kernels {
     ($name:ident, $features:literal, $dot_u4:ident, $prep_i8:ident, $dot_i8:ident, $bias:expr) => {
         pub mod $name {
             use super::super::{ActChunk, Tile};
+            use crate::model::cpu::q8::simd::{prefetch, store, widen};
             use std::arch::x86_64::*;
 
             /// N tokens' activations (Q8_1) against a tile of 8 Q4_1 rows, written to
@@ -1030,80 +1081,23 @@ macro_rules! x86_kernels {
                 }
                 store(&acc, out, stride, real);
             }
-
-            /// Ask for the cache line holding `at` (a hint: it never faults, wherever `at`
-            /// points).
-            #[inline]
-            #[target_feature(enable = $features)]
-            unsafe fn prefetch<T>(at: *const T) {
-                _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
-            }
-
-            /// 8 f16 values (bits) at `at` as 8 f32 lanes.
-            #[inline]
-            #[target_feature(enable = $features)]
-            unsafe fn widen(at: *const u16) -> __m256 {
-                _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i))
-            }
-
-            /// Token i's 8 sums to out + i * stride, the first `real` of them.
-            #[inline]
-            #[target_feature(enable = $features)]
-            unsafe fn store<const N: usize>(
-                acc: &[__m256; N],
-                out: *mut f32,
-                stride: usize,
-                real: usize,
-            ) {
-                if real == 8 {
-                    for (i, acc) in acc.iter().enumerate() {
-                        _mm256_storeu_ps(out.add(i * stride), *acc);
-                    }
-                } else {
-                    let mut buf = [0f32; 8];
-                    for (i, acc) in acc.iter().enumerate() {
-                        _mm256_storeu_ps(buf.as_mut_ptr(), *acc);
-                        std::ptr::copy_nonoverlapping(buf.as_ptr(), out.add(i * stride), real);
-                    }
-                }
-            }
         }
     };
 }
 
-
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use crate::model::cpu::q8::simd::{
+        dot_s_avx2 as dot_i8_avx2, dot_u_avx2 as dot_u4_avx2, dot_u_vnni as dot_i8_vnni,
+        dot_u_vnni as dot_u4_vnni,
+    };
     use std::arch::x86_64::*;
-
-    /// acc + per lane, sum over 4 bytes of u8 * i8 (the u8 below 16, so the i16 pairs of
-    /// maddubs cannot saturate).
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn dot_u4_avx2(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
-        let pairs = _mm256_maddubs_epi16(u, s);
-        _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
-    }
-
-    /// The same in one VNNI instruction.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
-    unsafe fn dot_u4_vnni(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
-        _mm256_dpbusd_epi32(acc, u, s)
-    }
 
     /// AVX2 multiplies signed bytes through maddubs by moving w's sign onto a: |w| * ±a.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn keep_i8(w: __m256i) -> __m256i {
         w
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn dot_i8_avx2(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
-        let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
-        _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
     }
 
     /// VNNI takes w + 128 as unsigned bytes (flipping the top bit) and the kernel subtracts
@@ -1113,13 +1107,6 @@ mod x86 {
     unsafe fn bias_i8(w: __m256i) -> __m256i {
         _mm256_xor_si256(w, _mm256_set1_epi8(-128))
     }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
-    unsafe fn dot_i8_vnni(acc: __m256i, w_biased: __m256i, a: __m256i) -> __m256i {
-        _mm256_dpbusd_epi32(acc, w_biased, a)
-    }
-
 
     x86_kernels!(avx2, "avx2,fma,f16c", dot_u4_avx2, keep_i8, dot_i8_avx2, 0);
     x86_kernels!(
@@ -1148,7 +1135,6 @@ pub(crate) fn test_data(n: usize, seed: u64) -> Vec<f32> {
 
 #[cfg(test)]
 mod tests {
-    use super::test_data as data;
     use super::*;
 
     #[test]

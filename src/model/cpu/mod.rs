@@ -11,14 +11,14 @@
 //! projection, and the residual add fused with the next layer's attention norm.
 
 pub mod attention;
-pub mod wide16;
 pub mod kv_store;
 pub mod matmul;
+pub mod ops;
 pub mod q8;
 pub mod quants;
 #[cfg(target_arch = "x86_64")]
 mod quants_x86;
-pub mod ops;
+pub mod wide16;
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};

@@ -30,7 +30,11 @@ pub fn gelu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 
 fn gated_mul(gate: &Tensor, up: &Tensor, gelu: bool) -> Result<Tensor> {
     if gate.dims() != up.dims() {
-        bail!("gated activation: shapes {:?} and {:?}", gate.dims(), up.dims());
+        bail!(
+            "gated activation: shapes {:?} and {:?}",
+            gate.dims(),
+            up.dims()
+        );
     }
     let simd = simd_available();
     let out = with_f32(gate, |g| {
@@ -440,7 +444,10 @@ pub(crate) mod x86 {
         let n = o.len().min(g.len()).min(u.len());
         let sign = _mm256_set1_ps(-0.0);
         let one = _mm256_set1_ps(1.0);
-        let (c1, c3) = (_mm256_set1_ps(2.0 * 0.797_884_6), _mm256_set1_ps(2.0 * 0.797_884_6 * 0.044715));
+        let (c1, c3) = (
+            _mm256_set1_ps(2.0 * 0.797_884_6),
+            _mm256_set1_ps(2.0 * 0.797_884_6 * 0.044715),
+        );
         let mut i = 0;
         while i + 8 <= n {
             let x = _mm256_loadu_ps(g.as_ptr().add(i));
@@ -597,21 +604,46 @@ mod tests {
     fn gelu_mul_matches_candle_and_the_formula() {
         let g: Vec<f32> = (-2000..2000)
             .map(|i| i as f32 * 0.01)
-            .chain([-1e30, -200.0, -88.0, -10.0, 10.0, 87.5, 200.0, 1e30, 0.0, -0.0])
+            .chain([
+                -1e30, -200.0, -88.0, -10.0, 10.0, 87.5, 200.0, 1e30, 0.0, -0.0,
+            ])
             .collect();
         let u: Vec<f32> = (0..g.len()).map(|i| 1.0 + (i % 7) as f32 * 0.25).collect();
         let gt = Tensor::from_vec(g.clone(), g.len(), &Device::Cpu).unwrap();
         let ut = Tensor::from_vec(u.clone(), u.len(), &Device::Cpu).unwrap();
         let got = gelu_mul(&gt, &ut).unwrap().to_vec1::<f32>().unwrap();
-        let candle = (gt.gelu().unwrap() * &ut).unwrap().to_vec1::<f32>().unwrap();
+        let candle = (gt.gelu().unwrap() * &ut)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
         for i in 0..g.len() {
             let x = g[i] as f64;
-            let want = 0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh()) * u[i] as f64;
+            let want = 0.5
+                * x
+                * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh())
+                * u[i] as f64;
             let tol = 2e-6 * want.abs() + 1e-6 * u[i] as f64;
-            assert!(got[i].is_finite() || !want.is_finite(), "gelu({}) = {}", g[i], got[i]);
+            assert!(
+                got[i].is_finite() || !want.is_finite(),
+                "gelu({}) = {}",
+                g[i],
+                got[i]
+            );
             if want.is_finite() && x.abs() < 1e6 {
-                assert!((got[i] as f64 - want).abs() <= tol, "gelu({}) * {}: {} vs {want}", g[i], u[i], got[i]);
-                assert!((got[i] - candle[i]).abs() as f64 <= tol + 2e-6 * (candle[i].abs() as f64), "gelu({}): {} vs candle {}", g[i], got[i], candle[i]);
+                assert!(
+                    (got[i] as f64 - want).abs() <= tol,
+                    "gelu({}) * {}: {} vs {want}",
+                    g[i],
+                    u[i],
+                    got[i]
+                );
+                assert!(
+                    (got[i] - candle[i]).abs() as f64 <= tol + 2e-6 * (candle[i].abs() as f64),
+                    "gelu({}): {} vs candle {}",
+                    g[i],
+                    got[i],
+                    candle[i]
+                );
             }
         }
     }

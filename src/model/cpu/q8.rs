@@ -135,6 +135,94 @@ pub unsafe fn x86_quantize_block(blk: &[f32], q: &mut [u8]) -> (f32, i32) {
     (d, _mm_cvtsi128_si32(s))
 }
 
+/// Small steps every x86 matrix kernel takes; inlined into each (their features are a subset
+/// of every kernel's).
+///
+/// # Safety
+/// Each needs the CPU features it enables, and pointers valid for the reads or writes it
+/// makes (`store`: `real` floats at out + i * stride for each of the N tokens).
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::missing_safety_doc)]
+pub mod simd {
+    use std::arch::x86_64::*;
+
+    /// acc + per lane, sum over 4 bytes of u8 * i8 (the u8 below 64, so maddubs cannot saturate).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_u_avx2(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        let pairs = _mm256_maddubs_epi16(u, s);
+        _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+    pub unsafe fn dot_u_vnni(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(acc, u, s)
+    }
+
+    /// Signed codes times signed bytes on AVX2: |w| * (a with w's sign).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_s_avx2(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
+        let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+        _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+    }
+
+    /// Ask for the cache line holding `at` (a hint: it never faults, wherever `at`
+    /// points).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn prefetch<T>(at: *const T) {
+        _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
+    }
+
+    /// 8 f16 values (bits) at `at` as 8 f32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn widen(at: *const u16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i))
+    }
+
+    /// Token i's 8 sums to out + i * stride, the first `real` of them.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn store<const N: usize>(
+        acc: &[__m256; N],
+        out: *mut f32,
+        stride: usize,
+        real: usize,
+    ) {
+        if real == 8 {
+            for (i, acc) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.add(i * stride), *acc);
+            }
+        } else {
+            let mut buf = [0f32; 8];
+            for (i, acc) in acc.iter().enumerate() {
+                _mm256_storeu_ps(buf.as_mut_ptr(), *acc);
+                std::ptr::copy_nonoverlapping(buf.as_ptr(), out.add(i * stride), real);
+            }
+        }
+    }
+}
+
+/// (Tests.) Every kernel this CPU runs, the portable one first.
+#[cfg(test)]
+pub(crate) fn test_kernels() -> Vec<Kernel> {
+    let mut k = vec![Kernel::Scalar];
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+    {
+        k.push(Kernel::Avx2);
+        if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
+            k.push(Kernel::Vnni);
+        }
+    }
+    k
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -165,16 +165,126 @@ const fn s(
 
 pub const fn spec_of(t: u8) -> Spec {
     match t {
-        0 => s(Bits::Four, 1, false, false, 8, Min::None, Act::Q8_0, 18, 2, "Q4_0"),
-        1 => s(Bits::Five, 1, false, false, 16, Min::None, Act::Q8_0, 22, 6, "Q5_0"),
-        2 => s(Bits::Five, 1, false, false, 0, Min::Own, Act::Q8_1, 24, 7, "Q5_1"),
-        3 => s(Bits::Two, 8, true, true, 0, Min::Packed, Act::Q8K, 84, 10, "Q2_K"),
-        4 => s(Bits::Three, 8, true, true, 4, Min::None, Act::Q8K, 110, 11, "Q3_K"),
-        5 => s(Bits::Four, 8, false, true, 0, Min::Sub, Act::Q8K, 144, 12, "Q4_K"),
-        6 => s(Bits::Five, 8, false, true, 0, Min::Sub, Act::Q8K, 176, 13, "Q5_K"),
-        7 => s(Bits::Six, 8, true, true, 32, Min::None, Act::Q8K, 210, 14, "Q6_K"),
-        8 => s(Bits::Lut, 1, false, false, 0, Min::None, Act::Q8_0, 18, 20, "IQ4_NL"),
-        _ => s(Bits::Lut, 8, false, true, 0, Min::None, Act::Q8K, 136, 23, "IQ4_XS"),
+        0 => s(
+            Bits::Four,
+            1,
+            false,
+            false,
+            8,
+            Min::None,
+            Act::Q8_0,
+            18,
+            2,
+            "Q4_0",
+        ),
+        1 => s(
+            Bits::Five,
+            1,
+            false,
+            false,
+            16,
+            Min::None,
+            Act::Q8_0,
+            22,
+            6,
+            "Q5_0",
+        ),
+        2 => s(
+            Bits::Five,
+            1,
+            false,
+            false,
+            0,
+            Min::Own,
+            Act::Q8_1,
+            24,
+            7,
+            "Q5_1",
+        ),
+        3 => s(
+            Bits::Two,
+            8,
+            true,
+            true,
+            0,
+            Min::Packed,
+            Act::Q8K,
+            84,
+            10,
+            "Q2_K",
+        ),
+        4 => s(
+            Bits::Three,
+            8,
+            true,
+            true,
+            4,
+            Min::None,
+            Act::Q8K,
+            110,
+            11,
+            "Q3_K",
+        ),
+        5 => s(
+            Bits::Four,
+            8,
+            false,
+            true,
+            0,
+            Min::Sub,
+            Act::Q8K,
+            144,
+            12,
+            "Q4_K",
+        ),
+        6 => s(
+            Bits::Five,
+            8,
+            false,
+            true,
+            0,
+            Min::Sub,
+            Act::Q8K,
+            176,
+            13,
+            "Q5_K",
+        ),
+        7 => s(
+            Bits::Six,
+            8,
+            true,
+            true,
+            32,
+            Min::None,
+            Act::Q8K,
+            210,
+            14,
+            "Q6_K",
+        ),
+        8 => s(
+            Bits::Lut,
+            1,
+            false,
+            false,
+            0,
+            Min::None,
+            Act::Q8_0,
+            18,
+            20,
+            "IQ4_NL",
+        ),
+        _ => s(
+            Bits::Lut,
+            8,
+            false,
+            true,
+            0,
+            Min::None,
+            Act::Q8K,
+            136,
+            23,
+            "IQ4_XS",
+        ),
     }
 }
 
@@ -234,7 +344,9 @@ impl Spec {
     /// Where block b starts in its tile (its planes).
     #[inline(always)]
     pub const fn block_at(&self, b: usize) -> usize {
-        (b / self.per_super) * self.sb_bytes() + self.hdr_bytes() + (b % self.per_super) * self.blk_bytes()
+        (b / self.per_super) * self.sb_bytes()
+            + self.hdr_bytes()
+            + (b % self.per_super) * self.blk_bytes()
     }
 }
 
@@ -305,7 +417,11 @@ fn decode(ty: QType, raw: &[u8], out: &mut [Canon]) -> (u16, u16) {
             for (j, v) in out[0].v.iter_mut().enumerate() {
                 *v |= (((qh >> j) & 1) << 4) as u8;
             }
-            let m = if ty == QType::Q5_1 { f16_bits(raw, 2) } else { 0 };
+            let m = if ty == QType::Q5_1 {
+                f16_bits(raw, 2)
+            } else {
+                0
+            };
             (f16_bits(raw, 0), m)
         }
         QType::Q2K => {
@@ -370,7 +486,8 @@ fn decode(ty: QType, raw: &[u8], out: &mut [Canon]) -> (u16, u16) {
             let (sl, qs) = (&raw[4..8], &raw[8..136]);
             for (j, c) in out.iter_mut().enumerate() {
                 nib(&qs[j * 16..j * 16 + 16], &mut c.v);
-                let ls = ((sl[j / 2] >> (4 * (j % 2))) & 0xF) | ((((sh >> (2 * j)) & 3) as u8) << 4);
+                let ls =
+                    ((sl[j / 2] >> (4 * (j % 2))) & 0xF) | ((((sh >> (2 * j)) & 3) as u8) << 4);
                 let s = (ls as i8 - 32) as u8;
                 c.sc = [s, s];
             }
@@ -728,7 +845,13 @@ fn quantize_token(
                     df * sum as f32
                 };
                 let (lo, hi) = halves(&q);
-                put(b, &q, df, [lo, hi, sum], [df * lo as f32, df * hi as f32, whole]);
+                put(
+                    b,
+                    &q,
+                    df,
+                    [lo, hi, sum],
+                    [df * lo as f32, df * hi as f32, whole],
+                );
             }
         }
         Act::Q8K => {
@@ -844,13 +967,16 @@ pub fn random_blocks(ty: QType, rows: usize, cols: usize, seed: u64) -> Vec<u8> 
     for blk in raw.chunks_exact_mut(spec.block_bytes) {
         for &at in scale_at {
             let v = ((next() % 1000) as f32 / 1000.0 + 0.05) * 0.02;
-            let v = if ty == QType::Q5_1 && at == 2 { -v * 8.0 } else { v };
+            let v = if ty == QType::Q5_1 && at == 2 {
+                -v * 8.0
+            } else {
+                v
+            };
             blk[at..at + 2].copy_from_slice(&f16::from_f32(v).to_bits().to_le_bytes());
         }
     }
     raw
 }
-
 
 #[cfg(test)]
 pub(crate) mod tests {
@@ -1042,21 +1168,6 @@ pub(crate) mod tests {
         }
     }
 
-    fn kernels() -> Vec<Kernel> {
-        let mut k = vec![Kernel::Scalar];
-        #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
-        {
-            k.push(Kernel::Avx2);
-            if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
-                k.push(Kernel::Vnni);
-            }
-        }
-        k
-    }
-
     /// Every type, every kernel, against the f32 product of ggml's own dequantization, on
     /// ragged row counts (not multiples of 8) and 1 to 17 tokens. Tolerance, per output: what
     /// quantizing the activations to 8 bits can move it, sum |w_i| * 0.6 * d_a(i) (half a step,
@@ -1070,7 +1181,12 @@ pub(crate) mod tests {
         for ty in QType::ALL {
             let spec = ty.spec();
             let sb = spec.per_super * QK;
-            for &(t, n, k) in &[(1, 13, sb), (3, 37, 2 * sb), (17, 9, 3 * sb), (8, 24, 2 * sb)] {
+            for &(t, n, k) in &[
+                (1, 13, sb),
+                (3, 37, 2 * sb),
+                (17, 9, 3 * sb),
+                (8, 24, 2 * sb),
+            ] {
                 let raw = random_blocks(ty, n, k, (n * 31 + k) as u64);
                 let row_bytes = k / sb * spec.block_bytes;
                 let w: Vec<f32> = raw
@@ -1089,7 +1205,7 @@ pub(crate) mod tests {
                     })
                     .collect();
                 let mut outs: Vec<Vec<f32>> = Vec::new();
-                for kernel in kernels() {
+                for kernel in crate::model::cpu::q8::test_kernels() {
                     let lin = CpuQWeight::from_raw(spec.ggml, &raw, n, k, kernel)
                         .unwrap()
                         .expect("a type gen runs");
@@ -1115,7 +1231,11 @@ pub(crate) mod tests {
                     // Alone or with the others: the same bits.
                     for i in [0, t - 1] {
                         let alone = lin.matmul(&x[i * k..(i + 1) * k], 1);
-                        assert_eq!(&got[i * n..(i + 1) * n], &alone[..], "{ty:?} {kernel:?} token {i}");
+                        assert_eq!(
+                            &got[i * n..(i + 1) * n],
+                            &alone[..],
+                            "{ty:?} {kernel:?} token {i}"
+                        );
                     }
                     outs.push(got);
                 }

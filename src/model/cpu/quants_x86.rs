@@ -5,34 +5,13 @@
 
 #![cfg(target_arch = "x86_64")]
 
-use std::arch::x86_64::*;
-
-/// acc + per lane, sum over 4 bytes of u8 * i8 (the u8 below 64, so maddubs cannot saturate).
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot_u_avx2(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
-    let pairs = _mm256_maddubs_epi16(u, s);
-    _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
-unsafe fn dot_u_vnni(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
-    _mm256_dpbusd_epi32(acc, u, s)
-}
-
-/// Signed codes times signed bytes on AVX2: |w| * (a with w's sign).
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot_s_avx2(acc: __m256i, w: __m256i, a: __m256i) -> __m256i {
-    let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
-    _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
-}
+use crate::model::cpu::q8::simd::{dot_s_avx2, dot_u_avx2, dot_u_vnni};
 
 macro_rules! quant_kernels {
     ($name:ident, $features:literal, $dot_u:ident, $dot_lut:ident, $lut_xor:expr, $lut_bias:expr) => {
         pub mod $name {
             use super::super::quants::{spec_of, ActChunk, Bits, Min, Tile, IQ4_VALUES, TOKENS};
+            use crate::model::cpu::q8::simd::{prefetch, store, widen};
             use std::arch::x86_64::*;
 
             /// N tokens' activations against a tile of 8 rows of type TY (a `QType` as u8),
@@ -98,7 +77,10 @@ macro_rules! quant_kernels {
                         let (sc, mn) = match spec.min {
                             Min::Packed => (
                                 _mm256_cvtepu8_epi32(_mm_and_si128(raw, _mm_set1_epi8(0x0F))),
-                                _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F))),
+                                _mm256_cvtepu8_epi32(_mm_and_si128(
+                                    _mm_srli_epi16(raw, 4),
+                                    _mm_set1_epi8(0x0F),
+                                )),
                             ),
                             Min::Sub => (
                                 _mm256_cvtepi8_epi32(raw),
@@ -165,7 +147,6 @@ macro_rules! quant_kernels {
                 store(&acc, out, stride, real);
             }
 
-
             /// The 8 registers of block codes at `base`: register c holds codes 4c..4c+4 of
             /// each of the 8 rows (IQ4: their table values, biased on VNNI).
             #[inline]
@@ -196,7 +177,11 @@ macro_rules! quant_kernels {
                 match spec.bits {
                     Bits::Five | Bits::Three => {
                         // Bit c of each byte is register c's extra bit, moved to `to`.
-                        let (at, to) = if spec.bits == Bits::Five { (128, 4) } else { (64, 2) };
+                        let (at, to) = if spec.bits == Bits::Five {
+                            (128, 4)
+                        } else {
+                            (64, 2)
+                        };
                         let h = _mm256_loadu_si256(base.add(at) as *const __m256i);
                         let keep = _mm256_set1_epi8((1i32 << to) as i8);
                         for c in 0..8i32 {
@@ -205,7 +190,8 @@ macro_rules! quant_kernels {
                             } else {
                                 _mm256_srl_epi16(h, _mm_cvtsi32_si128(c - to))
                             };
-                            wv[c as usize] = _mm256_or_si256(wv[c as usize], _mm256_and_si256(moved, keep));
+                            wv[c as usize] =
+                                _mm256_or_si256(wv[c as usize], _mm256_and_si256(moved, keep));
                         }
                     }
                     Bits::Six => {
@@ -232,39 +218,6 @@ macro_rules! quant_kernels {
                     _ => {}
                 }
                 wv
-            }
-
-            #[inline]
-            #[target_feature(enable = $features)]
-            unsafe fn prefetch<T>(at: *const T) {
-                _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
-            }
-
-            #[inline]
-            #[target_feature(enable = $features)]
-            unsafe fn widen(at: *const u16) -> __m256 {
-                _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i))
-            }
-
-            #[inline]
-            #[target_feature(enable = $features)]
-            unsafe fn store<const N: usize>(
-                acc: &[__m256; N],
-                out: *mut f32,
-                stride: usize,
-                real: usize,
-            ) {
-                if real == 8 {
-                    for (i, acc) in acc.iter().enumerate() {
-                        _mm256_storeu_ps(out.add(i * stride), *acc);
-                    }
-                } else {
-                    let mut buf = [0f32; 8];
-                    for (i, acc) in acc.iter().enumerate() {
-                        _mm256_storeu_ps(buf.as_mut_ptr(), *acc);
-                        std::ptr::copy_nonoverlapping(buf.as_ptr(), out.add(i * stride), real);
-                    }
-                }
             }
         }
     };

@@ -33,14 +33,16 @@ impl HalfTiles {
         use rayon::prelude::*;
         let groups = rows.div_ceil(8);
         let mut bits = vec![0u16; groups * cols * 8];
-        bits.par_chunks_mut(cols * 8).enumerate().for_each(|(g, out)| {
-            for r in 0..8.min(rows - g * 8) {
-                let row = &raw[(g * 8 + r) * cols * 2..(g * 8 + r + 1) * cols * 2];
-                for (c, v) in row.chunks_exact(2).enumerate() {
-                    out[c * 8 + r] = u16::from_le_bytes([v[0], v[1]]);
+        bits.par_chunks_mut(cols * 8)
+            .enumerate()
+            .for_each(|(g, out)| {
+                for r in 0..8.min(rows - g * 8) {
+                    let row = &raw[(g * 8 + r) * cols * 2..(g * 8 + r + 1) * cols * 2];
+                    for (c, v) in row.chunks_exact(2).enumerate() {
+                        out[c * 8 + r] = u16::from_le_bytes([v[0], v[1]]);
+                    }
                 }
-            }
-        });
+            });
         HalfTiles {
             ty,
             bits,
@@ -74,6 +76,7 @@ pub fn widen(ty: Half, b: u16) -> f32 {
 ///
 /// # Safety
 /// `x` holds n rows of k values; `out` is valid for those writes.
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn scalar_tile(
     ty: Half,
     w: &[u16],
@@ -102,7 +105,7 @@ pub unsafe fn scalar_tile(
 macro_rules! half_kernels {
     ($name:ident, $features:literal) => {
         pub mod $name {
-            use super::Half;
+            use crate::model::cpu::q8::simd::store;
             use std::arch::x86_64::*;
 
             /// N tokens at x (rows of k values) against one group of 8 rows, as
@@ -148,18 +151,7 @@ macro_rules! half_kernels {
                 for i in 0..N {
                     acc[i] = _mm256_add_ps(acc[i], odd[i]);
                 }
-                if real == 8 {
-                    for (i, a) in acc.iter().enumerate() {
-                        _mm256_storeu_ps(out.add(i * stride), *a);
-                    }
-                } else {
-                    let mut buf = [0f32; 8];
-                    for (i, a) in acc.iter().enumerate() {
-                        _mm256_storeu_ps(buf.as_mut_ptr(), *a);
-                        std::ptr::copy_nonoverlapping(buf.as_ptr(), out.add(i * stride), real);
-                    }
-                }
-                let _ = Half::F16;
+                store(&acc, out, stride, real);
             }
         }
     };
@@ -173,20 +165,13 @@ half_kernels!(vnni, "avx2,fma,f16c,avx512f,avx512vl");
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::cpu::matmul::{test_data, CpuQWeight, Kernel};
+    use crate::model::cpu::matmul::{test_data, CpuQWeight};
 
     /// Every kernel against f64 sums of the widened weights, ragged rows, 1 to 17 tokens; SIMD
     /// and scalar within float rounding; a token alone or with others: the same bits.
     #[test]
     fn half_kernels_match_the_widened_product() {
-        let mut kernels = vec![Kernel::Scalar];
-        #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
-            kernels.push(Kernel::Avx2);
-            if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
-                kernels.push(Kernel::Vnni);
-            }
-        }
+        let kernels = crate::model::cpu::q8::test_kernels();
         for (ty, id) in [(Half::F16, 1u32), (Half::Bf16, 30)] {
             for &(t, n, k) in &[(1, 13, 64), (3, 37, 96), (17, 9, 160), (8, 24, 32)] {
                 let w = test_data(n * k, 3 + n as u64);
@@ -197,21 +182,37 @@ mod tests {
                         Half::Bf16 => bf16::from_f32(v).to_bits().to_le_bytes(),
                     })
                     .collect();
-                let wide: Vec<f32> = raw.chunks_exact(2).map(|b| widen(ty, u16::from_le_bytes([b[0], b[1]]))).collect();
+                let wide: Vec<f32> = raw
+                    .chunks_exact(2)
+                    .map(|b| widen(ty, u16::from_le_bytes([b[0], b[1]])))
+                    .collect();
                 let x = test_data(t * k, 9 + t as u64);
                 let mut outs = Vec::new();
                 for &kernel in &kernels {
-                    let lin = CpuQWeight::from_raw(id, &raw, n, k, kernel).unwrap().unwrap();
+                    let lin = CpuQWeight::from_raw(id, &raw, n, k, kernel)
+                        .unwrap()
+                        .unwrap();
                     let got = lin.matmul(&x, t);
                     for i in 0..t {
                         for j in 0..n {
-                            let want: f64 = (0..k).map(|c| x[i * k + c] as f64 * wide[j * k + c] as f64).sum();
-                            let l1: f64 = (0..k).map(|c| (x[i * k + c] * wide[j * k + c]).abs() as f64).sum();
+                            let want: f64 = (0..k)
+                                .map(|c| x[i * k + c] as f64 * wide[j * k + c] as f64)
+                                .sum();
+                            let l1: f64 = (0..k)
+                                .map(|c| (x[i * k + c] * wide[j * k + c]).abs() as f64)
+                                .sum();
                             let g = got[i * n + j] as f64;
-                            assert!((g - want).abs() <= 1e-5 * l1 + 1e-6, "{ty:?} {kernel:?} [{i},{j}]: {g} vs {want}");
+                            assert!(
+                                (g - want).abs() <= 1e-5 * l1 + 1e-6,
+                                "{ty:?} {kernel:?} [{i},{j}]: {g} vs {want}"
+                            );
                         }
                         let alone = lin.matmul(&x[i * k..(i + 1) * k], 1);
-                        assert_eq!(&got[i * n..(i + 1) * n], &alone[..], "{ty:?} {kernel:?} token {i}");
+                        assert_eq!(
+                            &got[i * n..(i + 1) * n],
+                            &alone[..],
+                            "{ty:?} {kernel:?} token {i}"
+                        );
                     }
                     outs.push(got);
                 }
