@@ -384,6 +384,44 @@ mod tests {
         }
     }
 
+    /// Rows widened from our layouts are candle's dequantization, bit for bit, for every type
+    /// candle holds and every kernel's layout: what lets a tied embedding be read from the
+    /// output layer's tiles instead of a second copy.
+    #[test]
+    fn rows_dequantize_exactly_as_candle_does() {
+        let (n, k) = (19, 512);
+        let w = Tensor::from_vec(data(n * k, 21), (n, k), &Device::Cpu).unwrap();
+        for dtype in [
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q5_0,
+            GgmlDType::Q5_1,
+            GgmlDType::Q8_0,
+            GgmlDType::Q2K,
+            GgmlDType::Q3K,
+            GgmlDType::Q4K,
+            GgmlDType::Q5K,
+            GgmlDType::Q6K,
+            GgmlDType::F16,
+            GgmlDType::BF16,
+        ] {
+            let q = QTensor::quantize(&w, dtype).unwrap();
+            let want = q
+                .dequantize(&Device::Cpu)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            for kernel in kernels() {
+                let ours = CpuQWeight::from_qtensor(&q, kernel).unwrap().unwrap();
+                let mut row = vec![0f32; k];
+                for (r, want) in want.iter().enumerate() {
+                    ours.dequantize_row(r, &mut row);
+                    assert_eq!(&row, want, "{dtype:?} {kernel:?} row {r}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn three_d_inputs_and_zero_rows_work() {
         let (n, k) = (8, 64);

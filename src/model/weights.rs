@@ -31,7 +31,7 @@ pub struct Layer {
 }
 
 pub struct Weights {
-    pub embedding: QTensor, // (V, d)
+    pub embedding: Embedding,
     pub layers: Vec<Layer>,
     pub out_norm: Tensor, // (d)
     pub output: QLinear,  // (V, d)
@@ -39,6 +39,16 @@ pub struct Weights {
     pub windows: Vec<Option<usize>>,
     pub rope_bases: Vec<f32>,
     pub vocab_size: usize,
+}
+
+/// Where token embeddings come from.
+pub enum Embedding {
+    /// Their own matrix (V, d), rows widened by candle on lookup.
+    Table(QTensor),
+    /// The output layer's matrix, on gen's CPU kernels (tied embeddings): rows widened from
+    /// its tiles, bit for bit what candle would give, and one copy of the matrix in memory
+    /// instead of two (Gemma 3 270M's is 178 MB).
+    Output,
 }
 
 /// Reads a checkpoint's tensors onto one device, quantized weights kept as `kind` says.
@@ -102,8 +112,24 @@ impl Weights {
         kind: DeviceWeights,
     ) -> Result<Self> {
         let r = Reader { ckpt, device, kind };
-        let embedding = r.tensor("token_embd.weight")?;
-        let (vocab_size, emb_width) = embedding.shape().dims2()?;
+        // Tied embeddings (SmolLM2, Gemma, small Qwens): the output layer is the embedding
+        // matrix. On gen's CPU kernels it is read once, as the output layer, and lookups widen
+        // its rows; otherwise the embedding is a table of its own.
+        let tied = !ckpt.has_tensor("output.weight");
+        let (embedding, tied_output) = match tied {
+            true if device.is_cpu() && kind == DeviceWeights::Quantized => {
+                match r.matrix("token_embd.weight", None, cfg.d_model) {
+                    Ok((out @ QLinear::Cpu(_), _)) => (Embedding::Output, Some(out)),
+                    _ => (Embedding::Table(r.tensor("token_embd.weight")?), None),
+                }
+            }
+            _ => (Embedding::Table(r.tensor("token_embd.weight")?), None),
+        };
+        let (vocab_size, emb_width) = match (&embedding, &tied_output) {
+            (Embedding::Table(t), _) => t.shape().dims2()?,
+            (Embedding::Output, Some(QLinear::Cpu(w))) => w.dims(),
+            _ => unreachable!("an output layer on gen's kernels"),
+        };
         if emb_width != cfg.d_model {
             bail!(
                 "token_embd.weight is {vocab_size}x{emb_width}, expected width {}",
@@ -119,13 +145,17 @@ impl Weights {
             layers.push(load_layer(&r, cfg, i, view, rope)?);
         }
         let out_norm = r.vector("output_norm.weight", cfg.d_model)?;
-        // Tied embeddings (SmolLM2, Gemma, small Qwens): the output layer is the embedding matrix.
-        let name = if ckpt.has_tensor("output.weight") {
-            "output.weight"
-        } else {
-            "token_embd.weight"
+        let output = match tied_output {
+            Some(out) => out,
+            None => {
+                let name = if tied {
+                    "token_embd.weight"
+                } else {
+                    "output.weight"
+                };
+                r.matrix(name, Some(vocab_size), cfg.d_model)?.0
+            }
         };
-        let (output, _) = r.matrix(name, Some(vocab_size), cfg.d_model)?;
         Ok(Self {
             embedding,
             layers,
@@ -139,8 +169,21 @@ impl Weights {
 
     /// The embeddings of a pass's tokens, scaled where the family says: (N, d).
     pub fn embed(&self, ids: &[u32], cfg: &DecoderConfig, device: &Device) -> Result<Tensor> {
-        let ids = Tensor::new(ids, device)?;
-        let mut x = self.embedding.embedding(&ids)?; // (N, d)
+        let mut x = match (&self.embedding, &self.output) {
+            (Embedding::Table(t), _) => t.embedding(&Tensor::new(ids, device)?)?, // (N, d)
+            (Embedding::Output, QLinear::Cpu(w)) => {
+                let (v, d) = w.dims();
+                let mut rows = vec![0f32; ids.len() * d];
+                for (&id, row) in ids.iter().zip(rows.chunks_exact_mut(d)) {
+                    if id as usize >= v {
+                        anyhow::bail!("token id {id} is outside the vocabulary of {v}");
+                    }
+                    w.dequantize_row(id as usize, row);
+                }
+                Tensor::from_vec(rows, (ids.len(), d), device)?
+            }
+            (Embedding::Output, _) => unreachable!("tied to an output layer on gen's kernels"),
+        };
         if cfg.family.scales_embeddings() {
             x = (x * (cfg.d_model as f32).sqrt() as f64)?;
         }

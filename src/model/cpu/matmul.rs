@@ -809,6 +809,61 @@ impl CpuQWeight {
         }))
     }
 
+    /// Row `row` of the weight matrix, widened to f32 as ggml dequantizes it (an embedding
+    /// lookup when the embedding matrix is also the output layer: one copy of it in memory).
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        debug_assert!(row < self.rows && out.len() == self.cols);
+        match &self.layout {
+            Layout::Quant(t) => t.dequantize_row(row, out),
+            Layout::Half(t) => {
+                let tile = t.tile(row / 8);
+                for (c, o) in out.iter_mut().enumerate() {
+                    *o = half_kernels::widen(t.ty, tile[c * 8 + row % 8]);
+                }
+            }
+            Layout::Rows(b) => {
+                let r = b.row(row);
+                for (blk, o) in out.chunks_exact_mut(QK).enumerate() {
+                    let q = &r.qs[blk * b.per_block..(blk + 1) * b.per_block];
+                    for (j, o) in o.iter_mut().enumerate() {
+                        *o = match self.ty {
+                            WeightType::Q4_1 => {
+                                let n = if j < 16 { q[j] & 0xF } else { q[j - 16] >> 4 };
+                                r.scale[blk] * n as f32 + r.offset[blk]
+                            }
+                            _ => r.scale[blk] * q[j] as i8 as f32,
+                        };
+                    }
+                }
+            }
+            Layout::Tiles(t) => {
+                let tile = t.tile(row / 8);
+                let r = row % 8;
+                for (blk, o) in out.chunks_exact_mut(QK).enumerate() {
+                    let d = f16::from_bits(tile.d[blk * 8 + r]).to_f32();
+                    let q = &tile.qs[blk * t.per_block..(blk + 1) * t.per_block];
+                    for (j, o) in o.iter_mut().enumerate() {
+                        *o = match self.ty {
+                            WeightType::Q4_1 => {
+                                // Chunk c holds bytes 4c..4c+4 of each row's 16.
+                                let byte = q[(j % 16) / 4 * 32 + r * 4 + j % 4];
+                                let n = if j < 16 { byte & 0xF } else { byte >> 4 };
+                                let m = f16::from_bits(tile.m[blk * 8 + r]).to_f32();
+                                d * n as f32 + m
+                            }
+                            _ => d * q[j / 4 * 32 + r * 4 + j % 4] as i8 as f32,
+                        };
+                    }
+                }
+            }
+        }
+    }
+
+    /// Rows and columns.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
     /// The ggml type name of the weights (for reports and errors).
     pub fn type_name(&self) -> &'static str {
         match self.ty {
