@@ -120,7 +120,9 @@ impl Weights {
             true if device.is_cpu() && kind == DeviceWeights::Quantized => {
                 match r.matrix("token_embd.weight", None, cfg.d_model) {
                     Ok((out @ QLinear::Cpu(_), _)) => (Embedding::Output, Some(out)),
-                    _ => (Embedding::Table(r.tensor("token_embd.weight")?), None),
+                    Ok((out, _)) => (Embedding::Table(r.tensor("token_embd.weight")?), Some(out)),
+                    // Misshapen: the table's checks below say how.
+                    Err(_) => (Embedding::Table(r.tensor("token_embd.weight")?), None),
                 }
             }
             _ => (Embedding::Table(r.tensor("token_embd.weight")?), None),
@@ -128,7 +130,7 @@ impl Weights {
         let (vocab_size, emb_width) = match (&embedding, &tied_output) {
             (Embedding::Table(t), _) => t.shape().dims2()?,
             (Embedding::Output, Some(QLinear::Cpu(w))) => w.dims(),
-            _ => unreachable!("an output layer on gen's kernels"),
+            (Embedding::Output, _) => unreachable!("an output layer on gen's kernels"),
         };
         if emb_width != cfg.d_model {
             bail!(
