@@ -1,8 +1,10 @@
 //! gen's own quantized matrix kernels on the CPU: y = x W^T with W in GGUF blocks, repacked at
 //! load into our layout (8-row tiles for SIMD, plain rows for the portable fallback).
 //!
-//! Q4_1 and Q8_0 weights (the types of the default model) run here; [`crate::model::qlinear`]
-//! sends every other type to candle's `QMatMul`. Ours exist for two reasons. Accuracy: candle
+//! [`CpuQWeight`] is every weight type gen runs on the CPU: Q4_1 and Q8_0 (the types of the
+//! default model) with their kernels here, the other quantized types through
+//! [`super::quants`], F16 and BF16 through [`super::wide16`]; [`schedule`] splits every product
+//! among the threads. The kernels here exist for two reasons. Accuracy: candle
 //! 0.11 rounds the Q8_1 block sum to f16 twice (`f16(sum) * f16(d)`), which shifts every Q4_1
 //! dot product enough to change greedy tokens within a few steps; here activations are
 //! quantized exactly as llama.cpp does (`s = f16(d * sum)` with `d` in f32). Speed: one pass
