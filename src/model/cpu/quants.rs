@@ -905,35 +905,51 @@ pub unsafe fn scalar_tile(
 ) {
     let nb = w.buf.len() / spec.sb_bytes() * spec.per_super;
     let mut acc = [[0f32; 8]; TOKENS];
+    // Q8_K: the blocks' scaled sums of a super-block, before its one activation scale.
+    let per_sb = spec.act == Act::Q8K;
+    let mut facc = [[0f32; 8]; TOKENS];
     let mut v = [[0i32; QK]; 8];
     for b in 0..nb {
         unpack_scalar(spec, &w, b, &mut v);
         let (scale, min) = block_scales(spec, &w, b);
-        for (i, acc) in acc.iter_mut().enumerate().take(n) {
+        for (i, (acc, facc)) in acc.iter_mut().zip(facc.iter_mut()).enumerate().take(n) {
             let slot = b * TOKENS + i;
             let q = std::slice::from_raw_parts(a.qs.add(slot * QK), QK);
             let da = *a.d.add(slot);
             let isum = std::slice::from_raw_parts(a.isum.add(slot * 4), 3);
             let asum = std::slice::from_raw_parts(a.asum.add(slot * 4), 3);
-            for (r, acc) in acc.iter_mut().enumerate() {
+            for (r, (acc, facc)) in acc.iter_mut().zip(facc.iter_mut()).enumerate() {
                 let dot = |l0: usize, l1: usize| -> i32 {
                     (l0..l1).map(|l| v[r][l] * q[l] as i8 as i32).sum()
                 };
                 if spec.halves {
                     let lo = dot(0, 16) - isum[0];
                     let hi = dot(16, 32) - isum[1];
-                    let f = (hi as f32).mul_add(scale[1][r], lo as f32 * scale[0][r]);
-                    *acc = f.mul_add(da, *acc);
+                    if per_sb {
+                        *facc = (lo as f32).mul_add(scale[0][r], *facc);
+                        *facc = (hi as f32).mul_add(scale[1][r], *facc);
+                    } else {
+                        let f = (hi as f32).mul_add(scale[1][r], lo as f32 * scale[0][r]);
+                        *acc = f.mul_add(da, *acc);
+                    }
                     if spec.min != Min::None {
                         *acc = min[0][r].mul_add(asum[0], *acc);
                         *acc = min[1][r].mul_add(asum[1], *acc);
                     }
                 } else {
                     let s = dot(0, 32) - isum[2];
-                    *acc = (s as f32).mul_add(scale[0][r] * da, *acc);
+                    if per_sb {
+                        *facc = (s as f32).mul_add(scale[0][r], *facc);
+                    } else {
+                        *acc = (s as f32).mul_add(scale[0][r] * da, *acc);
+                    }
                     if spec.min != Min::None {
                         *acc = min[0][r].mul_add(asum[2], *acc);
                     }
+                }
+                if per_sb && b % spec.per_super == spec.per_super - 1 {
+                    *acc = facc.mul_add(da, *acc);
+                    *facc = 0.0;
                 }
             }
         }

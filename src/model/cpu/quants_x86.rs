@@ -10,7 +10,9 @@ use crate::model::cpu::q8::simd::{dot_s_avx2, dot_u_avx2, dot_u_vnni};
 macro_rules! quant_kernels {
     ($name:ident, $features:literal, $dot_u:ident, $dot_lut:ident, $lut_xor:expr, $lut_bias:expr) => {
         pub mod $name {
-            use super::super::quants::{spec_of, ActChunk, Bits, Min, Tile, IQ4_VALUES, TOKENS};
+            use super::super::quants::{
+                spec_of, Act, ActChunk, Bits, Min, Tile, IQ4_VALUES, TOKENS,
+            };
             use crate::model::cpu::q8::simd::{prefetch, store, widen};
             use std::arch::x86_64::*;
 
@@ -45,6 +47,10 @@ macro_rules! quant_kernels {
                 }
                 let table = _mm256_loadu_si256(table.as_ptr() as *const __m256i);
                 let mut acc = [_mm256_setzero_ps(); N];
+                // Q8_K activations have one scale per super-block: the blocks' scaled sums
+                // gather here and meet that scale once per super-block.
+                let per_sb = spec.act == Act::Q8K;
+                let mut facc = [_mm256_setzero_ps(); N];
                 const AHEAD: usize = super::super::q8::PREFETCH_AHEAD;
                 let mut dv = _mm256_setzero_ps();
                 let mut dmv = _mm256_setzero_ps();
@@ -101,7 +107,7 @@ macro_rules! quant_kernels {
                     let (scale0, min0) = sub(0);
                     let (scale1, min1) = if spec.halves { sub(1) } else { (scale0, min0) };
                     let qb = a.qs.add(b * 256);
-                    for (i, acc) in acc.iter_mut().enumerate() {
+                    for (i, (acc, facc)) in acc.iter_mut().zip(facc.iter_mut()).enumerate() {
                         let slot = b * TOKENS + i;
                         let q = qb.add(i * 32) as *const i32;
                         let act = |g: usize| _mm256_set1_epi32(q.add(g).read_unaligned());
@@ -124,9 +130,14 @@ macro_rules! quant_kernels {
                                 s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(*isum));
                                 s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(*isum.add(1)));
                             }
-                            let f = _mm256_mul_ps(_mm256_cvtepi32_ps(s0), scale0);
-                            let f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), scale1, f);
-                            *acc = _mm256_fmadd_ps(f, da, *acc);
+                            if per_sb {
+                                *facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), scale0, *facc);
+                                *facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), scale1, *facc);
+                            } else {
+                                let f = _mm256_mul_ps(_mm256_cvtepi32_ps(s0), scale0);
+                                let f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), scale1, f);
+                                *acc = _mm256_fmadd_ps(f, da, *acc);
+                            }
                             if spec.min != Min::None {
                                 *acc = _mm256_fmadd_ps(min0, _mm256_set1_ps(*asum), *acc);
                                 *acc = _mm256_fmadd_ps(min1, _mm256_set1_ps(*asum.add(1)), *acc);
@@ -136,11 +147,19 @@ macro_rules! quant_kernels {
                             if centre != 0 {
                                 s = _mm256_sub_epi32(s, _mm256_set1_epi32(*isum.add(2)));
                             }
-                            let d = _mm256_mul_ps(scale0, da);
-                            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, *acc);
+                            if per_sb {
+                                *facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale0, *facc);
+                            } else {
+                                let d = _mm256_mul_ps(scale0, da);
+                                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, *acc);
+                            }
                             if spec.min != Min::None {
                                 *acc = _mm256_fmadd_ps(min0, _mm256_set1_ps(*asum.add(2)), *acc);
                             }
+                        }
+                        if per_sb && b % spec.per_super == spec.per_super - 1 {
+                            *acc = _mm256_fmadd_ps(*facc, da, *acc);
+                            *facc = _mm256_setzero_ps();
                         }
                     }
                 }
