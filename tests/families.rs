@@ -18,7 +18,6 @@ use std::path::{Path, PathBuf};
 
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use gen::model::SeqStep;
 use serde_json::json;
 
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -501,38 +500,6 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-/// gen's logits for `tokens`: a prefill of the first `split`, then one token per pass.
-fn gen_logits(
-    path: &Path,
-    tokenizer: Option<&Path>,
-    tokens: &[u32],
-    split: usize,
-) -> Vec<Vec<f32>> {
-    let mut loaded = gen::model::load(path, &Device::Cpu, tokenizer, None)
-        .unwrap_or_else(|e| panic!("loading {}: {e:#}", path.display()));
-    let m = loaded.model.as_mut();
-    m.reserve_pool(gen::model::kv_cache::blocks_for(tokens.len()))
-        .unwrap();
-    let seq = m.new_sequence();
-    assert!(m.reserve(seq, tokens.len()));
-    let mut out = Vec::new();
-    let mut pos = 0;
-    let mut chunks = vec![&tokens[..split]];
-    chunks.extend(tokens[split..].chunks(1));
-    for chunk in chunks {
-        let l = m
-            .forward(&[SeqStep {
-                seq,
-                tokens: chunk,
-                pos,
-            }])
-            .unwrap();
-        pos += chunk.len();
-        out.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());
-    }
-    out
-}
-
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)
@@ -554,8 +521,8 @@ fn check(fam: Fam) {
     let split = 6; // a prefill past Gemma's window of 4, then decode steps
     let want = reference(&s, &w, &tokens);
     let want: Vec<&Vec<f32>> = want[split - 1..].iter().collect();
-    let from_hf = gen_logits(&hf, None, &tokens, split);
-    let from_gguf = gen_logits(&gguf, Some(&hf.join("tokenizer.json")), &tokens, split);
+    let from_hf = common::gen_logits(&hf, None, &tokens, split);
+    let from_gguf = common::gen_logits(&gguf, Some(&hf.join("tokenizer.json")), &tokens, split);
     let scale = want
         .iter()
         .flat_map(|r| r.iter())

@@ -17,7 +17,6 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use common::{data, write_gguf, Meta};
-use gen::model::SeqStep;
 use half::f16;
 
 const D: usize = 256;
@@ -213,28 +212,7 @@ fn scratch() -> PathBuf {
 /// Logits of a prefill of 5 tokens, then 6 one-token steps.
 fn logits(path: &Path, tokenizer: &Path) -> Vec<Vec<f32>> {
     let tokens: Vec<u32> = (0..11).map(|i| (i * 13 + 5) % VOCAB as u32).collect();
-    let mut loaded = gen::model::load(path, &Device::Cpu, Some(tokenizer), None)
-        .unwrap_or_else(|e| panic!("loading {}: {e:#}", path.display()));
-    let m = loaded.model.as_mut();
-    m.reserve_pool(gen::model::kv_cache::blocks_for(tokens.len()))
-        .unwrap();
-    let seq = m.new_sequence();
-    assert!(m.reserve(seq, tokens.len()));
-    let mut chunks = vec![&tokens[..5]];
-    chunks.extend(tokens[5..].chunks(1));
-    let mut pos = 0;
-    let mut out = Vec::new();
-    for chunk in chunks {
-        let step = SeqStep {
-            seq,
-            tokens: chunk,
-            pos,
-        };
-        let l = m.forward(&[step]).unwrap();
-        pos += chunk.len();
-        out.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());
-    }
-    out
+    common::gen_logits(path, Some(tokenizer), &tokens, 5)
 }
 
 #[test]

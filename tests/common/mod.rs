@@ -213,3 +213,35 @@ pub fn data(n: usize, seed: u64, a: f32) -> Vec<f32> {
         })
         .collect()
 }
+
+/// gen's logits for `tokens`: a prefill of the first `split`, then one token per pass.
+pub fn gen_logits(
+    path: &std::path::Path,
+    tokenizer: Option<&std::path::Path>,
+    tokens: &[u32],
+    split: usize,
+) -> Vec<Vec<f32>> {
+    let mut loaded = gen::model::load(path, &candle_core::Device::Cpu, tokenizer, None)
+        .unwrap_or_else(|e| panic!("loading {}: {e:#}", path.display()));
+    let m = loaded.model.as_mut();
+    m.reserve_pool(gen::model::kv_cache::blocks_for(tokens.len()))
+        .unwrap();
+    let seq = m.new_sequence();
+    assert!(m.reserve(seq, tokens.len()));
+    let mut out = Vec::new();
+    let mut pos = 0;
+    let mut chunks = vec![&tokens[..split]];
+    chunks.extend(tokens[split..].chunks(1));
+    for chunk in chunks {
+        let l = m
+            .forward(&[gen::model::SeqStep {
+                seq,
+                tokens: chunk,
+                pos,
+            }])
+            .unwrap();
+        pos += chunk.len();
+        out.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+    }
+    out
+}
