@@ -45,29 +45,22 @@ fn read_bandwidth(threads: usize) -> f64 {
 }
 
 /// Bytes of weights a decode step reads: every tensor but the embedding matrix when the file
-/// has a separate output layer (then only one row of it is read), and the type mix by bytes.
+/// has a separate output layer (then only one row of it is read); and the file's matrix types
+/// by share of bytes, e.g. "Q5_0 59%, Q8_0 35%, Q6_K 6%".
 fn decode_bytes(path: &Path) -> (f64, String) {
     let mut f = std::fs::File::open(path).expect("open the model");
     let s =
         gen::format::gguf::validate(&mut f, path).unwrap_or_else(|e| common::fail(&e.to_string()));
-    let untied = s.tensor_bytes.iter().any(|(n, _)| n == "output.weight");
+    let untied = s.tensor_bytes.iter().any(|(n, _, _)| n == "output.weight");
     let bytes: u64 = s
         .tensor_bytes
         .iter()
-        .filter(|(n, _)| !(untied && n == "token_embd.weight"))
-        .map(|(_, b)| b)
+        .filter(|(n, _, _)| !(untied && n == "token_embd.weight"))
+        .map(|(_, _, b)| b)
         .sum();
-    (bytes as f64, file_types(path))
-}
-
-/// The file's matrix types by share of bytes, e.g. "Q5_0 59%, Q8_0 35%, Q6_K 6%".
-fn file_types(path: &Path) -> String {
-    let mut f = std::fs::File::open(path).expect("open");
-    let s = gen::format::gguf::validate(&mut f, path).expect("valid");
-    let ck = gen::format::checkpoint::Checkpoint::open_gguf(path).expect("open");
-    let mut by: Vec<(String, u64)> = Vec::new();
-    for (name, bytes) in &s.tensor_bytes {
-        let ty = ck.tensor_type_name(name).unwrap_or("?").to_string();
+    let mut by: Vec<(&str, u64)> = Vec::new();
+    for (_, ty, bytes) in &s.tensor_bytes {
+        let ty = gen::format::gguf::type_label(*ty);
         match by.iter_mut().find(|(t, _)| *t == ty) {
             Some(e) => e.1 += bytes,
             None => by.push((ty, *bytes)),
@@ -75,11 +68,13 @@ fn file_types(path: &Path) -> String {
     }
     let total: u64 = by.iter().map(|b| b.1).sum();
     by.sort_by_key(|b| std::cmp::Reverse(b.1));
-    by.iter()
+    let types = by
+        .iter()
         .filter(|(_, b)| *b * 50 >= total)
         .map(|(t, b)| format!("{t} {}%", (100 * b).div_ceil(total.max(1))))
         .collect::<Vec<_>>()
-        .join(", ")
+        .join(", ");
+    (bytes as f64, types)
 }
 
 struct Gen {

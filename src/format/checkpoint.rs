@@ -240,34 +240,6 @@ impl Checkpoint {
         Ok(Some((ggml, rows, cols, raw)))
     }
 
-    /// ggml's name of a GGUF tensor's type (None for other checkpoints, or no such tensor).
-    pub fn tensor_type_name(&self, name: &str) -> Option<&'static str> {
-        let Store::Gguf { content, own, .. } = &self.store else {
-            return None;
-        };
-        if let Some(&t) = own.get(name) {
-            return Some(crate::format::gguf::type_label(t));
-        }
-        let t = content.tensor_infos.get(name)?.ggml_dtype;
-        Some(match t {
-            GgmlDType::F32 => "F32",
-            GgmlDType::F16 => "F16",
-            GgmlDType::BF16 => "BF16",
-            GgmlDType::Q4_0 => "Q4_0",
-            GgmlDType::Q4_1 => "Q4_1",
-            GgmlDType::Q5_0 => "Q5_0",
-            GgmlDType::Q5_1 => "Q5_1",
-            GgmlDType::Q8_0 => "Q8_0",
-            GgmlDType::Q8_1 => "Q8_1",
-            GgmlDType::Q2K => "Q2_K",
-            GgmlDType::Q3K => "Q3_K",
-            GgmlDType::Q4K => "Q4_K",
-            GgmlDType::Q5K => "Q5_K",
-            GgmlDType::Q6K => "Q6_K",
-            GgmlDType::Q8K => "Q8_K",
-        })
-    }
-
     /// Whether the checkpoint holds a tensor of this GGUF name.
     pub fn has_tensor(&self, name: &str) -> bool {
         match &self.store {

@@ -47,8 +47,9 @@ pub struct GgufSummary {
     /// Tensors of a type gen runs but candle cannot read (IQ4_NL, IQ4_XS): the loader reads
     /// them itself.
     pub own_types: Vec<OwnType>,
-    /// Every tensor's name and size in bytes, in file order.
-    pub tensor_bytes: Vec<(String, u64)>,
+    /// Every tensor's name, ggml type number ([`type_label`] names it) and size in bytes, in
+    /// file order.
+    pub tensor_bytes: Vec<(String, u32, u64)>,
 }
 
 /// A tensor whose type candle cannot read: where its type field is in the header (so a copy
@@ -302,6 +303,8 @@ struct TensorInfo {
     dims: Vec<u64>,
     offset: u64,
     size: u64,
+    /// ggml's type number.
+    ty: u32,
     /// Set for a type gen reads itself (see [`OwnType`]).
     own: Option<OwnType>,
 }
@@ -554,7 +557,10 @@ fn check(file: &mut File) -> Check<GgufSummary> {
     }
 
     let own_types = tensors.iter().filter_map(|t| t.own.clone()).collect();
-    let tensor_bytes = tensors.iter().map(|t| (t.name.clone(), t.size)).collect();
+    let tensor_bytes = tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.ty, t.size))
+        .collect();
     Ok(GgufSummary {
         version,
         tensor_count,
@@ -784,6 +790,7 @@ fn read_tensor_infos(
             dims,
             offset,
             size,
+            ty,
             own,
         });
     }
