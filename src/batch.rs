@@ -40,12 +40,16 @@ pub struct BatchOptions {
     pub pool_blocks: usize,
     /// Token ids that end a reply (empty: never).
     pub eos: Vec<u32>,
+    /// Share prompt beginnings through the prefix cache (see `model::kv_cache`).
+    pub prefix_cache: bool,
 }
 
 /// How one prompt's generation went.
 #[derive(Debug, Clone)]
 pub struct Outcome {
     pub prompt_tokens: usize,
+    /// Of its prompt's tokens, how many came from the prefix cache when it started.
+    pub cached_tokens: usize,
     /// Generated ids, EOS excluded.
     pub tokens: Vec<u32>,
     pub stop: StopReason,
@@ -81,6 +85,8 @@ pub struct BatchStats {
     pub solo_passes: usize,
     pub generated_tokens: usize,
     pub prompt_tokens: usize,
+    /// Of the prompt tokens, how many came from the prefix cache.
+    pub cached_tokens: usize,
     pub preemptions: usize,
     pub blocks_total: usize,
     pub blocks_peak: usize,
@@ -99,6 +105,10 @@ struct Seq {
     /// Its KV cache while running, with how many of `history`'s tokens it holds.
     slot: Option<SeqId>,
     cached: usize,
+    /// Its next step is a prefill (its prompt, or after a preemption its prompt and reply).
+    prefilling: bool,
+    /// Prompt tokens the prefix cache gave it when it first started.
+    reused: Option<usize>,
     passes: usize,
     preempted: usize,
     wait: Option<Duration>,
@@ -110,6 +120,7 @@ impl Seq {
     fn outcome(self, stop: StopReason) -> Outcome {
         Outcome {
             prompt_tokens: self.prompt_len,
+            cached_tokens: self.reused.unwrap_or(0),
             tokens: self.history[self.prompt_len..].to_vec(),
             stop,
             passes: self.passes,
@@ -138,6 +149,7 @@ pub fn run(
         );
     }
     model.reserve_pool(opts.pool_blocks)?;
+    model.kv_mut().set_prefix_cache(opts.prefix_cache);
     let start = Instant::now();
     let mut stats = BatchStats {
         blocks_total: model.kv_usage().blocks_total,
@@ -154,6 +166,8 @@ pub fn run(
             sampler: r.sampler,
             slot: None,
             cached: 0,
+            prefilling: true,
+            reused: None,
             passes: 0,
             preempted: 0,
             wait: None,
@@ -179,10 +193,12 @@ pub fn run(
 
         let steps: Vec<SeqStep<'_>> = running
             .iter()
-            .map(|s| SeqStep {
-                seq: s.slot.expect("running"),
-                tokens: &s.history[s.cached..],
-                pos: s.cached,
+            .map(|s| {
+                let (seq, tokens) = (s.slot.expect("running"), &s.history[s.cached..]);
+                match s.prefilling {
+                    true => SeqStep::prefill(seq, tokens, s.cached),
+                    false => SeqStep::decode(seq, tokens, s.cached),
+                }
             })
             .collect();
         let pass_start = Instant::now();
@@ -205,6 +221,11 @@ pub fn run(
         for (row, s) in running.iter_mut().enumerate() {
             s.passes += 1;
             s.cached = s.history.len();
+            if s.prefilling {
+                // Its prefill computed these: later prompts may begin with them.
+                model.kv_mut().publish(s.slot.expect("running"), &s.history);
+                s.prefilling = false;
+            }
             let next = if s.sampler.is_plain_argmax() {
                 argmax[row]
             } else {
@@ -266,17 +287,35 @@ pub fn run(
 }
 
 /// Start waiting sequences while a slot is free and the pool has room for their prefill and
-/// one more token. The oldest waiting sequence goes first; none jumps the queue.
+/// one more token. The oldest waiting sequence goes first; none jumps the queue. A prompt
+/// begins with what the prefix cache holds of it; one that would share more with a prompt
+/// starting in this same pass (whose blocks are published after it) waits for the next pass.
 fn admit(
     model: &mut dyn LanguageModel,
     waiting: &mut VecDeque<Seq>,
     running: &mut Vec<Seq>,
     opts: &BatchOptions,
 ) -> Result<()> {
+    let first_new = running.len();
     while running.len() < opts.batch_size {
         let Some(s) = waiting.front() else { break };
         let need = s.history.len() + 1;
-        if blocks_for(need) > model.kv().free_blocks() {
+        let kv = model.kv();
+        let found = kv.lookup(&s.history);
+        // Blocks it takes from what is free: new ones, and cached ones nobody holds.
+        let taken =
+            blocks_for(need) - found.len() + found.iter().filter(|&&b| kv.holders(b) == 0).count();
+        if kv.prefix_cache() && running.len() > first_new {
+            let later = running[first_new..]
+                .iter()
+                .map(|r| shared_blocks(&r.history, &s.history))
+                .max()
+                .unwrap_or(0);
+            if later > found.len() {
+                break;
+            }
+        }
+        if taken > kv.free_blocks() {
             if running.is_empty() {
                 // Nothing will ever free more: this one can never run.
                 let s = waiting.pop_front().expect("front exists");
@@ -294,13 +333,23 @@ fn admit(
         let seq = model.new_sequence();
         // Where its blocks go: a run with room for the whole reply, if the pool has one.
         model.expect_tokens(seq, (s.prompt_len + s.max_new).min(opts.context_len));
+        let reused = model.kv_mut().attach_prefix(seq, &s.history);
         let ok = model.reserve(seq, s.history.len());
         debug_assert!(ok, "checked above");
+        s.reused.get_or_insert(reused.min(s.prompt_len));
         s.slot = Some(seq);
-        s.cached = 0;
+        s.cached = reused;
+        s.prefilling = true;
         running.push(s);
     }
     Ok(())
+}
+
+/// Full blocks two token sequences begin with alike, as the prefix cache would share them
+/// (at most (len - 1) / BLOCK_SIZE of `b`'s).
+fn shared_blocks(a: &[u32], b: &[u32]) -> usize {
+    let common = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    common.min(b.len().saturating_sub(1)) / crate::model::kv_cache::BLOCK_SIZE
 }
 
 /// Give each running sequence blocks for the tokens it feeds this pass. When the pool is
@@ -340,5 +389,6 @@ fn finish(
     }
     stats.solo_passes += s.passes;
     stats.prompt_tokens += s.prompt_len;
+    stats.cached_tokens += s.reused.unwrap_or(0);
     sink.on_done(s.index, s.outcome(reason))
 }

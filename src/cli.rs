@@ -192,6 +192,29 @@ pub struct Args {
     #[arg(long, value_name = "BLOCKS", requires = "batch")]
     pub kv_blocks: Option<usize>,
 
+    /// Do not share prompt beginnings through the KV cache's prefix cache (on by default: a
+    /// prompt that begins with blocks an earlier prompt, or an earlier turn of gen chat,
+    /// computed prefills only the rest). For comparison; the output is the same either way.
+    #[arg(long)]
+    pub no_prefix_cache: bool,
+
+    /// Keep the prompt's KV cache in FILE: a run whose prompt begins as the saved one did, on
+    /// the same model file, loads those tokens' keys and values instead of computing them,
+    /// then saves its own prompt there. A file that does not fit (another model, damaged) is
+    /// ignored with a warning and rewritten.
+    #[arg(long, value_name = "FILE", conflicts_with = "batch")]
+    pub prompt_cache: Option<PathBuf>,
+
+    /// Propose tokens and check several in one forward pass: `lookup` drafts them from earlier
+    /// text of the same prompt and reply (n-gram matching). The output is the model's own
+    /// (greedy: identical; sampled: the same distribution); copy-heavy prompts decode faster.
+    #[arg(long, value_enum, value_name = "HOW")]
+    pub speculate: Option<Speculate>,
+
+    /// Most tokens --speculate proposes per pass.
+    #[arg(long, value_name = "K", default_value_t = 8, requires = "speculate")]
+    pub draft_max: usize,
+
     /// Run on an OpenAI-compatible server instead of a local model: its base URL, such as
     /// http://gpu-box:8000/v1 (vLLM, SGLang, TGI, llama.cpp's llama-server). --chat uses
     /// /chat/completions (the server applies the template), otherwise /completions.
@@ -307,6 +330,14 @@ impl WeightDtype {
     }
 }
 
+/// How `--speculate` proposes tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Speculate {
+    /// From earlier text of the same sequence: the tokens that followed the last place its
+    /// final few tokens occurred.
+    Lookup,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum StatsFormat {
     Human,
@@ -397,6 +428,12 @@ pub struct Config {
     pub threads: Option<usize>,
     pub stats: StatsFormat,
     pub quiet: bool,
+    /// The prefix cache is on (not --no-prefix-cache).
+    pub prefix_cache: bool,
+    /// --prompt-cache FILE.
+    pub prompt_cache: Option<PathBuf>,
+    /// --speculate, with the most tokens proposed per pass.
+    pub speculate: Option<(Speculate, usize)>,
     /// Show the fetch tools' own output (`--verbose`).
     pub verbose: bool,
 }
@@ -415,6 +452,9 @@ impl Args {
         }
         if self.batch_size == Some(0) {
             bail!("--batch-size must be at least 1");
+        }
+        if self.draft_max == 0 {
+            bail!("--draft-max must be at least 1");
         }
         if self.kv_blocks == Some(0) {
             bail!("--kv-blocks must be at least 1");
@@ -511,6 +551,9 @@ impl Args {
             batch_output: self.batch_output,
             device: self.device.parse()?,
             threads: self.threads,
+            prefix_cache: !self.no_prefix_cache,
+            prompt_cache: self.prompt_cache,
+            speculate: self.speculate.map(|s| (s, self.draft_max)),
             stats: self.stats,
             quiet: self.quiet,
             verbose: self.verbose,

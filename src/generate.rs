@@ -81,8 +81,8 @@ pub struct Limits {
 #[derive(Debug, Clone)]
 pub struct Generation {
     pub prompt_tokens: usize,
-    /// Of the prompt's tokens, how many were already in the sequence's KV cache (a
-    /// conversation's earlier turns): the prefill pass ran over the others only.
+    /// Of the prompt's tokens, how many came from the prefix cache (a conversation's earlier
+    /// turns, an earlier prompt, a prompt-cache file): the prefill pass ran over the others.
     pub reused_tokens: usize,
     /// Generated ids, EOS excluded.
     pub tokens: Vec<u32>,
@@ -95,20 +95,6 @@ pub struct Generation {
 }
 
 impl Generation {
-    /// Tokens the sequence's KV cache holds after the run: the prompt, and every generated token
-    /// but the last (the last one sampled was never fed back, unless an end-of-sequence token
-    /// came after it).
-    pub fn cached_len(&self) -> usize {
-        if self.forward_passes == 0 {
-            return self.reused_tokens; // stopped before the prefill
-        }
-        let fed = match self.stop {
-            StopReason::Eos => self.tokens.len(),
-            _ => self.tokens.len().saturating_sub(1),
-        };
-        self.prompt_tokens + fed
-    }
-
     /// Passes after prefill: each one sampled one token (the last may have been EOS).
     pub fn decode_passes(&self) -> usize {
         self.forward_passes.saturating_sub(1)
@@ -128,7 +114,11 @@ fn check_fits(prompt: &[u32], limits: &Limits) -> Result<()> {
     Ok(())
 }
 
-/// Generate a reply to `prompt` (token ids, not empty).
+/// Generate a reply to `prompt` (token ids, not empty) on a sequence of its own. Whatever
+/// beginning of the prompt the model's prefix cache holds (an earlier prompt's, a conversation's
+/// earlier turns, a prompt-cache file's) is taken from there and the prefill pass runs over the
+/// rest; the prompt's full blocks are published for later prompts. The sequence ends with the
+/// call; its published blocks stay in the cache.
 pub fn generate(
     model: &mut dyn LanguageModel,
     prompt: &[u32],
@@ -139,45 +129,17 @@ pub fn generate(
 ) -> Result<Generation> {
     check_fits(prompt, limits)?;
     let capacity = (prompt.len() + limits.max_new).min(limits.context_len);
-    // One sequence: a pool just big enough for it, its blocks taken up front.
+    // A pool with room for this sequence at least, its blocks taken up front.
     model.reserve_pool(crate::model::kv_cache::blocks_for(capacity))?;
     let seq = model.new_sequence();
+    let reused = model.kv_mut().attach_prefix(seq, prompt);
     if !model.reserve(seq, capacity) {
         model.free_sequence(seq);
         anyhow::bail!("the KV cache has no room for {capacity} tokens");
     }
-    let result = run_loop(model, seq, 0, prompt, sampler, eos, limits, sink);
+    let result = run_loop(model, seq, reused, prompt, sampler, eos, limits, sink);
     model.free_sequence(seq);
     result
-}
-
-/// Generate a reply to `prompt` on a sequence that lives on between calls (a conversation):
-/// its KV cache already holds `prompt[..cached]`, and the prefill pass runs over the rest only.
-/// `seq` must have room for the whole context (`limits.context_len`). Whatever it held past
-/// `cached` is forgotten first. Afterwards it holds the prompt and the reply's tokens but the
-/// last one sampled (see [`Generation::cached_len`]).
-#[allow(clippy::too_many_arguments)]
-pub fn continue_sequence(
-    model: &mut dyn LanguageModel,
-    seq: usize,
-    cached: usize,
-    prompt: &[u32],
-    sampler: &mut Sampler,
-    eos: &[u32],
-    limits: &Limits,
-    sink: &mut dyn TokenSink,
-) -> Result<Generation> {
-    check_fits(prompt, limits)?;
-    anyhow::ensure!(
-        cached < prompt.len(),
-        "a turn must prefill at least one token"
-    );
-    model.truncate(seq, cached);
-    anyhow::ensure!(
-        model.kv().len(seq) == Some(cached),
-        "the sequence holds fewer than the {cached} tokens it was said to hold"
-    );
-    run_loop(model, seq, cached, prompt, sampler, eos, limits, sink)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -209,12 +171,9 @@ fn run_loop(
     // Prefill: one pass over the whole prompt (what the cache does not hold of it) gives the
     // first token.
     let start = Instant::now();
-    let logits = model.forward(&[SeqStep {
-        seq,
-        tokens: &prompt[cached..],
-        pos: cached,
-    }])?;
+    let logits = model.forward(&[SeqStep::prefill(seq, &prompt[cached..], cached)])?;
     gen.forward_passes += 1;
+    model.kv_mut().publish(seq, prompt);
     let mut next = sampler.sample(&logits, &history)?;
     gen.time_to_first_token = start.elapsed();
     let decode_start = Instant::now();
@@ -242,11 +201,7 @@ fn run_loop(
         if let Some(reason) = sink.cancelled() {
             break reason;
         }
-        let logits = model.forward(&[SeqStep {
-            seq,
-            tokens: &[next],
-            pos,
-        }])?;
+        let logits = model.forward(&[SeqStep::decode(seq, &[next], pos)])?;
         gen.forward_passes += 1;
         pos += 1;
         next = sampler.sample(&logits, &history)?;

@@ -14,6 +14,8 @@ pub struct Report {
     pub device: String,
     pub load_s: f64,
     pub prompt_tokens: usize,
+    /// Of the prompt tokens, how many came from the prefix cache or a prompt-cache file.
+    pub cached_tokens: usize,
     pub generated_tokens: usize,
     pub forward_passes: usize,
     pub ttft_s: f64,
@@ -87,6 +89,7 @@ impl Report {
             device: device.to_string(),
             load_s,
             prompt_tokens: gen.prompt_tokens,
+            cached_tokens: gen.reused_tokens,
             generated_tokens: gen.tokens.len(),
             forward_passes: gen.forward_passes,
             ttft_s: ttft,
@@ -113,8 +116,11 @@ impl Report {
         write_model_line(w, &self.model, &self.device, self.load_s)?;
         writeln!(
             w,
-            "tokens         {} prompt, {} generated, stop: {}",
-            self.prompt_tokens, self.generated_tokens, self.stop_reason
+            "tokens         {} prompt{}, {} generated, stop: {}",
+            self.prompt_tokens,
+            cached_note(self.cached_tokens),
+            self.generated_tokens,
+            self.stop_reason
         )?;
         writeln!(
             w,
@@ -158,6 +164,8 @@ pub struct BatchReport {
     pub failed: usize,
     pub batch_size: usize,
     pub prompt_tokens: usize,
+    /// Of the prompt tokens, how many came from the prefix cache.
+    pub cached_tokens: usize,
     pub generated_tokens: usize,
     pub forward_passes: usize,
     /// Passes the same prompts would have taken one at a time.
@@ -196,6 +204,7 @@ impl BatchReport {
             failed,
             batch_size,
             prompt_tokens: stats.prompt_tokens,
+            cached_tokens: stats.cached_tokens,
             generated_tokens: stats.generated_tokens,
             forward_passes: stats.forward_passes,
             solo_passes: stats.solo_passes,
@@ -237,8 +246,10 @@ impl BatchReport {
         )?;
         writeln!(
             w,
-            "tokens         {} prompt, {} generated",
-            self.prompt_tokens, self.generated_tokens
+            "tokens         {} prompt{}, {} generated",
+            self.prompt_tokens,
+            cached_note(self.cached_tokens),
+            self.generated_tokens
         )?;
         writeln!(
             w,
@@ -272,6 +283,14 @@ impl BatchReport {
     pub fn write_json(&self, w: &mut dyn Write) -> std::io::Result<()> {
         serde_json::to_writer(&mut *w, self)?;
         writeln!(w)
+    }
+}
+
+/// " (N from the prefix cache)" when any prompt tokens came from there.
+fn cached_note(cached: usize) -> String {
+    match cached {
+        0 => String::new(),
+        n => format!(" ({n} from the prefix cache)"),
     }
 }
 

@@ -60,11 +60,7 @@ fn logits(model: &mut dyn LanguageModel, refs: &[Reference]) -> Vec<Vec<f32>> {
             }
             let batch: Vec<SeqStep<'_>> = inputs
                 .iter()
-                .map(|(j, t)| SeqStep {
-                    seq: seqs[*j],
-                    tokens: t,
-                    pos: pos[*j],
-                })
+                .map(|(j, t)| SeqStep::auto(seqs[*j], t, pos[*j]))
                 .collect();
             let l = model.forward(&batch).unwrap();
             for (row, (j, t)) in inputs.iter().enumerate() {

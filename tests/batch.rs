@@ -60,6 +60,7 @@ fn opts(batch_size: usize, pool_blocks: usize) -> BatchOptions {
         context_len: 1000,
         pool_blocks,
         eos: vec![EOS],
+        prefix_cache: true,
     }
 }
 
@@ -303,6 +304,7 @@ fn batched_greedy_ids_equal_one_by_one_on_the_real_model() {
             context_len: 8192,
             pool_blocks: 64,
             eos: eos.clone(),
+            prefix_cache: true,
         };
         let stats = batch::run(loaded.model.as_mut(), reqs, &o, &mut sink).unwrap();
         assert!(stats.forward_passes < stats.solo_passes);

@@ -153,11 +153,7 @@ fn teacher_forced(a: &Path, b: &Path, b_dtype: Option<DType>) -> Agreement {
         for i in 0..8 {
             let step = |m: &mut Loaded, seq| {
                 m.model
-                    .forward(&[SeqStep {
-                        seq,
-                        tokens: &input,
-                        pos,
-                    }])
+                    .forward(&[SeqStep::auto(seq, &input, pos)])
                     .unwrap()
                     .flatten_all()
                     .unwrap()

@@ -129,6 +129,7 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
         context_len: session.context_len,
         pool_blocks,
         eos,
+        prefix_cache: cfg.prefix_cache,
     };
     let stats = if requests.is_empty() {
         batch::BatchStats::default()
@@ -323,6 +324,7 @@ impl BatchSink for Sink<'_, '_> {
             text: Some(&t.text),
             error: o.error.as_deref(),
             prompt_tokens: Some(o.prompt_tokens),
+            cached_tokens: Some(o.cached_tokens),
             tokens: Some(o.tokens.len()),
             stop: Some(o.stop.as_str()),
             passes: Some(o.passes),

@@ -1,9 +1,10 @@
 //! `gen chat`: a conversation with the model in the terminal, or over standard input.
 //!
-//! The conversation lives in one sequence of the model's KV cache for the whole chat. Each turn
-//! renders the whole conversation through the chat template and prefills only what the cache
-//! does not hold already (the longest common prefix of the cached ids and the new rendering is
-//! reused), so a turn costs its new tokens, not the conversation's length.
+//! Each turn renders the whole conversation through the chat template and generates from it as
+//! one prompt; the model's prefix cache (see `model::kv_cache`) holds the blocks of the turns
+//! before, so the prefill pass runs over what is new (the last reply and the new message, and
+//! the few tokens of a partly filled block), not over the conversation's length. /undo, /reset
+//! and /load need nothing special: what the cache holds is found by content.
 //!
 //! On a terminal, input comes from a line editor (reedline, on crossterm): history kept in a
 //! file, multi-line input (a trailing backslash, Alt-Enter or Shift-Enter, or a bracketed
@@ -22,7 +23,6 @@ use super::{Outcome, Session, StreamSink};
 use crate::cli::Config;
 use crate::conversation::Conversation;
 use crate::generate::{self, Generation, Limits, StopReason};
-use crate::model::SeqId;
 use crate::output::{StopMatcher, TextOut};
 use crate::report::Report;
 use crate::sampler::{Sampler, SamplingParams};
@@ -46,9 +46,6 @@ A line ending in \\ continues on the next line (also Alt-Enter); Ctrl-C stops a 
 struct Chat {
     session: Session,
     conv: Conversation,
-    seq: SeqId,
-    /// The token ids the sequence's KV cache holds, in order.
-    cached: Vec<u32>,
     params: SamplingParams,
     sampler: Sampler,
     max_new: usize,
@@ -92,18 +89,13 @@ impl Chat {
     fn new(mut session: Session, conv: Conversation, cfg: &Config) -> Result<Self> {
         let context = session.context_len;
         let model = session.loaded.model.as_mut();
-        // One sequence with room for the whole window, for the whole chat.
+        // A pool with room for the whole window: each turn's sequence, and the prefix cache
+        // of the turns before in what it does not use.
         model.reserve_pool(blocks_for(context))?;
-        let seq = model.new_sequence();
-        if !model.reserve(seq, context) {
-            bail!("the KV cache has no room for a {context}-token conversation");
-        }
         let stderr_tty = std::io::stderr().is_terminal();
         Ok(Self {
             session,
             conv,
-            seq,
-            cached: Vec::new(),
             params: cfg.sampling.clone(),
             sampler: Sampler::new(cfg.sampling.clone()),
             max_new: cfg.max_new,
@@ -204,13 +196,6 @@ impl Chat {
                 return Err(e);
             }
         };
-        let common = self
-            .cached
-            .iter()
-            .zip(&ids)
-            .take_while(|(a, b)| a == b)
-            .count()
-            .min(ids.len() - 1);
         let limits = Limits {
             max_new: self.max_new.min(self.session.context_len - ids.len()),
             context_len: self.session.context_len,
@@ -229,10 +214,8 @@ impl Chat {
             out: &mut out,
             kept: Some(String::new()),
         };
-        let result = generate::continue_sequence(
+        let result = generate::generate(
             loaded.model.as_mut(),
-            self.seq,
-            common,
             &ids,
             &mut self.sampler,
             &eos,
@@ -242,8 +225,6 @@ impl Chat {
         let gen = match result {
             Ok(gen) => gen,
             Err(e) => {
-                // What the cache holds is unknown now: the next turn prefills everything.
-                self.cached.clear();
                 self.conv.undo();
                 return Err(e);
             }
@@ -252,14 +233,12 @@ impl Chat {
         let reply = sink.kept.take().unwrap_or_default();
         drop(out);
         self.conv.push("assistant", &reply);
-        // What the next turn may reuse: the conversation up to this reply, whose keys and
-        // values prefill passes computed. The reply's own came from one-token decode passes,
-        // whose attention sums in another order: reused, they would make the next reply differ
-        // in the last bits from a fresh run over the same conversation, so they are prefilled
-        // again with the next turn (a prefill pass reads ~100 tokens in the time decode takes
-        // for a few).
-        self.cached = ids;
-        self.cached.truncate(gen.cached_len());
+        // The next turn finds the conversation up to this reply in the prefix cache: blocks
+        // prefill passes computed. The reply's own keys and values came from one-token decode
+        // passes, whose attention sums in another order; they are not published, and the next
+        // turn prefills them again, so its reply is the one a fresh run over the same
+        // conversation gives (a prefill pass reads ~100 tokens in the time decode takes for a
+        // few).
         let interrupted = gen.stop == StopReason::Interrupted;
         self.last = Some(gen);
         if interrupted {

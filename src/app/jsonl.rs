@@ -21,6 +21,9 @@ pub(crate) struct Line<'a> {
     pub error: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_tokens: Option<usize>,
+    /// Of the prompt tokens, how many came from the prefix cache.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cached_tokens: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokens: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -79,6 +82,10 @@ impl Shape {
                 serde_json::json!({"index": 0, "text": text, "finish_reason": finish})
             };
             let (p, c) = (l.prompt_tokens.unwrap_or(0), l.tokens.unwrap_or(0));
+            let mut usage = serde_json::json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
+            if let Some(cached) = l.cached_tokens {
+                usage["prompt_tokens_details"] = serde_json::json!({"cached_tokens": cached});
+            }
             serde_json::json!({
                 "id": format!("batch_req_{}", l.index),
                 "custom_id": custom_id,
@@ -90,7 +97,7 @@ impl Shape {
                         "object": if *chat { "chat.completion" } else { "text_completion" },
                         "model": model,
                         "choices": [choice],
-                        "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
+                        "usage": usage,
                     },
                 },
                 "error": null,
@@ -251,6 +258,7 @@ impl Writer {
             text: None,
             error: Some(&e.message),
             prompt_tokens: None,
+            cached_tokens: None,
             tokens: None,
             stop: None,
             passes: None,

@@ -79,6 +79,7 @@ impl Session {
                 .with_context(|| format!("chat template {}", file.display()))?;
             loaded.chat_template = Some(template);
         }
+        loaded.model.kv_mut().set_prefix_cache(cfg.prefix_cache);
         let load_s = load_start.elapsed().as_secs_f64();
         if interrupt::requested() {
             eprintln!("gen: interrupted");

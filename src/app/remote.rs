@@ -389,6 +389,7 @@ impl Tally {
             text: Some(&reply.text),
             error: None,
             prompt_tokens: reply.prompt_tokens,
+            cached_tokens: None,
             tokens: reply.tokens,
             stop: Some(&reply.stop),
             passes: None,

@@ -132,7 +132,9 @@ impl LanguageModel for Decoder {
             Backend::Cpu(b) => b.reserve(&self.cfg, blocks),
             Backend::Device(b) => b.reserve(&self.cfg, blocks)?,
         }
+        let caching = self.kv.prefix_cache();
         self.kv = PagedKv::new(blocks);
+        self.kv.set_prefix_cache(caching);
         Ok(())
     }
 

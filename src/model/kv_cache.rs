@@ -23,9 +23,42 @@ pub fn blocks_for(tokens: usize) -> usize {
 pub struct KvUsage {
     pub block_size: usize,
     pub blocks_total: usize,
+    /// Blocks live sequences hold.
     pub blocks_used: usize,
     /// Most blocks in use at once since the pool was made.
     pub blocks_peak: usize,
+    /// Blocks of the prefix cache no sequence holds: free for the taking, least recently used
+    /// first, and reused as they are by a prompt that begins with their tokens.
+    pub blocks_cached: usize,
+}
+
+/// A published block: its tokens and where it sits in the chain of blocks before it.
+#[derive(Debug, Clone)]
+struct Entry {
+    key: u64,
+    parent: u64,
+    tokens: [u32; BLOCK_SIZE],
+    /// When it was last released (for eviction, least recent first).
+    stamp: u64,
+}
+
+/// The key of the chain before a sequence's first block.
+const ROOT: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// The key of a block of `tokens` after the chain `parent`: an FNV-1a-style mix of the parent's
+/// key and the token ids, finished with a 64-bit avalanche. Keys only find candidates: a match
+/// also compares the candidate's tokens and its parent's key.
+pub fn chain_key(parent: u64, tokens: &[u32]) -> u64 {
+    let mut h = parent ^ 0xcbf2_9ce4_8422_2325;
+    for &t in tokens {
+        h = (h ^ t as u64).wrapping_mul(0x0000_0100_0000_01b3);
+        h ^= h >> 29;
+    }
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    h ^ (h >> 33)
 }
 
 #[derive(Debug, Default)]
@@ -39,9 +72,12 @@ struct Sequence {
     /// The run of block ids its blocks are being laid out in: its own while free, so other
     /// sequences place their runs elsewhere; a soft claim that a short pool overrides.
     claim: std::ops::Range<u32>,
+    /// Chain keys of its first blocks, the ones taken from the cache or published: those
+    /// blocks are never written again.
+    keys: Vec<u64>,
 }
 
-/// Which blocks are free, and each live sequence's block table.
+/// Which blocks are free, each live sequence's block table, and the prefix cache.
 ///
 /// Blocks are handed out so that a sequence's blocks are consecutive ids wherever the pool
 /// allows: attention reads a sequence's keys (and values) as one run per kv head when they
@@ -50,39 +86,86 @@ struct Sequence {
 /// for what it expects to hold, and grows into the next id while that is free; the rest of
 /// its run is left to it while other sequences can go elsewhere. Nothing is reserved hard: a
 /// pool short of blocks hands out any free one.
-#[derive(Debug, Default)]
+///
+/// Prefix cache: a full block whose keys and values a prompt's prefill computed can be
+/// published under the chain of token ids up to its end (vLLM's hash chain: a key of the
+/// parent's key and the block's tokens). A sequence whose prompt begins with published blocks
+/// takes them by reference ([`PagedKv::attach_prefix`]) and prefills only the rest; a published
+/// block is never written again (a sequence's partly filled last block is always its own). A
+/// published block that no sequence holds stays in the cache, free to be taken: new blocks
+/// come from never-published ones first, then from the cache, least recently released first.
+#[derive(Debug)]
 pub struct PagedKv {
     total: usize,
-    /// Per block id: free or not.
-    free: Vec<bool>,
-    free_count: usize,
+    /// Per block id: how many live sequences hold it.
+    refs: Vec<u32>,
+    /// Per block id: its prefix-cache entry, when published.
+    entries: Vec<Option<Entry>>,
+    /// Published blocks no sequence holds, by (stamp, id): the first is evicted first.
+    idle: std::collections::BTreeSet<(u64, u32)>,
+    /// Published blocks by chain key.
+    index: std::collections::HashMap<u64, u32>,
+    clock: u64,
+    /// Blocks no sequence holds and the cache does not keep.
+    plain_free: usize,
     peak: usize,
     seqs: Vec<Option<Sequence>>,
+    caching: bool,
+}
+
+impl Default for PagedKv {
+    fn default() -> Self {
+        Self::new(0)
+    }
 }
 
 impl PagedKv {
-    /// A pool of `blocks` blocks, all free.
+    /// A pool of `blocks` blocks, all free, with the prefix cache on.
     pub fn new(blocks: usize) -> Self {
         Self {
             total: blocks,
-            free: vec![true; blocks],
-            free_count: blocks,
+            refs: vec![0; blocks],
+            entries: vec![None; blocks],
+            idle: Default::default(),
+            index: Default::default(),
+            clock: 0,
+            plain_free: blocks,
             peak: 0,
             seqs: Vec::new(),
+            caching: true,
         }
+    }
+
+    /// Turn the prefix cache on or off (off: nothing is published or looked up, and what was
+    /// published is forgotten).
+    pub fn set_prefix_cache(&mut self, on: bool) {
+        self.caching = on;
+        if !on {
+            for b in 0..self.total {
+                if self.entries[b].is_some() {
+                    self.unpublish(b as u32);
+                }
+            }
+        }
+    }
+
+    pub fn prefix_cache(&self) -> bool {
+        self.caching
     }
 
     pub fn usage(&self) -> KvUsage {
         KvUsage {
             block_size: BLOCK_SIZE,
             blocks_total: self.total,
-            blocks_used: self.total - self.free_count,
+            blocks_used: self.total - self.free_blocks(),
             blocks_peak: self.peak,
+            blocks_cached: self.idle.len(),
         }
     }
 
+    /// Blocks a sequence can take: free ones and cached ones no sequence holds.
     pub fn free_blocks(&self) -> usize {
-        self.free_count
+        self.plain_free + self.idle.len()
     }
 
     /// Whether any sequence is live.
@@ -112,12 +195,42 @@ impl PagedKv {
         }
     }
 
-    /// End a sequence and return its blocks to the pool.
+    /// End a sequence and give back its blocks: published ones stay in the cache.
     pub fn free_sequence(&mut self, seq: SeqId) {
         if let Some(s) = self.seqs.get_mut(seq).and_then(|s| s.take()) {
-            self.free_count += s.blocks.len();
             for b in s.blocks {
-                self.free[b as usize] = true;
+                self.release(b);
+            }
+        }
+    }
+
+    /// One holder less for block `b`.
+    fn release(&mut self, b: u32) {
+        let r = &mut self.refs[b as usize];
+        debug_assert!(*r > 0, "block {b} released more often than taken");
+        *r -= 1;
+        if *r > 0 {
+            return;
+        }
+        match &mut self.entries[b as usize] {
+            Some(e) => {
+                self.clock += 1;
+                e.stamp = self.clock;
+                self.idle.insert((e.stamp, b));
+            }
+            None => self.plain_free += 1,
+        }
+    }
+
+    /// Forget block `b`'s cache entry (it is held by nobody, or about to be rewritten).
+    fn unpublish(&mut self, b: u32) {
+        if let Some(e) = self.entries[b as usize].take() {
+            if self.index.get(&e.key) == Some(&b) {
+                self.index.remove(&e.key);
+            }
+            if self.refs[b as usize] == 0 {
+                self.idle.remove(&(e.stamp, b));
+                self.plain_free += 1;
             }
         }
     }
@@ -129,31 +242,42 @@ impl PagedKv {
             return false;
         };
         let need = blocks_for(tokens).saturating_sub(s.blocks.len());
-        if need > self.free_count {
+        if need > self.free_blocks() {
             return false;
         }
         for left in (1..=need).rev() {
+            if self.plain_free == 0 {
+                // Room comes from the cache: the least recently released block goes.
+                let &(_, b) = self.idle.first().expect("free_blocks counted it");
+                self.unpublish(b);
+            }
             let b = self.next_block(seq, left);
-            self.free[b as usize] = false;
-            self.free_count -= 1;
+            debug_assert!(self.refs[b as usize] == 0 && self.entries[b as usize].is_none());
+            self.refs[b as usize] = 1;
+            self.plain_free -= 1;
             self.seqs[seq]
                 .as_mut()
                 .expect("live, checked above")
                 .blocks
                 .push(b);
         }
-        self.peak = self.peak.max(self.total - self.free_count);
+        self.peak = self.peak.max(self.total - self.free_blocks());
         true
     }
 
+    /// Whether block `b` is free and not kept by the cache.
+    fn is_plain_free(&self, b: usize) -> bool {
+        self.refs[b] == 0 && self.entries[b].is_none()
+    }
+
     /// The free block `seq` takes next, with `left` more to take now (at least 1 block is
-    /// free): the one after its last if that is free and no other sequence's run holds it,
-    /// else the start of a new run.
+    /// plainly free): the one after its last if that is free and no other sequence's run
+    /// holds it, else the start of a new run.
     fn next_block(&mut self, seq: SeqId, left: usize) -> u32 {
         let s = self.seqs[seq].as_ref().expect("live");
         if let Some(&last) = s.blocks.last() {
             let next = last as usize + 1;
-            if next < self.total && self.free[next] && !self.claimed_by_other(seq, next) {
+            if next < self.total && self.is_plain_free(next) && !self.claimed_by_other(seq, next) {
                 return next as u32;
             }
         }
@@ -176,7 +300,7 @@ impl PagedKv {
     /// other sequences' runs that is long enough, else the longest such stretch, else (the
     /// pool is short) the first free block.
     fn place(&self, seq: SeqId, want: usize) -> u32 {
-        let mut open = self.free.clone();
+        let mut open: Vec<bool> = (0..self.total).map(|b| self.is_plain_free(b)).collect();
         for (i, s) in self.seqs.iter().enumerate() {
             if let Some(s) = s.as_ref().filter(|_| i != seq) {
                 for b in s.claim.clone() {
@@ -204,7 +328,95 @@ impl PagedKv {
         }
         match longest {
             Some((start, _)) => start as u32,
-            None => self.free.iter().position(|f| *f).expect("a free block") as u32,
+            None => (0..self.total)
+                .find(|&b| self.is_plain_free(b))
+                .expect("a free block") as u32,
+        }
+    }
+
+    /// The published blocks `tokens` begins with, in order: the chain of full blocks, at most
+    /// `(tokens.len() - 1) / BLOCK_SIZE` of them (a prompt keeps at least one token to prefill,
+    /// whose logits give its first reply token).
+    pub fn lookup(&self, tokens: &[u32]) -> Vec<u32> {
+        let mut found = Vec::new();
+        if !self.caching || tokens.is_empty() {
+            return found;
+        }
+        let mut parent = ROOT;
+        for chunk in tokens[..tokens.len() - 1].chunks_exact(BLOCK_SIZE) {
+            let key = chain_key(parent, chunk);
+            let Some(&b) = self.index.get(&key) else {
+                break;
+            };
+            match &self.entries[b as usize] {
+                Some(e) if e.parent == parent && e.tokens[..] == *chunk => found.push(b),
+                _ => break,
+            }
+            parent = key;
+        }
+        found
+    }
+
+    /// Give the new, empty sequence `seq` the published blocks its `tokens` begin with (see
+    /// [`lookup`](Self::lookup)); returns how many tokens it now holds (a multiple of
+    /// BLOCK_SIZE). Its next step starts there.
+    pub fn attach_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> usize {
+        let found = self.lookup(tokens);
+        let Some(Some(s)) = self.seqs.get(seq) else {
+            return 0;
+        };
+        if !s.blocks.is_empty() || found.is_empty() {
+            return 0;
+        }
+        for &b in &found {
+            if self.refs[b as usize] == 0 {
+                let stamp = self.entries[b as usize].as_ref().expect("published").stamp;
+                self.idle.remove(&(stamp, b));
+            }
+            self.refs[b as usize] += 1;
+        }
+        let keys: Vec<u64> = found
+            .iter()
+            .map(|&b| self.entries[b as usize].as_ref().expect("published").key)
+            .collect();
+        let len = found.len() * BLOCK_SIZE;
+        let s = self.seqs[seq].as_mut().expect("live");
+        s.len = len;
+        s.blocks = found;
+        s.keys = keys;
+        self.peak = self.peak.max(self.total - self.free_blocks());
+        len
+    }
+
+    /// Publish the full blocks of `seq` that hold `tokens` (its first tokens, every one of
+    /// them computed by a prefill step: the keys and values a prompt's prefill gives are what
+    /// another prompt's would). A block whose chain another block already publishes stays the
+    /// sequence's own. Blocks published before are left as they are.
+    pub fn publish(&mut self, seq: SeqId, tokens: &[u32]) {
+        if !self.caching {
+            return;
+        }
+        let Some(Some(s)) = self.seqs.get(seq) else {
+            return;
+        };
+        let full = tokens.len().min(s.len) / BLOCK_SIZE;
+        let from = s.keys.len();
+        for i in from..full {
+            let s = self.seqs[seq].as_ref().expect("live");
+            let parent = s.keys.last().copied().unwrap_or(ROOT);
+            let chunk = &tokens[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE];
+            let key = chain_key(parent, chunk);
+            let b = s.blocks[i];
+            if !self.index.contains_key(&key) && self.refs[b as usize] == 1 {
+                self.index.insert(key, b);
+                self.entries[b as usize] = Some(Entry {
+                    key,
+                    parent,
+                    tokens: chunk.try_into().expect("a block of tokens"),
+                    stamp: 0,
+                });
+            }
+            self.seqs[seq].as_mut().expect("live").keys.push(key);
         }
     }
 
@@ -221,11 +433,21 @@ impl PagedKv {
             .map(|s| s.blocks.len() * BLOCK_SIZE)
     }
 
-    /// Forget the sequence's tokens from `len` on (a conversation whose next turn diverges
-    /// from what is cached there). Its blocks stay reserved; the next steps overwrite them.
+    /// Forget the sequence's tokens from `len` on. Its own blocks stay reserved and the next
+    /// steps overwrite them; blocks from the cache or published (never written again) that
+    /// held tokens from `len` on are given back, so `reserve` must make room again.
     pub fn truncate(&mut self, seq: SeqId, len: usize) {
-        if let Some(Some(s)) = self.seqs.get_mut(seq) {
-            s.len = s.len.min(len);
+        let Some(Some(s)) = self.seqs.get_mut(seq) else {
+            return;
+        };
+        s.len = s.len.min(len);
+        let keep = s.len / BLOCK_SIZE;
+        if s.keys.len() > keep {
+            s.keys.truncate(keep);
+            let gone = s.blocks.split_off(keep);
+            for b in gone {
+                self.release(b);
+            }
         }
     }
 
@@ -234,7 +456,21 @@ impl PagedKv {
         if let Some(Some(s)) = self.seqs.get_mut(seq) {
             s.len += n;
             debug_assert!(s.len <= s.blocks.len() * BLOCK_SIZE);
+            debug_assert!(
+                s.len - n >= s.keys.len() * BLOCK_SIZE,
+                "a published block written"
+            );
         }
+    }
+
+    /// How many live sequences hold block `b` (0: free or only cached).
+    pub fn holders(&self, b: u32) -> u32 {
+        self.refs.get(b as usize).copied().unwrap_or(0)
+    }
+
+    /// Whether block `b` is published (its contents never change while it is).
+    pub fn is_published(&self, b: u32) -> bool {
+        self.entries.get(b as usize).is_some_and(|e| e.is_some())
     }
 
     /// The block table of a live sequence.

@@ -32,6 +32,64 @@ pub struct SeqStep<'a> {
     pub seq: SeqId,
     pub tokens: &'a [u32],
     pub pos: usize,
+    pub kind: StepKind,
+}
+
+/// How a step's tokens are computed, and which of them get logits.
+///
+/// On gen's CPU kernels a token's keys, values and logits depend only on the tokens before it
+/// and on the kind of step that computed it, bit for bit: not on the batch, the step's length
+/// or where a prompt chunk starts. Prompt tokens are computed as `Prefill` and generated ones
+/// as `Decode` whatever the pass holds, so a prompt whose beginning comes from a cache, or a
+/// reply checked several tokens at a time, gives exactly what a plain run gives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepKind {
+    /// A prompt chunk (of any length, one token included): causal attention over the chunk at
+    /// once; logits of its last token only.
+    Prefill,
+    /// Each token as a one-token decode step of its own would compute it (the decode attention
+    /// kernel, query by query); logits of every token. Several tokens: a reply's next token and
+    /// proposals for the ones after it, checked in one pass.
+    Decode,
+}
+
+impl<'a> SeqStep<'a> {
+    /// A prompt chunk.
+    pub fn prefill(seq: SeqId, tokens: &'a [u32], pos: usize) -> Self {
+        Self {
+            seq,
+            tokens,
+            pos,
+            kind: StepKind::Prefill,
+        }
+    }
+
+    /// Decode steps: logits for each of `tokens`.
+    pub fn decode(seq: SeqId, tokens: &'a [u32], pos: usize) -> Self {
+        Self {
+            seq,
+            tokens,
+            pos,
+            kind: StepKind::Decode,
+        }
+    }
+
+    /// A prompt chunk when `tokens` has several, a decode step when it has one: how a loop
+    /// that feeds a prompt and then its reply token by token computes each.
+    pub fn auto(seq: SeqId, tokens: &'a [u32], pos: usize) -> Self {
+        match tokens.len() {
+            1 => Self::decode(seq, tokens, pos),
+            _ => Self::prefill(seq, tokens, pos),
+        }
+    }
+
+    /// Rows of logits the step gets: 1 for a prompt chunk, one per token for decode steps.
+    pub fn logit_rows(&self) -> usize {
+        match self.kind {
+            StepKind::Prefill => 1,
+            StepKind::Decode => self.tokens.len(),
+        }
+    }
 }
 
 /// What the rest of the program needs to know about a loaded model.
@@ -61,7 +119,8 @@ pub trait LanguageModel {
     fn kv_bytes_per_token(&self) -> usize;
 
     /// One forward pass. Each step's sequence must have room for its tokens (`reserve`).
-    /// Returns the logits of each step's last token: (batch, vocab), f32.
+    /// Returns the logits of each step's rows in step order ([`SeqStep::logit_rows`]: a prompt
+    /// chunk's last token, every token of a decode step): (rows, vocab), f32.
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> anyhow::Result<Tensor>;
 
     /// A new, empty sequence.

@@ -9,7 +9,7 @@
 use std::ops::Range;
 
 use super::kv_cache::{slot, PagedKv};
-use super::SeqStep;
+use super::{SeqStep, StepKind};
 
 /// One step of the pass as the backends see it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,6 +24,7 @@ pub struct StepPlan<'a> {
     pub blocks: &'a [u32],
     /// Per window (as [`PassPlan::windows`]): the first position its first query may see.
     pub lo: Vec<usize>,
+    pub kind: StepKind,
 }
 
 impl StepPlan<'_> {
@@ -42,6 +43,18 @@ impl StepPlan<'_> {
     pub fn slots(&self, range: Range<usize>) -> impl Iterator<Item = u32> + '_ {
         range.map(|p| slot(self.blocks, p))
     }
+}
+
+/// One query of the decode kernel: a token of a decode step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecodeQuery<'a> {
+    /// Its row among the N.
+    pub row: usize,
+    pub blocks: &'a [u32],
+    /// Positions it sees the end of: its own position + 1.
+    pub end: usize,
+    /// Per window: the first position it may see.
+    pub lo: Vec<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -76,6 +89,7 @@ impl<'a> PassPlan<'a> {
                     .iter()
                     .map(|w| w.map_or(0, |w| (step.pos + 1).saturating_sub(w)))
                     .collect(),
+                kind: step.kind,
             });
             ids.extend_from_slice(step.tokens);
             positions.extend(step.pos..end);
@@ -100,15 +114,40 @@ impl<'a> PassPlan<'a> {
         self.tokens() == self.steps.len()
     }
 
-    /// The row of each step's last token among the N (the rows that get logits); None when
-    /// that is every row.
-    pub fn last_rows(&self) -> Option<Vec<u32>> {
-        (!self.all_single()).then(|| {
-            self.steps
-                .iter()
-                .map(|s| (s.at + s.len - 1) as u32)
-                .collect()
-        })
+    /// The rows among the N that get logits, in step order: a prompt chunk's last token, every
+    /// token of a decode step. None when that is every row.
+    pub fn logit_rows(&self) -> Option<Vec<u32>> {
+        let rows: Vec<u32> = self
+            .steps
+            .iter()
+            .flat_map(|s| match s.kind {
+                StepKind::Prefill => (s.at + s.len - 1)..(s.at + s.len),
+                StepKind::Decode => s.at..(s.at + s.len),
+            })
+            .map(|r| r as u32)
+            .collect();
+        (rows.len() < self.tokens()).then_some(rows)
+    }
+
+    /// Each query the decode kernel serves, in row order: every token of the decode steps,
+    /// as a one-token step at its position would be.
+    pub fn decode_queries(&self) -> Vec<DecodeQuery<'a>> {
+        self.steps
+            .iter()
+            .filter(|s| s.kind == StepKind::Decode)
+            .flat_map(|s| {
+                (0..s.len).map(move |i| DecodeQuery {
+                    row: s.at + i,
+                    blocks: s.blocks,
+                    end: s.pos + i + 1,
+                    lo: self
+                        .windows
+                        .iter()
+                        .map(|w| w.map_or(0, |w| (s.pos + i + 1).saturating_sub(w)))
+                        .collect(),
+                })
+            })
+            .collect()
     }
 
     /// cos and sin of the rotation angles of each token's position for a rope `base` over
@@ -148,16 +187,8 @@ mod tests {
         kv.advance(b, 40);
         let prompt: Vec<u32> = (100..120).collect();
         let batch = [
-            SeqStep {
-                seq: a,
-                tokens: &prompt,
-                pos: 3,
-            },
-            SeqStep {
-                seq: b,
-                tokens: &[7],
-                pos: 40,
-            },
+            SeqStep::prefill(a, &prompt, 3),
+            SeqStep::decode(b, &[7], 40),
         ];
         let windows = [None, Some(8)];
         let plan = PassPlan::new(&kv, &batch, &windows);
@@ -181,7 +212,7 @@ mod tests {
         // sees 33..=40.
         assert_eq!((sa.keys(0), sa.keys(1)), (0..23, 0..23));
         assert_eq!((sb.keys(0), sb.keys(1)), (0..41, 33..41));
-        assert_eq!(plan.last_rows(), Some(vec![19, 20]));
+        assert_eq!(plan.logit_rows(), Some(vec![19, 20]));
     }
 
     #[test]
@@ -196,15 +227,11 @@ mod tests {
         let batch: Vec<SeqStep<'_>> = seqs
             .iter()
             .zip(&toks)
-            .map(|(&seq, t)| SeqStep {
-                seq,
-                tokens: t,
-                pos: 4,
-            })
+            .map(|(&seq, t)| SeqStep::decode(seq, t, 4))
             .collect();
         let plan = PassPlan::new(&kv, &batch, &[None]);
         assert!(plan.all_single());
-        assert_eq!(plan.last_rows(), None);
+        assert_eq!(plan.logit_rows(), None);
         assert_eq!(plan.ids, [1, 2, 3]);
         assert_eq!(
             plan.steps.iter().map(|s| s.at).collect::<Vec<_>>(),
@@ -219,11 +246,7 @@ mod tests {
         let mut kv = PagedKv::new(1);
         let s = kv.new_sequence();
         assert!(kv.reserve(s, 3));
-        let batch = [SeqStep {
-            seq: s,
-            tokens: &[1, 2, 3],
-            pos: 0,
-        }];
+        let batch = [SeqStep::prefill(s, &[1, 2, 3], 0)];
         let plan = PassPlan::new(&kv, &batch, &[None]);
         let (cos, sin) = plan.rope_angles(4, 100.0);
         assert_eq!(cos.len(), 6);

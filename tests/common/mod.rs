@@ -97,11 +97,7 @@ pub fn teacher_forced(
     let mut input = prompt.to_vec();
     let mut pos = 0;
     for &id in ids {
-        let step = gen::model::SeqStep {
-            seq,
-            tokens: &input,
-            pos,
-        };
+        let step = gen::model::SeqStep::auto(seq, &input, pos);
         let logits = model.forward(&[step]).unwrap();
         rows.push(logits.flatten_all().unwrap().to_vec1::<f32>().unwrap());
         pos += input.len();
@@ -234,11 +230,7 @@ pub fn gen_logits(
     chunks.extend(tokens[split..].chunks(1));
     for chunk in chunks {
         let l = m
-            .forward(&[gen::model::SeqStep {
-                seq,
-                tokens: chunk,
-                pos,
-            }])
+            .forward(&[gen::model::SeqStep::auto(seq, chunk, pos)])
             .unwrap();
         pos += chunk.len();
         out.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());

@@ -26,9 +26,10 @@ use candle_core::{Device, Tensor};
 use self::kv_store::HostKv;
 use super::config::{Activation, DecoderConfig, Rope};
 use super::kv_cache::BLOCK_SIZE;
-use super::plan::{PassPlan, StepPlan};
+use super::plan::{DecodeQuery, PassPlan, StepPlan};
 use super::profile::Profile;
 use super::weights::{Layer, Weights};
+use super::StepKind;
 
 pub struct CpuBackend {
     store: HostKv,
@@ -39,8 +40,8 @@ struct CpuPass<'p, 'a> {
     plan: &'p PassPlan<'a>,
     /// Per rope base: cos and sin, (N, hd/2) each.
     ropes: Vec<(Vec<f32>, Vec<f32>)>,
-    /// The one-token steps, for the decode kernel.
-    decode: Vec<&'p StepPlan<'a>>,
+    /// The decode steps' tokens, for the decode kernel.
+    decode: Vec<DecodeQuery<'a>>,
 }
 
 impl CpuBackend {
@@ -77,10 +78,10 @@ impl CpuBackend {
                 .iter()
                 .map(|&base| plan.rope_angles(cfg.head_dim, base))
                 .collect(),
-            decode: plan.steps.iter().filter(|s| s.len == 1).collect(),
+            decode: plan.decode_queries(),
         };
         let mut x = w.embed(&plan.ids, cfg, dev)?;
-        let last_rows = plan.last_rows();
+        let last_rows = plan.logit_rows();
         profile.mark(dev, "prepare, embed");
         // Each residual add comes with the norm that follows it (one fused pass): the input of
         // the next layer's attention, normalised, waits here.
@@ -176,17 +177,17 @@ impl CpuBackend {
             .then(|| decode_attention(&q, k_pool, v_pool, &pass.decode, view, cfg, scale))
             .transpose()?;
         let y = match decoded {
-            Some(y) if pass.decode.len() == plan.steps.len() => y, // every step: (N, h*hd)
+            Some(y) if pass.decode.len() == n => y, // every token: (N, h*hd)
             _ => {
-                // Steps in order: prompt chunks through the prefill kernel, one-token steps
-                // from the decode kernel's rows.
+                // Steps in order: prompt chunks through the prefill kernel, decode steps from
+                // the decode kernel's rows.
                 let mut parts = Vec::with_capacity(plan.steps.len());
-                let mut decode_rows = 0..pass.decode.len();
+                let mut decode_rows = 0;
                 for step in &plan.steps {
-                    if step.len == 1 {
+                    if step.kind == StepKind::Decode {
                         let d = decoded.as_ref().expect("a CPU decode step");
-                        let row = decode_rows.next().expect("one row per decode step");
-                        parts.push(d.narrow(0, row, 1)?);
+                        parts.push(d.narrow(0, decode_rows, step.len)?);
+                        decode_rows += step.len;
                     } else {
                         let window = plan.windows[view];
                         parts.push(prefill_attention(
@@ -240,26 +241,26 @@ fn prefill_attention(
     Ok(Tensor::from_vec(y, (t, width), &Device::Cpu)?)
 }
 
-/// One query token per step against its sequence's pages, keys from the step's first visible
-/// position under window `view`. q: (N, h, hd). Returns (steps, h*hd).
+/// Each decode query (a token of a decode step) against its sequence's pages, keys from its
+/// first visible position under window `view`. q: (N, h, hd). Returns (queries, h*hd).
 fn decode_attention(
     q: &Tensor,
     k: &[half::f16],
     v: &[half::f16],
-    steps: &[&StepPlan<'_>],
+    queries: &[DecodeQuery<'_>],
     view: usize,
     cfg: &DecoderConfig,
     scale: f32,
 ) -> Result<Tensor> {
     let width = cfg.n_head * cfg.head_dim;
     let y = ops::with_f32(q, |q| {
-        let seqs: Vec<attention::PagedQuery<'_>> = steps
+        let seqs: Vec<attention::PagedQuery<'_>> = queries
             .iter()
-            .map(|s| attention::PagedQuery {
-                q: &q[s.at * width..(s.at + 1) * width],
-                blocks: s.blocks,
-                len: s.end(),
-                from: s.lo[view],
+            .map(|d| attention::PagedQuery {
+                q: &q[d.row * width..(d.row + 1) * width],
+                blocks: d.blocks,
+                len: d.end,
+                from: d.lo[view],
             })
             .collect();
         attention::paged_decode_attention(
@@ -273,5 +274,5 @@ fn decode_attention(
             scale,
         )
     })?;
-    Ok(Tensor::from_vec(y, (steps.len(), width), &Device::Cpu)?)
+    Ok(Tensor::from_vec(y, (queries.len(), width), &Device::Cpu)?)
 }

@@ -148,7 +148,7 @@ impl DeviceBackend {
         };
         let mut x = w.embed(&plan.ids, cfg, &dev)?;
         let last_rows = plan
-            .last_rows()
+            .logit_rows()
             .map(|rows| Tensor::new(rows.as_slice(), &dev))
             .transpose()?;
         profile.mark(&dev, "prepare, embed");
