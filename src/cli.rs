@@ -202,7 +202,7 @@ pub struct Args {
     /// the same model file, loads those tokens' keys and values instead of computing them,
     /// then saves its own prompt there. A file that does not fit (another model, damaged) is
     /// ignored with a warning and rewritten.
-    #[arg(long, value_name = "FILE", conflicts_with = "batch")]
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["batch", "no_prefix_cache"])]
     pub prompt_cache: Option<PathBuf>,
 
     /// Propose tokens and check several in one forward pass: `lookup` drafts them from earlier
@@ -477,6 +477,9 @@ impl Args {
         if self.messages.is_some() && !(self.chat || interactive) {
             bail!("--messages applies to --chat and gen chat");
         }
+        if interactive && self.prompt_cache.is_some() {
+            bail!("--prompt-cache applies to one prompt; gen chat keeps its turns in the KV cache itself");
+        }
         let constrained = self.json.is_some()
             || self.json_schema.is_some()
             || self.grammar.is_some()
@@ -574,6 +577,9 @@ fn remote_config(a: &Args, interactive: bool, constrained: bool) -> Result<Optio
     }
     if a.dry_run {
         bail!("--dry-run shows the local chat template's text; with --endpoint the server applies its own");
+    }
+    if a.prompt_cache.is_some() || a.no_prefix_cache {
+        bail!("--prompt-cache and --no-prefix-cache are about the local KV cache; with --endpoint the server keeps its own");
     }
     let concurrency = a.concurrency.unwrap_or(8);
     if concurrency == 0 {

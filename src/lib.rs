@@ -16,6 +16,7 @@ pub mod generate;
 pub mod interrupt;
 pub mod model;
 pub mod output;
+pub mod prompt_cache;
 pub mod remote;
 pub mod report;
 pub mod sampler;

@@ -16,6 +16,9 @@ pub struct Report {
     pub prompt_tokens: usize,
     /// Of the prompt tokens, how many came from the prefix cache or a prompt-cache file.
     pub cached_tokens: usize,
+    /// Time to read and restore a prompt-cache file (within `ttft_s`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_cache_load_s: Option<f64>,
     pub generated_tokens: usize,
     pub forward_passes: usize,
     pub ttft_s: f64,
@@ -90,10 +93,11 @@ impl Report {
             load_s,
             prompt_tokens: gen.prompt_tokens,
             cached_tokens: gen.reused_tokens,
+            prompt_cache_load_s: None,
             generated_tokens: gen.tokens.len(),
             forward_passes: gen.forward_passes,
             ttft_s: ttft,
-            prefill_tok_s: rate(gen.prompt_tokens, ttft),
+            prefill_tok_s: rate(gen.prompt_tokens - gen.reused_tokens, ttft),
             decode_tok_s: rate(passes, decode),
             ms_per_token: if passes > 0 {
                 decode * 1000.0 / passes as f64
@@ -105,6 +109,11 @@ impl Report {
             seed,
             constraint: None,
         }
+    }
+
+    pub fn with_prompt_cache(mut self, load: Option<std::time::Duration>) -> Self {
+        self.prompt_cache_load_s = load.map(|d| d.as_secs_f64());
+        self
     }
 
     pub fn with_constraint(mut self, constraint: Option<&crate::constraint::Constraint>) -> Self {
@@ -128,9 +137,12 @@ impl Report {
             self.forward_passes,
             self.forward_passes.saturating_sub(1)
         )?;
+        let file = self.prompt_cache_load_s.map_or(String::new(), |s| {
+            format!("; prompt cache file read in {:.1} ms", s * 1000.0)
+        });
         writeln!(
             w,
-            "first token    {:.1} ms (prefill {:.1} tok/s)",
+            "first token    {:.1} ms (prefill {:.1} tok/s{file})",
             self.ttft_s * 1000.0,
             self.prefill_tok_s
         )?;
@@ -286,11 +298,12 @@ impl BatchReport {
     }
 }
 
-/// " (N from the prefix cache)" when any prompt tokens came from there.
+/// " (N from the KV cache)" when any prompt tokens came from the prefix cache (or a prompt
+/// cache file, through it).
 fn cached_note(cached: usize) -> String {
     match cached {
         0 => String::new(),
-        n => format!(" ({n} from the prefix cache)"),
+        n => format!(" ({n} from the KV cache)"),
     }
 }
 

@@ -10,7 +10,9 @@ use candle_core::Device;
 use crate::cli::{Config, DeviceChoice, PromptSource, StatsFormat};
 use crate::constraint::Grammars;
 use crate::generate::{self, Flow, Limits, StopReason, TokenSink};
+use crate::model::kv_cache::blocks_for;
 use crate::output::{StopMatcher, TextOut};
+use crate::prompt_cache::PromptCache;
 use crate::report::Report;
 use crate::sampler::Sampler;
 use crate::source::{self, FetchOptions};
@@ -245,7 +247,22 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         let grammars = Grammars::new(&loaded.tokenizer, &eos)?;
         sampler = sampler.with_constraint(grammars.constraint(spec)?);
     }
-    let gen = generate::generate(
+    let cache = match &cfg.prompt_cache {
+        Some(path) => {
+            let capacity = (prompt.len() + limits.max_new).min(limits.context_len);
+            loaded.model.reserve_pool(blocks_for(capacity))?;
+            let model = loaded.model.as_mut();
+            Some(PromptCache::open(
+                path,
+                &session.path,
+                model,
+                &prompt,
+                cfg.quiet,
+            )?)
+        }
+        None => None,
+    };
+    let mut gen = generate::generate(
         loaded.model.as_mut(),
         &prompt,
         &mut sampler,
@@ -254,6 +271,15 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         &mut sink,
     )?;
     sink.finish(gen.stop)?;
+    if let Some(cache) = &cache {
+        // The first token waited for the file too.
+        gen.time_to_first_token += cache.load_time;
+        if gen.forward_passes > 0 {
+            if let Err(e) = cache.save(loaded.model.as_ref(), &prompt) {
+                eprintln!("gen: warning: {e:#}");
+            }
+        }
+    }
     if !out.is_closed() && stdout_is_terminal() {
         out.write("\n")?;
     }
@@ -271,7 +297,8 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
             &gen,
             seed,
         )
-        .with_constraint(sampler.constraint());
+        .with_constraint(sampler.constraint())
+        .with_prompt_cache(cache.as_ref().map(|c| c.load_time));
         let mut err = std::io::stderr().lock();
         match cfg.stats {
             StatsFormat::Human => report.write_human(&mut err)?,

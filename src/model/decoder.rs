@@ -149,4 +149,36 @@ impl LanguageModel for Decoder {
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<Tensor> {
         self.forward_batch(batch)
     }
+
+    fn kv_layout(&self) -> String {
+        let c = &self.cfg;
+        let (store, compute) = match &self.backend {
+            Backend::Cpu(_) => (
+                "f16",
+                format!("gen cpu, {}", super::cpu::q8::Kernel::detect().name()),
+            ),
+            Backend::Device(b) => ("f32", format!("candle {}", b.device_name())),
+        };
+        format!(
+            "{store} (kv, block {}, hd) x {} layers x {} kv heads x {} wide; computed by {compute}",
+            super::kv_cache::BLOCK_SIZE,
+            c.n_layer,
+            c.n_kv_head,
+            c.head_dim
+        )
+    }
+
+    fn read_kv_blocks(&self, blocks: &[u32]) -> Result<Vec<u8>> {
+        match &self.backend {
+            Backend::Cpu(b) => Ok(b.store().read_blocks(blocks)),
+            Backend::Device(b) => Ok(b.store().read_blocks(blocks)?),
+        }
+    }
+
+    fn write_kv_blocks(&mut self, blocks: &[u32], data: &[u8]) -> Result<()> {
+        match &mut self.backend {
+            Backend::Cpu(b) => b.store_mut().write_blocks(blocks, data),
+            Backend::Device(b) => b.store_mut().write_blocks(blocks, data),
+        }
+    }
 }

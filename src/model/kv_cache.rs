@@ -338,12 +338,17 @@ impl PagedKv {
     /// `(tokens.len() - 1) / BLOCK_SIZE` of them (a prompt keeps at least one token to prefill,
     /// whose logits give its first reply token).
     pub fn lookup(&self, tokens: &[u32]) -> Vec<u32> {
+        self.chain(tokens, tokens.len().saturating_sub(1) / BLOCK_SIZE)
+    }
+
+    /// The published blocks `tokens` begins with, up to `max` of them.
+    pub fn chain(&self, tokens: &[u32], max: usize) -> Vec<u32> {
         let mut found = Vec::new();
-        if !self.caching || tokens.is_empty() {
+        if !self.caching {
             return found;
         }
         let mut parent = ROOT;
-        for chunk in tokens[..tokens.len() - 1].chunks_exact(BLOCK_SIZE) {
+        for chunk in tokens.chunks_exact(BLOCK_SIZE).take(max) {
             let key = chain_key(parent, chunk);
             let Some(&b) = self.index.get(&key) else {
                 break;
@@ -355,6 +360,50 @@ impl PagedKv {
             parent = key;
         }
         found
+    }
+
+    /// Put the first `blocks` full blocks of `tokens` in the cache, as a prefill over them
+    /// would publish them, for keys and values that come from elsewhere (a prompt-cache file):
+    /// per block, the id whose contents the caller must write now, or None where the cache
+    /// holds that block already. Only never-published free blocks are used (nothing cached is
+    /// evicted for this): fewer than `blocks` come back when the pool has fewer.
+    pub fn adopt(&mut self, tokens: &[u32], blocks: usize) -> Vec<Option<u32>> {
+        let mut out = Vec::new();
+        if !self.caching {
+            return out;
+        }
+        let mut parent = ROOT;
+        let mut b = 0;
+        for chunk in tokens.chunks_exact(BLOCK_SIZE).take(blocks) {
+            let key = chain_key(parent, chunk);
+            let known = self.index.get(&key).is_some_and(|&c| {
+                let e = self.entries[c as usize].as_ref().expect("indexed");
+                e.parent == parent && e.tokens[..] == *chunk
+            });
+            if known {
+                out.push(None);
+            } else {
+                while b < self.total && !self.is_plain_free(b) {
+                    b += 1;
+                }
+                if b == self.total || self.index.contains_key(&key) {
+                    break;
+                }
+                self.clock += 1;
+                self.entries[b] = Some(Entry {
+                    key,
+                    parent,
+                    tokens: chunk.try_into().expect("a block of tokens"),
+                    stamp: self.clock,
+                });
+                self.index.insert(key, b as u32);
+                self.idle.insert((self.clock, b as u32));
+                self.plain_free -= 1;
+                out.push(Some(b as u32));
+            }
+            parent = key;
+        }
+        out
     }
 
     /// Give the new, empty sequence `seq` the published blocks its `tokens` begin with (see
@@ -434,8 +483,10 @@ impl PagedKv {
     }
 
     /// Forget the sequence's tokens from `len` on. Its own blocks stay reserved and the next
-    /// steps overwrite them; blocks from the cache or published (never written again) that
-    /// held tokens from `len` on are given back, so `reserve` must make room again.
+    /// steps overwrite them. Blocks from the cache or published (never written again) that
+    /// held tokens from `len` on are given back whole, with every block after them: the
+    /// sequence then holds fewer tokens than `len` (a multiple of BLOCK_SIZE; see `len`) and
+    /// `reserve` must make room again.
     pub fn truncate(&mut self, seq: SeqId, len: usize) {
         let Some(Some(s)) = self.seqs.get_mut(seq) else {
             return;
@@ -443,6 +494,7 @@ impl PagedKv {
         s.len = s.len.min(len);
         let keep = s.len / BLOCK_SIZE;
         if s.keys.len() > keep {
+            s.len = keep * BLOCK_SIZE;
             s.keys.truncate(keep);
             let gone = s.blocks.split_off(keep);
             for b in gone {
@@ -623,5 +675,173 @@ mod tests {
         ids.sort_unstable();
         ids.dedup();
         assert_eq!(ids.len(), 6, "no block handed out twice");
+    }
+
+    /// A sequence `tokens` long, reserved, written and its full blocks published, as a prompt's
+    /// prefill leaves it.
+    fn prefilled(kv: &mut PagedKv, tokens: &[u32]) -> SeqId {
+        let s = kv.new_sequence();
+        let reused = kv.attach_prefix(s, tokens);
+        assert!(kv.reserve(s, tokens.len()));
+        kv.advance(s, tokens.len() - reused);
+        kv.publish(s, tokens);
+        s
+    }
+
+    fn ids(range: std::ops::Range<u32>) -> Vec<u32> {
+        range.collect()
+    }
+
+    /// Two prompts sharing 35 tokens share their first two blocks by reference; each has its
+    /// own blocks after; when both end, the published blocks stay cached, the rest are free.
+    #[test]
+    fn shared_prefix_blocks_are_taken_by_reference_and_released_to_the_cache() {
+        let mut kv = PagedKv::new(16);
+        let a_tokens = ids(0..40);
+        let a = prefilled(&mut kv, &a_tokens);
+        assert!(kv.is_published(kv.blocks(a)[0]) && kv.is_published(kv.blocks(a)[1]));
+        assert!(
+            !kv.is_published(kv.blocks(a)[2]),
+            "a partly filled block is never published"
+        );
+        let mut b_tokens = ids(0..35);
+        b_tokens.extend(100..120);
+        let b = kv.new_sequence();
+        assert_eq!(kv.attach_prefix(b, &b_tokens), 32);
+        assert_eq!(kv.len(b), Some(32));
+        assert_eq!(kv.blocks(b)[..], kv.blocks(a)[..2]);
+        assert_eq!(kv.holders(kv.blocks(a)[0]), 2);
+        assert!(kv.reserve(b, b_tokens.len()));
+        assert!(
+            !kv.blocks(a).contains(&kv.blocks(b)[2]),
+            "b writes into its own blocks"
+        );
+        kv.advance(b, b_tokens.len() - 32);
+        kv.publish(b, &b_tokens);
+        assert_eq!(kv.usage().blocks_used, 3 + 2);
+        kv.free_sequence(a);
+        assert_eq!(kv.holders(kv.blocks(b)[0]), 1);
+        let shared = kv.blocks(b)[..2].to_vec();
+        kv.free_sequence(b);
+        for b in shared {
+            assert_eq!(kv.holders(b), 0, "every reference returned");
+        }
+        let u = kv.usage();
+        // a's 2 published blocks and b's 1 (its third; 51 tokens: blocks 0-2 full).
+        assert_eq!((u.blocks_used, u.blocks_cached), (0, 3));
+        assert_eq!(kv.free_blocks(), 16);
+    }
+
+    /// A match stops at the first block that differs, matches whole chains only (the same
+    /// tokens after another beginning are not a match) and leaves at least one token of the
+    /// prompt to prefill.
+    #[test]
+    fn lookups_follow_the_chain_and_leave_a_token_to_prefill() {
+        let mut kv = PagedKv::new(16);
+        let a = prefilled(&mut kv, &ids(0..48));
+        kv.free_sequence(a);
+        assert_eq!(
+            kv.lookup(&ids(0..48)).len(),
+            2,
+            "47 tokens may come from the cache"
+        );
+        assert_eq!(kv.lookup(&ids(0..49)).len(), 3);
+        assert_eq!(kv.lookup(&ids(0..16)).len(), 0);
+        assert_eq!(kv.lookup(&ids(0..17)).len(), 1);
+        let mut other = ids(0..16);
+        other[3] = 999;
+        other.extend(16..49);
+        assert!(
+            kv.lookup(&other).is_empty(),
+            "block 2 follows another block 1"
+        );
+        let mut tail = ids(0..32);
+        tail.push(7);
+        tail.extend(33..49);
+        assert_eq!(kv.lookup(&tail).len(), 2);
+        kv.set_prefix_cache(false);
+        assert!(kv.lookup(&ids(0..49)).is_empty());
+        assert_eq!(kv.usage().blocks_cached, 0);
+        assert_eq!(kv.free_blocks(), 16);
+    }
+
+    /// When the pool has no never-published block left, room comes from the cache, least
+    /// recently released first; an evicted block is no longer found.
+    #[test]
+    fn the_cache_gives_room_least_recently_released_first() {
+        let mut kv = PagedKv::new(4);
+        let a = prefilled(&mut kv, &ids(0..32)); // 2 blocks, both published
+        kv.free_sequence(a);
+        let b = prefilled(&mut kv, &ids(100..132));
+        kv.free_sequence(b); // released after a's
+        assert_eq!(kv.usage().blocks_cached, 4);
+        let c = kv.new_sequence();
+        assert!(kv.reserve(c, 16));
+        assert_eq!(kv.usage().blocks_cached, 3);
+        assert!(
+            kv.lookup(&ids(0..33)).len() < 2,
+            "a's first block went first"
+        );
+        assert_eq!(
+            kv.lookup(&ids(100..133)).len(),
+            2,
+            "b's blocks are still there"
+        );
+        // Taking a cached block back makes it busy: it is not evicted under a sequence.
+        let d = kv.new_sequence();
+        assert_eq!(kv.attach_prefix(d, &ids(100..133)), 32);
+        assert!(kv.reserve(d, 33));
+        assert!(
+            !kv.reserve(c, 17),
+            "the pool is full: only held blocks are left"
+        );
+        assert_eq!(kv.usage().blocks_cached, 0);
+        kv.free_sequence(c);
+        kv.free_sequence(d);
+        assert!(kv.is_idle());
+        assert_eq!(kv.free_blocks(), 4);
+    }
+
+    /// Two sequences that prefilled the same prompt in one pass: the first to publish owns the
+    /// cache entries, the other's blocks stay its own and are plain free when it ends.
+    #[test]
+    fn a_second_copy_of_a_chain_is_not_published() {
+        let mut kv = PagedKv::new(8);
+        let t = ids(0..33);
+        let (a, b) = (kv.new_sequence(), kv.new_sequence());
+        for s in [a, b] {
+            assert!(kv.reserve(s, t.len()));
+            kv.advance(s, t.len());
+        }
+        kv.publish(a, &t);
+        kv.publish(b, &t);
+        assert!(kv.blocks(b)[..2].iter().all(|&x| !kv.is_published(x)));
+        kv.free_sequence(a);
+        kv.free_sequence(b);
+        assert_eq!(kv.usage().blocks_cached, 2);
+        assert_eq!(kv.lookup(&t).len(), 2);
+    }
+
+    /// Truncating into blocks from the cache gives them back (they are never written); the
+    /// sequence reserves again and writes into blocks of its own.
+    #[test]
+    fn truncating_into_shared_blocks_gives_them_back() {
+        let mut kv = PagedKv::new(8);
+        let a = prefilled(&mut kv, &ids(0..40));
+        let b = kv.new_sequence();
+        assert_eq!(kv.attach_prefix(b, &ids(0..40)), 32);
+        assert!(kv.reserve(b, 40));
+        let shared = kv.blocks(a)[1];
+        kv.truncate(b, 20);
+        // Tokens 16..20 were in the shared block: forgotten with it.
+        assert_eq!((kv.len(b), kv.capacity(b)), (Some(16), Some(16)));
+        assert_eq!(kv.holders(shared), 1);
+        assert!(kv.reserve(b, 40));
+        assert!(!kv.blocks(b)[1..].contains(&shared));
+        assert_eq!(kv.blocks(b)[0], kv.blocks(a)[0]);
+        kv.advance(b, 24);
+        kv.free_sequence(a);
+        kv.free_sequence(b);
+        assert_eq!(kv.free_blocks(), 8);
     }
 }

@@ -152,6 +152,23 @@ pub trait LanguageModel {
     fn kv_usage(&self) -> KvUsage {
         self.kv().usage()
     }
+
+    /// What the cache's keys and values are and how they were computed, in words: blocks saved
+    /// under one layout (a prompt-cache file) are only ever loaded under the same one. Empty:
+    /// this model cannot save its cache.
+    fn kv_layout(&self) -> String {
+        String::new()
+    }
+
+    /// The keys and values of cache `blocks`, as bytes (kv_layout says how).
+    fn read_kv_blocks(&self, _blocks: &[u32]) -> anyhow::Result<Vec<u8>> {
+        anyhow::bail!("this model cannot save its KV cache")
+    }
+
+    /// Write what `read_kv_blocks` gave into cache `blocks`.
+    fn write_kv_blocks(&mut self, _blocks: &[u32], _data: &[u8]) -> anyhow::Result<()> {
+        anyhow::bail!("this model cannot load a KV cache")
+    }
 }
 
 /// Checks common to every model's `forward`: each step's sequence is live, starts where the

@@ -38,6 +38,67 @@ impl HostKv {
         }
     }
 
+    /// The keys and values of `blocks`, as bytes: per block, per layer, the keys of every kv
+    /// head (BLOCK_SIZE rows of hd f16 each, head by head), then the values likewise.
+    pub fn read_blocks(&self, blocks: &[u32]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(blocks.len() * self.block_bytes());
+        self.each_run(blocks, |store, at| {
+            for x in &store[at..at + BLOCK_SIZE * self.head_dim] {
+                out.extend_from_slice(&x.to_le_bytes());
+            }
+        });
+        out
+    }
+
+    /// Write what [`read_blocks`](Self::read_blocks) gave into `blocks` (of this or another
+    /// store of the same shape). `data` must hold exactly that many bytes.
+    pub fn write_blocks(&mut self, blocks: &[u32], data: &[u8]) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            data.len() == blocks.len() * self.block_bytes(),
+            "{} bytes of cache for {} blocks of {} bytes",
+            data.len(),
+            blocks.len(),
+            self.block_bytes()
+        );
+        let (kv, hd, p) = (self.kv_heads, self.head_dim, self.blocks());
+        let run = BLOCK_SIZE * hd;
+        let mut chunks = data.chunks_exact(2);
+        for &b in blocks {
+            for layer in 0..self.k.len() {
+                for store in [&mut self.k[layer], &mut self.v[layer]] {
+                    for j in 0..kv {
+                        let at = store_row(b * BLOCK_SIZE as u32, j, p) * hd;
+                        for x in &mut store[at..at + run] {
+                            let c = chunks.next().expect("length checked above");
+                            *x = f16::from_le_bytes([c[0], c[1]]);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes one block takes in [`read_blocks`](Self::read_blocks).
+    pub fn block_bytes(&self) -> usize {
+        2 * self.k.len() * self.kv_heads * BLOCK_SIZE * self.head_dim * 2
+    }
+
+    /// Per block, per layer, keys then values, per kv head: `f(store, first value)` of each
+    /// run of BLOCK_SIZE rows.
+    fn each_run(&self, blocks: &[u32], mut f: impl FnMut(&[f16], usize)) {
+        let (p, hd) = (self.blocks(), self.head_dim);
+        for &b in blocks {
+            for layer in 0..self.k.len() {
+                for store in [&self.k[layer], &self.v[layer]] {
+                    for j in 0..self.kv_heads {
+                        f(store, store_row(b * BLOCK_SIZE as u32, j, p) * hd);
+                    }
+                }
+            }
+        }
+    }
+
     /// Blocks in the pool.
     pub fn blocks(&self) -> usize {
         self.k.first().map_or(0, |k| {

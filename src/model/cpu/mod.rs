@@ -57,6 +57,14 @@ impl CpuBackend {
         self.store = HostKv::new(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, blocks);
     }
 
+    pub fn store(&self) -> &HostKv {
+        &self.store
+    }
+
+    pub fn store_mut(&mut self) -> &mut HostKv {
+        &mut self.store
+    }
+
     /// Bytes of one cached value (f16).
     pub fn value_bytes(&self) -> usize {
         2

@@ -204,6 +204,61 @@ impl DeviceKv {
         ))
     }
 
+    /// The keys and values of `blocks`, as bytes: per block, per layer, the keys of every kv
+    /// head (BLOCK_SIZE rows of hd f32 each, head by head), then the values likewise.
+    pub fn read_blocks(&self, blocks: &[u32]) -> candle_core::Result<Vec<u8>> {
+        let p = self.blocks();
+        let mut out = Vec::with_capacity(blocks.len() * self.block_bytes());
+        for &b in blocks {
+            for layer in 0..self.k.len() {
+                for store in [&self.k[layer], &self.v[layer]] {
+                    for j in 0..self.kv_heads {
+                        let at = (j * p + b as usize) * BLOCK_SIZE;
+                        let rows = store.narrow(0, at, BLOCK_SIZE)?.flatten_all()?;
+                        for x in rows.to_vec1::<f32>()? {
+                            out.extend_from_slice(&x.to_le_bytes());
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Write what [`read_blocks`](Self::read_blocks) gave into `blocks`. `data` must hold
+    /// exactly that many bytes.
+    pub fn write_blocks(&mut self, blocks: &[u32], data: &[u8]) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            data.len() == blocks.len() * self.block_bytes(),
+            "{} bytes of cache for {} blocks of {} bytes",
+            data.len(),
+            blocks.len(),
+            self.block_bytes()
+        );
+        let (p, hd) = (self.blocks(), self.head_dim);
+        let run = BLOCK_SIZE * hd;
+        let mut values = data
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+        for &b in blocks {
+            for layer in 0..self.k.len() {
+                for store in [&self.k[layer], &self.v[layer]] {
+                    for j in 0..self.kv_heads {
+                        let rows: Vec<f32> = values.by_ref().take(run).collect();
+                        let src = Tensor::from_vec(rows, (BLOCK_SIZE, hd), store.device())?;
+                        store.slice_set(&src, 0, (j * p + b as usize) * BLOCK_SIZE)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes one block takes in [`read_blocks`](Self::read_blocks).
+    pub fn block_bytes(&self) -> usize {
+        2 * self.k.len() * self.kv_heads * BLOCK_SIZE * self.head_dim * 4
+    }
+
     /// One layer's cache tensors, (kv * P * BLOCK_SIZE, hd) each.
     pub fn layer(&self, layer: usize) -> (&Tensor, &Tensor) {
         (&self.k[layer], &self.v[layer])

@@ -97,6 +97,19 @@ impl DeviceBackend {
         Ok(())
     }
 
+    pub fn store(&self) -> &DeviceKv {
+        &self.store
+    }
+
+    pub fn store_mut(&mut self) -> &mut DeviceKv {
+        &mut self.store
+    }
+
+    /// The device, in words (`Cpu`, `Cuda(0)`...).
+    pub fn device_name(&self) -> String {
+        format!("{:?}", self.device.location())
+    }
+
     /// Bytes of one cached value (f32).
     pub fn value_bytes(&self) -> usize {
         4
