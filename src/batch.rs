@@ -9,8 +9,13 @@
 //!
 //! Results do not depend on the batch: a step's logits are computed as if it ran alone (see
 //! `model`), and each prompt has its own sampler. A preempted sequence loses its cache and is
-//! resumed later with one prefill pass over its prompt and reply so far; nothing it generated
-//! is lost.
+//! resumed later with two passes: a prefill over its prompt (what the prefix cache does not
+//! hold of it), then one decode step over its reply so far, whose tokens are computed as when
+//! they were generated; nothing it generated is lost, and its reply goes on as it would have.
+//!
+//! Prompts that begin alike share KV blocks through the prefix cache (`model::kv_cache`): a
+//! prompt starts from the blocks of its beginning that earlier prompts published, and one that
+//! would share more with a prompt starting in the same pass waits one pass for its blocks.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -105,8 +110,8 @@ struct Seq {
     /// Its KV cache while running, with how many of `history`'s tokens it holds.
     slot: Option<SeqId>,
     cached: usize,
-    /// Its next step is a prefill (its prompt, or after a preemption its prompt and reply).
-    prefilling: bool,
+    /// What its next step computes.
+    phase: Phase,
     /// Prompt tokens the prefix cache gave it when it first started.
     reused: Option<usize>,
     passes: usize,
@@ -116,7 +121,36 @@ struct Seq {
     error: Option<String>,
 }
 
+/// Where a running sequence is. Its prompt's tokens are computed by a prefill step and its
+/// reply's by decode steps, always, so a reply does not depend on the batch, the prefix
+/// cache or a preemption (see `model::StepKind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Its prompt, after what the prefix cache gave it.
+    Prompt,
+    /// Resumed after a preemption: its reply so far, as one decode step of several tokens
+    /// (each computed as when it was generated); the last one's logits give the next token.
+    Reply,
+    /// One token per pass.
+    Decode,
+}
+
 impl Seq {
+    /// Its step of the next pass.
+    fn step(&self) -> SeqStep<'_> {
+        let seq = self.slot.expect("running");
+        match self.phase {
+            Phase::Prompt => SeqStep::prefill(
+                seq,
+                &self.history[self.cached..self.prompt_len],
+                self.cached,
+            ),
+            Phase::Reply | Phase::Decode => {
+                SeqStep::decode(seq, &self.history[self.cached..], self.cached)
+            }
+        }
+    }
+
     fn outcome(self, stop: StopReason) -> Outcome {
         Outcome {
             prompt_tokens: self.prompt_len,
@@ -166,7 +200,7 @@ pub fn run(
             sampler: r.sampler,
             slot: None,
             cached: 0,
-            prefilling: true,
+            phase: Phase::Prompt,
             reused: None,
             passes: 0,
             preempted: 0,
@@ -191,14 +225,13 @@ pub fn run(
         }
         make_room(model, &mut waiting, &mut running, &mut stats);
 
-        let steps: Vec<SeqStep<'_>> = running
+        let steps: Vec<SeqStep<'_>> = running.iter().map(Seq::step).collect();
+        // The logits row each sequence samples from: its step's last.
+        let last_rows: Vec<usize> = steps
             .iter()
-            .map(|s| {
-                let (seq, tokens) = (s.slot.expect("running"), &s.history[s.cached..]);
-                match s.prefilling {
-                    true => SeqStep::prefill(seq, tokens, s.cached),
-                    false => SeqStep::decode(seq, tokens, s.cached),
-                }
+            .scan(0, |end, s| {
+                *end += s.logit_rows();
+                Some(*end - 1)
             })
             .collect();
         let pass_start = Instant::now();
@@ -218,14 +251,22 @@ pub fn run(
             logits.to_dtype(DType::F32)?.to_vec2::<f32>()?
         };
         let mut ended = Vec::new();
-        for (row, s) in running.iter_mut().enumerate() {
+        for (i, s) in running.iter_mut().enumerate() {
             s.passes += 1;
-            s.cached = s.history.len();
-            if s.prefilling {
+            if s.phase == Phase::Prompt {
                 // Its prefill computed these: later prompts may begin with them.
-                model.kv_mut().publish(s.slot.expect("running"), &s.history);
-                s.prefilling = false;
+                let seq = s.slot.expect("running");
+                model.kv_mut().publish(seq, &s.history[..s.prompt_len]);
+                s.cached = s.prompt_len;
+                if s.history.len() > s.prompt_len {
+                    // Resumed: its next token is known; its reply goes back in next.
+                    s.phase = Phase::Reply;
+                    continue;
+                }
             }
+            s.phase = Phase::Decode;
+            s.cached = s.history.len();
+            let row = last_rows[i];
             let next = if s.sampler.is_plain_argmax() {
                 argmax[row]
             } else {
@@ -234,7 +275,7 @@ pub fn run(
                     // Only this reply fails; the others go on.
                     Err(e) => {
                         s.error = Some(format!("{e:#}"));
-                        ended.push((row, StopReason::Failed));
+                        ended.push((i, StopReason::Failed));
                         continue;
                     }
                 }
@@ -245,7 +286,7 @@ pub fn run(
             }
             let generated = s.history.len() - s.prompt_len;
             if opts.eos.contains(&next) {
-                ended.push((row, StopReason::Eos));
+                ended.push((i, StopReason::Eos));
                 continue;
             }
             s.history.push(next);
@@ -253,17 +294,15 @@ pub fn run(
             match sink.on_token(s.index, next)? {
                 Flow::Stop(StopReason::OutputClosed) => {
                     halt = Some(StopReason::OutputClosed);
-                    ended.push((row, StopReason::OutputClosed));
+                    ended.push((i, StopReason::OutputClosed));
                 }
-                Flow::Stop(reason) => ended.push((row, reason)),
+                Flow::Stop(reason) => ended.push((i, reason)),
                 Flow::Continue if s.sampler.grammar_complete() => {
-                    ended.push((row, StopReason::Grammar))
+                    ended.push((i, StopReason::Grammar))
                 }
-                Flow::Continue if generated + 1 >= s.max_new => {
-                    ended.push((row, StopReason::MaxNew))
-                }
+                Flow::Continue if generated + 1 >= s.max_new => ended.push((i, StopReason::MaxNew)),
                 Flow::Continue if s.history.len() >= opts.context_len => {
-                    ended.push((row, StopReason::ContextFull))
+                    ended.push((i, StopReason::ContextFull))
                 }
                 Flow::Continue => {}
             }
@@ -301,14 +340,14 @@ fn admit(
         let Some(s) = waiting.front() else { break };
         let need = s.history.len() + 1;
         let kv = model.kv();
-        let found = kv.lookup(&s.history);
+        let found = kv.lookup(&s.history[..s.prompt_len]);
         // Blocks it takes from what is free: new ones, and cached ones nobody holds.
         let taken =
             blocks_for(need) - found.len() + found.iter().filter(|&&b| kv.holders(b) == 0).count();
         if kv.prefix_cache() && running.len() > first_new {
             let later = running[first_new..]
                 .iter()
-                .map(|r| shared_blocks(&r.history, &s.history))
+                .map(|r| shared_blocks(&r.history[..r.prompt_len], &s.history[..s.prompt_len]))
                 .max()
                 .unwrap_or(0);
             if later > found.len() {
@@ -333,13 +372,17 @@ fn admit(
         let seq = model.new_sequence();
         // Where its blocks go: a run with room for the whole reply, if the pool has one.
         model.expect_tokens(seq, (s.prompt_len + s.max_new).min(opts.context_len));
-        let reused = model.kv_mut().attach_prefix(seq, &s.history);
+        // Only its prompt: the blocks of its reply (after a preemption) hold what decode
+        // steps computed, not what a prefill over them would.
+        let reused = model
+            .kv_mut()
+            .attach_prefix(seq, &s.history[..s.prompt_len]);
         let ok = model.reserve(seq, s.history.len());
         debug_assert!(ok, "checked above");
         s.reused.get_or_insert(reused.min(s.prompt_len));
         s.slot = Some(seq);
         s.cached = reused;
-        s.prefilling = true;
+        s.phase = Phase::Prompt;
         running.push(s);
     }
     Ok(())

@@ -178,6 +178,15 @@ fn a_short_pool_makes_sequences_wait_and_loses_nothing() {
         assert_eq!(o.stop, StopReason::Eos);
     }
     assert!(stats.preemptions > 0, "this pool forces preemption");
+    // A resumed sequence's reply goes back in as one step of several tokens from the end of
+    // its prompt, after its prompt's own prefill step.
+    let steps = model.steps();
+    assert!(
+        steps.iter().enumerate().any(|(k, &(pos, t))| t > 1
+            && [10, 12, 14, 16].contains(&pos)
+            && steps[..k].contains(&(0, pos))),
+        "{steps:?}"
+    );
     assert!(stats.blocks_peak <= 5);
     assert!(stats.blocks_returned);
     // The sink saw each token once, even for sequences that were resumed.

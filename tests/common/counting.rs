@@ -69,18 +69,24 @@ impl LanguageModel for Counting {
         let mut pass = Vec::new();
         for step in batch {
             self.kv.advance(step.seq, step.tokens.len());
-            let len = self.kv.len(step.seq).expect("live");
             pass.push((step.seq, step.pos, step.tokens.len()));
-            let next = if len < self.eos_at {
-                len + 1
-            } else {
-                EOS as usize
-            };
-            let mut row = vec![0f32; VOCAB];
-            row[next % VOCAB] = 1.0;
-            rows.extend(row);
+            // A row per token that gets logits (a prompt chunk's last, each of a decode step's),
+            // predicting from the length the sequence had after that token.
+            let first = step.tokens.len() - step.logit_rows();
+            for t in first..step.tokens.len() {
+                let len = step.pos + t + 1;
+                let next = if len < self.eos_at {
+                    len + 1
+                } else {
+                    EOS as usize
+                };
+                let mut row = vec![0f32; VOCAB];
+                row[next % VOCAB] = 1.0;
+                rows.extend(row);
+            }
         }
         self.passes.push(pass);
-        Ok(Tensor::from_vec(rows, (batch.len(), VOCAB), &Device::Cpu)?)
+        let n = rows.len() / VOCAB;
+        Ok(Tensor::from_vec(rows, (n, VOCAB), &Device::Cpu)?)
     }
 }
