@@ -362,3 +362,43 @@ fn other_models_file(dir: &Path, prompt: &str) -> Vec<u8> {
     assert!(out.status.success(), "{}", common::text(&out.stderr));
     std::fs::read(&path).unwrap()
 }
+
+/// The path GPUs take (candle's operations, an f32 cache of tensors) saves and loads its own
+/// blocks; a file from gen's CPU kernels is another layout to it, refused with a warning.
+#[test]
+fn prompt_cache_files_work_on_the_device_path_and_are_its_own() {
+    let dir = temp("device");
+    let file = dir.join("prompt.cache");
+    let prompt = &bench_text()[..800];
+    let run_on = |candle: bool| {
+        let mut cmd = common::gen();
+        if candle {
+            cmd.env("GEN_ATTENTION", "candle");
+        }
+        cmd.arg("--model")
+            .arg(common::smollm2())
+            .args(["--temperature", "0", "--max-new", "8", "--stats", "json"])
+            .arg("--prompt-cache")
+            .arg(&file);
+        let out = common::with_stdin(cmd, prompt);
+        let err = common::text(&out.stderr);
+        assert!(out.status.success(), "{err}");
+        let cached = stats_json(&err)["cached_tokens"].as_u64().unwrap();
+        (common::text(&out.stdout), err, cached)
+    };
+    let (first, _, cached) = run_on(true);
+    assert_eq!(cached, 0);
+    let (second, err, cached) = run_on(true);
+    assert_eq!(second, first);
+    assert!(
+        cached >= 16 * 8 && !err.contains("warning"),
+        "{cached}: {err}"
+    );
+    let (_, err, cached) = run_on(false);
+    assert_eq!(cached, 0);
+    assert!(
+        err.contains("another model file or KV cache layout"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
