@@ -127,6 +127,18 @@ fn batched_prompts_share_their_prefix_and_reply_as_without_it() {
     }
 }
 
+/// Gemma 3's sliding-window layers (512 positions) with a shared beginning longer than the
+/// window: the cached blocks serve them as well, and the replies are unchanged.
+#[test]
+fn windowed_layers_share_prefixes_too() {
+    let mut m = load_gguf(&common::gemma3(), &Device::Cpu, None).expect("load Gemma 3");
+    let prompts = shared_prompts(&m, 4, 600);
+    let (plain, _, _) = run_batch_n(&mut m, &prompts, 4, 256, false, 12);
+    let (shared, outcomes, _) = run_batch_n(&mut m, &prompts, 4, 256, true, 12);
+    assert_eq!(shared, plain);
+    assert!(outcomes[1..].iter().all(|o| o.cached_tokens == 592));
+}
+
 /// A pool too small for every sequence at once: sequences sharing the instruction are
 /// preempted and resumed, and still reply exactly as a roomy run without the cache does.
 #[test]
