@@ -3,6 +3,10 @@
 //! layout). A batch of short and long sequences then holds memory for the tokens it has, not
 //! `batch size x context window`.
 //!
+//! Blocks a prompt's prefill filled can be shared: the prefix cache ([`PagedKv::publish`],
+//! [`PagedKv::attach_prefix`]) lets a later prompt that begins with the same tokens take them
+//! by reference instead of computing them again.
+//!
 //! This file only decides which block holds which token, and where a token's row sits in a
 //! layer's storage ([`store_row`]). The storage itself belongs to the backend that reads it:
 //! f16 host memory on the CPU (`cpu::kv_store`), f32 tensors elsewhere (`device::kv_store`),
