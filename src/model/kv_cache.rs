@@ -546,6 +546,16 @@ impl PagedKv {
     }
 }
 
+/// That `len` bytes of saved cache are `blocks` blocks of `block_bytes` each (what a store's
+/// `write_blocks` takes).
+pub fn check_block_data(len: usize, blocks: usize, block_bytes: usize) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        len == blocks * block_bytes,
+        "{len} bytes of cache for {blocks} blocks of {block_bytes} bytes"
+    );
+    Ok(())
+}
+
 /// The storage slot of position `pos` of a sequence whose block table is `blocks`.
 pub fn slot(blocks: &[u32], pos: usize) -> u32 {
     blocks[pos / BLOCK_SIZE] * BLOCK_SIZE as u32 + (pos % BLOCK_SIZE) as u32

@@ -7,7 +7,7 @@
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
-use crate::model::kv_cache::{gather_rows, store_row, BLOCK_SIZE};
+use crate::model::kv_cache::{check_block_data, gather_rows, store_row, BLOCK_SIZE};
 
 pub struct HostKv {
     k: Vec<Vec<f16>>,
@@ -53,13 +53,7 @@ impl HostKv {
     /// Write what [`read_blocks`](Self::read_blocks) gave into `blocks` (of this or another
     /// store of the same shape). `data` must hold exactly that many bytes.
     pub fn write_blocks(&mut self, blocks: &[u32], data: &[u8]) -> anyhow::Result<()> {
-        anyhow::ensure!(
-            data.len() == blocks.len() * self.block_bytes(),
-            "{} bytes of cache for {} blocks of {} bytes",
-            data.len(),
-            blocks.len(),
-            self.block_bytes()
-        );
+        check_block_data(data.len(), blocks.len(), self.block_bytes())?;
         let (kv, hd, p) = (self.kv_heads, self.head_dim, self.blocks());
         let run = BLOCK_SIZE * hd;
         let mut chunks = data.chunks_exact(2);

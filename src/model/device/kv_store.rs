@@ -6,7 +6,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::check::KernelCheck;
-use crate::model::kv_cache::{gather_rows, BLOCK_SIZE};
+use crate::model::kv_cache::{check_block_data, gather_rows, BLOCK_SIZE};
 
 pub struct DeviceKv {
     k: Vec<Tensor>,
@@ -228,13 +228,7 @@ impl DeviceKv {
     /// Write what [`read_blocks`](Self::read_blocks) gave into `blocks`. `data` must hold
     /// exactly that many bytes.
     pub fn write_blocks(&mut self, blocks: &[u32], data: &[u8]) -> anyhow::Result<()> {
-        anyhow::ensure!(
-            data.len() == blocks.len() * self.block_bytes(),
-            "{} bytes of cache for {} blocks of {} bytes",
-            data.len(),
-            blocks.len(),
-            self.block_bytes()
-        );
+        check_block_data(data.len(), blocks.len(), self.block_bytes())?;
         let (p, hd) = (self.blocks(), self.head_dim);
         let run = BLOCK_SIZE * hd;
         let mut values = data
