@@ -575,6 +575,9 @@ fn remote_config(a: &Args, interactive: bool, constrained: bool) -> Result<Optio
     if a.dry_run {
         bail!("--dry-run shows the local chat template's text; with --endpoint the server applies its own");
     }
+    if a.speculate.is_some() {
+        bail!("--speculate runs on local models only (a server decodes as it is configured to); drop it with --endpoint");
+    }
     let concurrency = a.concurrency.unwrap_or(8);
     if concurrency == 0 {
         bail!("--concurrency must be at least 1");
@@ -761,6 +764,7 @@ mod tests {
             &["--endpoint", url, "--timeout", "-1"],
             &["--endpoint", url, "--json"],
             &["--endpoint", url, "--dry-run", "--chat"],
+            &["--endpoint", url, "--speculate", "lookup"],
             &["chat", "--endpoint", url],
             &["--endpoint", "gpu-box:8000"],
             &["--resume", "out.jsonl"],

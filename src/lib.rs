@@ -20,4 +20,5 @@ pub mod remote;
 pub mod report;
 pub mod sampler;
 pub mod source;
+pub mod speculate;
 pub mod tokenizer;

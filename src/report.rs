@@ -20,15 +20,57 @@ pub struct Report {
     pub forward_passes: usize,
     pub ttft_s: f64,
     pub prefill_tok_s: f64,
-    /// Decode passes per second (each samples one token).
+    /// Tokens the decode passes sampled, per second of decoding.
     pub decode_tok_s: f64,
     pub ms_per_token: f64,
+    /// Tokens the decode passes sampled per decode pass: 1 without speculation.
+    pub tokens_per_pass: f64,
     pub total_s: f64,
     pub stop_reason: String,
     pub seed: Option<u64>,
     /// What the grammar cost, when the reply had one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub constraint: Option<ConstraintReport>,
+    /// What speculation proposed and kept, with --speculate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speculate: Option<SpeculateReport>,
+}
+
+/// What --speculate did.
+#[derive(Debug, Clone, Serialize)]
+pub struct SpeculateReport {
+    /// Most proposals per pass (--draft-max).
+    pub draft_max: usize,
+    /// Passes that carried proposals.
+    pub drafts: usize,
+    pub proposed: usize,
+    /// Proposals the model agreed with: tokens that took no pass of their own.
+    pub accepted: usize,
+}
+
+impl SpeculateReport {
+    pub fn new(draft_max: usize, stats: &crate::speculate::DraftStats) -> Self {
+        Self {
+            draft_max,
+            drafts: stats.drafts,
+            proposed: stats.proposed,
+            accepted: stats.accepted,
+        }
+    }
+
+    fn write_human(&self, w: &mut dyn Write, tokens_per_pass: f64) -> std::io::Result<()> {
+        let rate = if self.proposed > 0 {
+            100.0 * self.accepted as f64 / self.proposed as f64
+        } else {
+            0.0
+        };
+        writeln!(
+            w,
+            "speculate      lookup, up to {} per pass: {} proposed in {} passes, {} accepted \
+             ({rate:.0}%); {tokens_per_pass:.2} tokens per decode pass",
+            self.draft_max, self.proposed, self.drafts, self.accepted
+        )
+    }
 }
 
 /// The cost of a grammar (--json, --json-schema, --grammar, --regex).
@@ -83,6 +125,7 @@ impl Report {
         let ttft = gen.time_to_first_token.as_secs_f64();
         let decode = gen.decode_time.as_secs_f64();
         let passes = gen.decode_passes();
+        let tokens = gen.decode_tokens();
         let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
         Self {
             model: model.to_string(),
@@ -94,9 +137,14 @@ impl Report {
             forward_passes: gen.forward_passes,
             ttft_s: ttft,
             prefill_tok_s: rate(gen.prompt_tokens, ttft),
-            decode_tok_s: rate(passes, decode),
-            ms_per_token: if passes > 0 {
-                decode * 1000.0 / passes as f64
+            decode_tok_s: rate(tokens, decode),
+            ms_per_token: if tokens > 0 {
+                decode * 1000.0 / tokens as f64
+            } else {
+                0.0
+            },
+            tokens_per_pass: if passes > 0 {
+                tokens as f64 / passes as f64
             } else {
                 0.0
             },
@@ -104,6 +152,10 @@ impl Report {
             stop_reason: gen.stop.as_str().to_string(),
             seed,
             constraint: None,
+            speculate: gen
+                .speculation
+                .as_ref()
+                .map(|(max, stats)| SpeculateReport::new(*max, stats)),
         }
     }
 
@@ -144,6 +196,9 @@ impl Report {
         }
         if let Some(c) = &self.constraint {
             c.write_human(w)?;
+        }
+        if let Some(s) = &self.speculate {
+            s.write_human(w, self.tokens_per_pass)?;
         }
         Ok(())
     }

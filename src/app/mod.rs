@@ -245,12 +245,13 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         let grammars = Grammars::new(&loaded.tokenizer, &eos)?;
         sampler = sampler.with_constraint(grammars.constraint(spec)?);
     }
-    let gen = generate::generate(
+    let gen = generate::generate_with(
         loaded.model.as_mut(),
         &prompt,
         &mut sampler,
         &eos,
         &limits,
+        cfg.speculate.map(|(_, k)| k),
         &mut sink,
     )?;
     sink.finish(gen.stop)?;
