@@ -7,6 +7,10 @@
 //! one token per sequence. A sequence that ends frees its slot and blocks at once, so the next
 //! prompt starts at the next pass, not when the whole wave is done.
 //!
+//! With speculation (`BatchOptions::speculate`) each running sequence's decode step may carry
+//! proposals from its own drafter, checked in the same pass as the other steps; the step gets
+//! one row of logits per token, sampled in order as `generate` does (see there).
+//!
 //! Results do not depend on the batch: a step's logits are computed as if it ran alone (see
 //! `model`), and each prompt has its own sampler. A preempted sequence loses its cache and is
 //! resumed later with one prefill pass over its prompt and reply so far; nothing it generated
@@ -22,6 +26,7 @@ use crate::generate::{Flow, StopReason};
 use crate::model::kv_cache::blocks_for;
 use crate::model::{LanguageModel, SeqId, SeqStep};
 use crate::sampler::Sampler;
+use crate::speculate::{DraftStats, Drafter};
 
 /// One prompt of a batch.
 pub struct Request {
@@ -42,6 +47,8 @@ pub struct BatchOptions {
     pub eos: Vec<u32>,
     /// Share prompt beginnings through the prefix cache (see `model::kv_cache`).
     pub prefix_cache: bool,
+    /// Lookup speculation: the most tokens proposed per sequence and pass (None: off).
+    pub speculate: Option<usize>,
 }
 
 /// How one prompt's generation went.
@@ -65,6 +72,8 @@ pub struct Outcome {
     pub mask: Option<crate::constraint::MaskStats>,
     /// Why sampling failed, with stop `Failed` (its grammar engine hit a limit).
     pub error: Option<String>,
+    /// What its drafter proposed and what was kept (zeros without speculation).
+    pub drafts: DraftStats,
 }
 
 /// Receives tokens and finished sequences; `index` is the request's position.
@@ -93,6 +102,11 @@ pub struct BatchStats {
     /// All blocks were back in the pool at the end.
     pub blocks_returned: bool,
     pub elapsed: Duration,
+    /// Tokens sampled by the passes (EOS included): with speculation, more than the passes
+    /// each sequence took part in.
+    pub sampled_tokens: usize,
+    /// What the drafters proposed and what was kept, all sequences together.
+    pub drafts: DraftStats,
 }
 
 struct Seq {
@@ -114,6 +128,9 @@ struct Seq {
     wait: Option<Duration>,
     ttft: Option<Duration>,
     error: Option<String>,
+    drafter: Option<Drafter>,
+    /// Proposals fed after its next token in this pass.
+    proposals: Vec<u32>,
 }
 
 impl Seq {
@@ -129,6 +146,7 @@ impl Seq {
             preempted: self.preempted,
             mask: self.sampler.constraint().map(|c| c.stats()),
             error: self.error,
+            drafts: self.drafter.map(|d| d.stats).unwrap_or_default(),
         }
     }
 }
@@ -173,6 +191,8 @@ pub fn run(
             wait: None,
             ttft: None,
             error: None,
+            drafter: opts.speculate.map(Drafter::new),
+            proposals: Vec::new(),
         })
         .collect();
     let mut running: Vec<Seq> = Vec::with_capacity(opts.batch_size);
@@ -189,12 +209,20 @@ pub fn run(
         if running.is_empty() {
             break;
         }
+        for s in running.iter_mut() {
+            s.proposals = propose(s, opts.context_len);
+        }
         make_room(model, &mut waiting, &mut running, &mut stats);
 
+        let fed: Vec<Vec<u32>> = running
+            .iter()
+            .map(|s| [&s.history[s.cached..], &s.proposals[..]].concat())
+            .collect();
         let steps: Vec<SeqStep<'_>> = running
             .iter()
-            .map(|s| {
-                let (seq, tokens) = (s.slot.expect("running"), &s.history[s.cached..]);
+            .zip(&fed)
+            .map(|(s, tokens)| {
+                let seq = s.slot.expect("running");
                 match s.prefilling {
                     true => SeqStep::prefill(seq, tokens, s.cached),
                     false => SeqStep::decode(seq, tokens, s.cached),
@@ -218,54 +246,43 @@ pub fn run(
             logits.to_dtype(DType::F32)?.to_vec2::<f32>()?
         };
         let mut ended = Vec::new();
-        for (row, s) in running.iter_mut().enumerate() {
+        let mut at = 0;
+        for (i, s) in running.iter_mut().enumerate() {
+            // Its rows: the prompt chunk's last token, or its next token and each proposal.
+            let n = steps[i].logit_rows();
+            let range = at..at + n;
+            at += n;
             s.passes += 1;
-            s.cached = s.history.len();
+            let before = s.history.len();
             if s.prefilling {
                 // Its prefill computed these: later prompts may begin with them.
                 model.kv_mut().publish(s.slot.expect("running"), &s.history);
                 s.prefilling = false;
             }
-            let next = if s.sampler.is_plain_argmax() {
-                argmax[row]
-            } else {
-                match s.sampler.sample_row(&mut rows[row], &s.history) {
-                    Ok(id) => id,
-                    // Only this reply fails; the others go on.
-                    Err(e) => {
-                        s.error = Some(format!("{e:#}"));
-                        ended.push((row, StopReason::Failed));
-                        continue;
-                    }
-                }
+            let rows = Pass {
+                argmax: argmax.get(range.clone()).unwrap_or_default(),
+                host: rows.get_mut(range).unwrap_or_default(),
             };
-            if s.ttft.is_none() {
+            let stop = take_tokens(s, rows, opts, &mut stats, sink)?;
+            if s.ttft.is_none() && s.history.len() > before {
                 s.wait = Some(pass_start - start);
                 s.ttft = Some(pass_start.elapsed());
             }
-            let generated = s.history.len() - s.prompt_len;
-            if opts.eos.contains(&next) {
-                ended.push((row, StopReason::Eos));
-                continue;
-            }
-            s.history.push(next);
-            stats.generated_tokens += 1;
-            match sink.on_token(s.index, next)? {
-                Flow::Stop(StopReason::OutputClosed) => {
+            match stop {
+                Some(StopReason::OutputClosed) => {
                     halt = Some(StopReason::OutputClosed);
-                    ended.push((row, StopReason::OutputClosed));
+                    ended.push((i, StopReason::OutputClosed));
                 }
-                Flow::Stop(reason) => ended.push((row, reason)),
-                Flow::Continue if s.sampler.grammar_complete() => {
-                    ended.push((row, StopReason::Grammar))
+                Some(reason) => ended.push((i, reason)),
+                None => {
+                    // The cache holds every token but the last sampled; rejected proposals'
+                    // keys and values are forgotten, to be overwritten.
+                    s.cached = s.history.len() - 1;
+                    let seq = s.slot.expect("running");
+                    if model.kv().len(seq).is_some_and(|l| l > s.cached) {
+                        model.truncate(seq, s.cached);
+                    }
                 }
-                Flow::Continue if generated + 1 >= s.max_new => {
-                    ended.push((row, StopReason::MaxNew))
-                }
-                Flow::Continue if s.history.len() >= opts.context_len => {
-                    ended.push((row, StopReason::ContextFull))
-                }
-                Flow::Continue => {}
             }
         }
         for (row, reason) in ended.into_iter().rev() {
@@ -284,6 +301,78 @@ pub fn run(
     stats.blocks_returned = usage.blocks_used == 0;
     stats.elapsed = start.elapsed();
     Ok(stats)
+}
+
+/// A pass's rows of one sequence: their argmax (greedy sequences) or the logits themselves.
+struct Pass<'r> {
+    argmax: &'r [u32],
+    host: &'r mut [Vec<f32>],
+}
+
+/// What a running sequence's drafter proposes after its next token (none for a prefill step):
+/// never more than its last row could use, at max_new or a full context window.
+fn propose(s: &mut Seq, context_len: usize) -> Vec<u32> {
+    let Some(d) = s.drafter.as_mut().filter(|_| !s.prefilling) else {
+        return Vec::new();
+    };
+    let generated = s.history.len() - s.prompt_len;
+    let room = (s.max_new - generated)
+        .min(context_len - s.history.len())
+        .saturating_sub(1);
+    d.propose(&s.history, room)
+}
+
+/// Sample a sequence's rows of the pass in order, each token through every stop check as
+/// `generate` does: the next row is used while the token sampled is the proposal fed after
+/// it. Some(reason) when the sequence ends.
+fn take_tokens(
+    s: &mut Seq,
+    rows: Pass<'_>,
+    opts: &BatchOptions,
+    stats: &mut BatchStats,
+    sink: &mut dyn BatchSink,
+) -> Result<Option<StopReason>> {
+    let mut used = 0;
+    let stop = loop {
+        let next = if s.sampler.is_plain_argmax() {
+            rows.argmax[used]
+        } else {
+            match s.sampler.sample_row(&mut rows.host[used], &s.history) {
+                Ok(id) => id,
+                // Only this reply fails; the others go on.
+                Err(e) => {
+                    s.error = Some(format!("{e:#}"));
+                    break Some(StopReason::Failed);
+                }
+            }
+        };
+        used += 1;
+        stats.sampled_tokens += 1;
+        if opts.eos.contains(&next) {
+            break Some(StopReason::Eos);
+        }
+        s.history.push(next);
+        stats.generated_tokens += 1;
+        match sink.on_token(s.index, next)? {
+            Flow::Stop(reason) => break Some(reason),
+            Flow::Continue if s.sampler.grammar_complete() => break Some(StopReason::Grammar),
+            Flow::Continue if s.history.len() - s.prompt_len >= s.max_new => {
+                break Some(StopReason::MaxNew)
+            }
+            Flow::Continue if s.history.len() >= opts.context_len => {
+                break Some(StopReason::ContextFull)
+            }
+            Flow::Continue => {}
+        }
+        if s.proposals.get(used - 1) != Some(&next) {
+            break None;
+        }
+    };
+    if let Some(d) = s.drafter.as_mut() {
+        d.record(s.proposals.len(), used - 1);
+    }
+    s.proposals.clear();
+    Ok(stop)
 }
 
 /// Start waiting sequences while a slot is free and the pool has room for their prefill and
@@ -364,13 +453,17 @@ fn make_room(
     let mut i = 0;
     while i < running.len() {
         let s = &running[i];
-        if model.reserve(s.slot.expect("running"), s.history.len()) {
+        if model.reserve(
+            s.slot.expect("running"),
+            s.history.len() + s.proposals.len(),
+        ) {
             i += 1;
             continue;
         }
         let mut victim = running.pop().expect("not empty");
         model.free_sequence(victim.slot.take().expect("running"));
         victim.cached = 0;
+        victim.proposals.clear();
         victim.preempted += 1;
         stats.preemptions += 1;
         waiting.push_front(victim);
@@ -390,5 +483,8 @@ fn finish(
     stats.solo_passes += s.passes;
     stats.prompt_tokens += s.prompt_len;
     stats.cached_tokens += s.reused.unwrap_or(0);
+    if let Some(d) = &s.drafter {
+        stats.drafts.add(&d.stats);
+    }
     sink.on_done(s.index, s.outcome(reason))
 }

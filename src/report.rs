@@ -67,7 +67,7 @@ impl SpeculateReport {
         writeln!(
             w,
             "speculate      lookup, up to {} per pass: {} proposed in {} passes, {} accepted \
-             ({rate:.0}%); {tokens_per_pass:.2} tokens per decode pass",
+             ({rate:.0}%); {tokens_per_pass:.2} tokens per pass",
             self.draft_max, self.proposed, self.drafts, self.accepted
         )
     }
@@ -236,6 +236,11 @@ pub struct BatchReport {
     /// What the replies' grammars cost, all together, when any had one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub constraint: Option<ConstraintReport>,
+    /// Tokens sampled per step of a sequence (its share of a pass): 1 without speculation.
+    pub tokens_per_pass: f64,
+    /// What speculation proposed and kept, all sequences together, with --speculate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speculate: Option<SpeculateReport>,
 }
 
 impl BatchReport {
@@ -275,7 +280,23 @@ impl BatchReport {
             kv_blocks_peak: stats.blocks_peak,
             kv_peak_bytes: stats.blocks_peak * block_bytes,
             constraint: None,
+            tokens_per_pass: if stats.solo_passes > 0 {
+                stats.sampled_tokens as f64 / stats.solo_passes as f64
+            } else {
+                0.0
+            },
+            speculate: None,
         }
+    }
+
+    /// `draft_max`: --draft-max with --speculate.
+    pub fn with_speculation(
+        mut self,
+        draft_max: Option<usize>,
+        stats: &crate::batch::BatchStats,
+    ) -> Self {
+        self.speculate = draft_max.map(|k| SpeculateReport::new(k, &stats.drafts));
+        self
     }
 
     /// `masks`: each constrained reply's kind of grammar and cost.
@@ -331,6 +352,9 @@ impl BatchReport {
         )?;
         if let Some(c) = &self.constraint {
             c.write_human(w)?;
+        }
+        if let Some(s) = &self.speculate {
+            s.write_human(w, self.tokens_per_pass)?;
         }
         Ok(())
     }

@@ -7,8 +7,9 @@ use gen::model::{check_batch, LanguageModel, ModelInfo, PagedKv, SeqStep};
 pub const VOCAB: usize = 64;
 pub const EOS: u32 = 0;
 
-/// Predicts `len + 1` while the sequence is shorter than `eos_at`, then EOS (0). Keeps real
-/// block tables, so the loops' reservations are checked like a real model's.
+/// Predicts `len + 1` while the sequence is shorter than `eos_at`, then EOS (0), for every row
+/// (`len`: the sequence's length through that row's token). Keeps real block tables, so the
+/// loops' reservations are checked like a real model's.
 pub struct Counting {
     pub info: ModelInfo,
     pub eos_at: usize,
@@ -69,18 +70,23 @@ impl LanguageModel for Counting {
         let mut pass = Vec::new();
         for step in batch {
             self.kv.advance(step.seq, step.tokens.len());
-            let len = self.kv.len(step.seq).expect("live");
             pass.push((step.seq, step.pos, step.tokens.len()));
-            let next = if len < self.eos_at {
-                len + 1
-            } else {
-                EOS as usize
-            };
-            let mut row = vec![0f32; VOCAB];
-            row[next % VOCAB] = 1.0;
-            rows.extend(row);
+            // One row per token of a decode step (a sequence of that token's length), the last
+            // token's for a prompt chunk.
+            let end = step.pos + step.tokens.len();
+            for len in (end + 1 - step.logit_rows())..=end {
+                let next = if len < self.eos_at {
+                    len + 1
+                } else {
+                    EOS as usize
+                };
+                let mut row = vec![0f32; VOCAB];
+                row[next % VOCAB] = 1.0;
+                rows.extend(row);
+            }
         }
         self.passes.push(pass);
-        Ok(Tensor::from_vec(rows, (batch.len(), VOCAB), &Device::Cpu)?)
+        let n = rows.len() / VOCAB;
+        Ok(Tensor::from_vec(rows, (n, VOCAB), &Device::Cpu)?)
     }
 }
