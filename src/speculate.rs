@@ -13,10 +13,14 @@
 //! n-gram to the position after its latest occurrence), so a lookup is a few hash probes
 //! whatever the length of the sequence.
 //!
-//! Back-off: a pass whose proposals are all rejected cost more than a one-token pass and gained
-//! nothing. After each such pass in a row the drafter stays silent for a growing number of
-//! steps (2, 4, 8, ... up to [`MAX_PAUSE`]); any accepted proposal resets it. Free text, where
-//! matches are rare and mostly wrong, thus runs almost entirely as plain one-token passes.
+//! Adapting: a pass costs more the more tokens it feeds (on a CPU each one adds compute; see
+//! the README's figures), and a rejected proposal bought nothing. So the draft length adapts:
+//! it doubles (up to the maximum) after a draft kept whole, and after a rejection it drops to
+//! one more than what was kept. And after each pass in a row whose proposals were all
+//! rejected the drafter stays silent for a growing number of steps (2, 4, 8, ... up to
+//! [`MAX_PAUSE`]); any accepted proposal resets that. Free text, where matches are rare and
+//! mostly wrong, thus runs almost entirely as plain one-token passes, and its few drafts are
+//! short.
 
 use std::collections::HashMap;
 
@@ -58,6 +62,8 @@ pub struct Drafter {
     index: Vec<HashMap<u64, usize>>,
     /// Positions indexed so far: the n-grams ending before each of 1..indexed.
     indexed: usize,
+    /// Most tokens the next draft proposes: adapts between 1 and `max` (see `record`).
+    len: usize,
     /// Passes in a row whose proposals were all rejected.
     fails: u32,
     /// Steps to stay silent.
@@ -72,6 +78,7 @@ impl Drafter {
             max: max.max(1),
             index: vec![HashMap::new(); NGRAM_MAX - NGRAM_MIN + 1],
             indexed: 1,
+            len: max.max(1),
             fails: 0,
             pause: 0,
             stats: DraftStats::default(),
@@ -88,7 +95,7 @@ impl Drafter {
     /// extend the history of the previous call.
     pub fn propose(&mut self, history: &[u32], limit: usize) -> Vec<u32> {
         self.index_up_to(history);
-        let limit = limit.min(self.max);
+        let limit = limit.min(self.len);
         if limit == 0 {
             return Vec::new();
         }
@@ -120,6 +127,11 @@ impl Drafter {
         self.stats.drafts += 1;
         self.stats.proposed += proposed;
         self.stats.accepted += accepted;
+        if accepted == proposed {
+            self.len = (self.len * 2).min(self.max);
+        } else {
+            self.len = accepted + 1;
+        }
         if accepted > 0 {
             self.fails = 0;
         } else {
@@ -239,6 +251,28 @@ mod tests {
         // A pass without proposals is not a failure.
         d.record(0, 0);
         assert_eq!(d.stats.drafts, 14);
+    }
+
+    #[test]
+    fn the_draft_length_shrinks_after_a_rejection_and_doubles_after_full_acceptance() {
+        let h: Vec<u32> = (1..=20).chain(1..=3).collect();
+        let mut d = Drafter::new(8);
+        assert_eq!(d.propose(&h, 100).len(), 8);
+        // 2 of 8 kept: the next draft proposes 3.
+        d.record(8, 2);
+        assert_eq!(d.propose(&h, 100), vec![4, 5, 6]);
+        // All kept: 6, then 8 (the cap), and never past the caller's limit.
+        d.record(3, 3);
+        assert_eq!(d.propose(&h, 100).len(), 6);
+        d.record(6, 6);
+        assert_eq!(d.propose(&h, 100).len(), 8);
+        d.record(8, 8);
+        assert_eq!(d.propose(&h, 100).len(), 8);
+        assert_eq!(d.propose(&h, 2).len(), 2);
+        // None kept: one token at a time (after the pause).
+        d.record(8, 0);
+        let next = (0..10).map(|_| d.propose(&h, 100)).find(|p| !p.is_empty());
+        assert_eq!(next, Some(vec![4]));
     }
 
     #[test]
