@@ -253,7 +253,7 @@ pub fn run(
             let range = at..at + n;
             at += n;
             s.passes += 1;
-            let before = s.history.len();
+            let sampled = stats.sampled_tokens;
             if s.prefilling {
                 // Its prefill computed these: later prompts may begin with them.
                 model.kv_mut().publish(s.slot.expect("running"), &s.history);
@@ -264,7 +264,7 @@ pub fn run(
                 host: rows.get_mut(range).unwrap_or_default(),
             };
             let stop = take_tokens(s, rows, opts, &mut stats, sink)?;
-            if s.ttft.is_none() && s.history.len() > before {
+            if s.ttft.is_none() && stats.sampled_tokens > sampled {
                 s.wait = Some(pass_start - start);
                 s.ttft = Some(pass_start.elapsed());
             }
@@ -316,8 +316,10 @@ fn propose(s: &mut Seq, context_len: usize) -> Vec<u32> {
         return Vec::new();
     };
     let generated = s.history.len() - s.prompt_len;
-    let room = (s.max_new - generated)
-        .min(context_len - s.history.len())
+    let room = s
+        .max_new
+        .saturating_sub(generated)
+        .min(context_len.saturating_sub(s.history.len()))
         .saturating_sub(1);
     d.propose(&s.history, room)
 }

@@ -315,8 +315,8 @@ impl Run<'_> {
         }
         let mut fed = vec![next];
         if let Some(d) = self.drafter.as_mut() {
-            let room = (self.limits.max_new - gen.tokens.len())
-                .min(self.limits.context_len - history.len())
+            let room = (self.limits.max_new.saturating_sub(gen.tokens.len()))
+                .min(self.limits.context_len.saturating_sub(history.len()))
                 .saturating_sub(1);
             fed.extend(d.propose(history, room));
         }
