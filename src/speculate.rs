@@ -15,12 +15,13 @@
 //!
 //! Adapting: a pass costs more the more tokens it feeds (on a CPU each one adds compute; see
 //! the README's figures), and a rejected proposal bought nothing. So the draft length adapts:
-//! it doubles (up to the maximum) after a draft kept whole, and after a rejection it drops to
-//! one more than what was kept. And after each pass in a row whose proposals were all
-//! rejected the drafter stays silent for a growing number of steps (2, 4, 8, ... up to
-//! [`MAX_PAUSE`]); any accepted proposal resets that. Free text, where matches are rare and
-//! mostly wrong, thus runs almost entirely as plain one-token passes, and its few drafts are
-//! short.
+//! it doubles (up to the maximum) after a draft kept whole, and after a rejection it halves,
+//! or drops to one more than what was kept if that is longer. A first draft rejected outright
+//! only shortens the next (a copy that diverged for a word often resumes at once); from the
+//! second such pass in a row on, the drafter stays silent for a growing number of steps (2, 4,
+//! 8, ... up to [`MAX_PAUSE`]); any accepted proposal resets that. Free text, where matches are
+//! rare and mostly wrong, thus runs almost entirely as plain one-token passes, and its few
+//! drafts are short.
 
 use std::collections::HashMap;
 
@@ -130,16 +131,21 @@ impl Drafter {
         if accepted == proposed {
             self.len = (self.len * 2).min(self.max);
         } else {
-            self.len = accepted + 1;
+            self.len = (accepted + 1).max(self.len / 2);
         }
         if accepted > 0 {
             self.fails = 0;
         } else {
+            // A copy that diverged for a word often resumes at once: the first outright
+            // rejection only shortens the drafts; the pause starts at the second in a row.
             self.fails = self.fails.saturating_add(1);
             self.pause = 1u32
-                .checked_shl(self.fails)
+                .checked_shl(self.fails - 1)
                 .unwrap_or(MAX_PAUSE)
                 .min(MAX_PAUSE);
+            if self.fails == 1 {
+                self.pause = 0;
+            }
         }
     }
 
@@ -217,40 +223,39 @@ mod tests {
     fn backs_off_when_proposals_fail_and_resumes_on_success() {
         let h = [1, 2, 3, 4, 1, 2];
         let mut d = Drafter::new(4);
-        assert!(!d.propose(&h, 4).is_empty());
+        let silent = |d: &mut Drafter| (0..100).take_while(|_| d.propose(&h, 4).is_empty()).count();
+        assert_eq!(d.propose(&h, 4), vec![3, 4, 1, 2]);
+        // A first outright rejection only halves the drafts.
         d.record(4, 0);
-        // One failure: silent for 2 steps, then proposing again.
-        assert!(d.propose(&h, 4).is_empty());
-        assert!(d.propose(&h, 4).is_empty());
-        assert!(!d.propose(&h, 4).is_empty());
-        d.record(4, 0);
-        // Two in a row: silent for 4.
-        for _ in 0..4 {
-            assert!(d.propose(&h, 4).is_empty());
-        }
-        assert!(!d.propose(&h, 4).is_empty());
+        assert_eq!(d.propose(&h, 4), vec![3, 4]);
+        // The second in a row: silent for 2 steps, then one token.
+        d.record(2, 0);
+        assert_eq!(silent(&mut d), 2);
+        d.record(1, 0);
+        // The third: silent for 4.
+        assert_eq!(silent(&mut d), 4);
         // The pause grows to its cap and no further.
         for _ in 0..10 {
-            d.record(4, 0);
+            d.record(1, 0);
         }
-        let silent = (0..100).take_while(|_| d.propose(&h, 4).is_empty()).count();
-        assert_eq!(silent, MAX_PAUSE as usize);
-        // A success resets: the next failure pauses for 2 again.
-        d.record(4, 1);
-        d.record(4, 0);
-        let silent = (0..100).take_while(|_| d.propose(&h, 4).is_empty()).count();
-        assert_eq!(silent, 2);
+        assert_eq!(silent(&mut d), MAX_PAUSE as usize);
+        // A success resets: the next rejection pauses nothing, the one after for 2.
+        d.record(1, 1);
+        d.record(2, 0);
+        assert_eq!(silent(&mut d), 0);
+        d.record(1, 0);
+        assert_eq!(silent(&mut d), 2);
         assert_eq!(
             d.stats,
             DraftStats {
-                drafts: 14,
-                proposed: 56,
+                drafts: 16,
+                proposed: 21,
                 accepted: 1
             }
         );
         // A pass without proposals is not a failure.
         d.record(0, 0);
-        assert_eq!(d.stats.drafts, 14);
+        assert_eq!(d.stats.drafts, 16);
     }
 
     #[test]
@@ -258,19 +263,22 @@ mod tests {
         let h: Vec<u32> = (1..=20).chain(1..=3).collect();
         let mut d = Drafter::new(8);
         assert_eq!(d.propose(&h, 100).len(), 8);
-        // 2 of 8 kept: the next draft proposes 3.
+        // 2 of 8 kept: half the length (more than 2 + 1).
         d.record(8, 2);
-        assert_eq!(d.propose(&h, 100), vec![4, 5, 6]);
-        // All kept: 6, then 8 (the cap), and never past the caller's limit.
-        d.record(3, 3);
-        assert_eq!(d.propose(&h, 100).len(), 6);
-        d.record(6, 6);
+        assert_eq!(d.propose(&h, 100), vec![4, 5, 6, 7]);
+        // All kept: doubled, up to the cap, and never past the caller's limit.
+        d.record(4, 4);
         assert_eq!(d.propose(&h, 100).len(), 8);
         d.record(8, 8);
         assert_eq!(d.propose(&h, 100).len(), 8);
         assert_eq!(d.propose(&h, 2).len(), 2);
-        // None kept: one token at a time (after the pause).
-        d.record(8, 0);
+        // 6 of 8 kept: one more than kept.
+        d.record(8, 6);
+        assert_eq!(d.propose(&h, 100).len(), 7);
+        // None kept, twice: 3, then after a pause 1.
+        d.record(7, 0);
+        assert_eq!(d.propose(&h, 100).len(), 3);
+        d.record(3, 0);
         let next = (0..10).map(|_| d.propose(&h, 100)).find(|p| !p.is_empty());
         assert_eq!(next, Some(vec![4]));
     }
