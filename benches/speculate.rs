@@ -138,7 +138,8 @@ fn run(model: &Path, threads: usize, max_new: usize, prompt: &str, draft: Option
 }
 
 /// Milliseconds of a decode pass of 1..=k+1 tokens after a 200-token prompt, in process (the
-/// price of checking proposals: what a pass costs per token it feeds). Medians of 15.
+/// price of checking proposals: what a pass costs per token it feeds). Medians of 15, after
+/// a warm-up.
 fn pass_costs(model: &Path, most: usize) -> Vec<f64> {
     use gen::model::SeqStep;
     let mut loaded = gen::model::load_gguf(model, &candle_core::Device::Cpu, None)
@@ -155,6 +156,12 @@ fn pass_costs(model: &Path, most: usize) -> Vec<f64> {
     assert!(m.reserve(seq, total));
     m.forward(&[SeqStep::prefill(seq, &prompt, 0)])
         .unwrap_or_else(|e| fail(&e.to_string()));
+    // Warm up (caches, the thread pool) before anything is timed.
+    for n in [1, most + 1, 1] {
+        m.forward(&[SeqStep::decode(seq, &prompt[1..=n], prompt.len())])
+            .unwrap_or_else(|e| fail(&e.to_string()));
+        m.truncate(seq, prompt.len());
+    }
     (1..=most + 1)
         .map(|n| {
             let times = (0..15)
