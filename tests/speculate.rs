@@ -895,3 +895,52 @@ fn a_grammar_holds_with_speculation_and_the_reply_is_the_same() {
     eprintln!("{stats:?}");
     assert!(stats.accepted > 0, "the copy was drafted: {stats:?}");
 }
+
+#[test]
+fn the_binary_batch_gives_the_same_lines_with_speculation_and_reports_it() {
+    let prompts = [
+        format!("Rewrite this text, fixing its spelling:\n\n{SOURCE}"),
+        "Name three colours.".to_string(),
+        format!("Quote the sentence about storms from this text:\n\n{SOURCE}"),
+    ];
+    let input: String = prompts
+        .iter()
+        .map(|p| serde_json::json!({ "prompt": p }).to_string() + "\n")
+        .collect();
+    let run = |extra: &[&str]| {
+        let mut cmd = common::gen();
+        cmd.args([
+            "--batch",
+            "-",
+            "--chat",
+            "--temperature",
+            "0",
+            "--max-new",
+            "50",
+        ])
+        .args(["--stats", "json"])
+        .args(extra);
+        let out = common::with_stdin(cmd, &input);
+        assert!(out.status.success(), "{}", common::text(&out.stderr));
+        let lines: Vec<serde_json::Value> = common::text(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let report: serde_json::Value =
+            serde_json::from_str(common::text(&out.stderr).lines().last().unwrap()).unwrap();
+        (lines, report)
+    };
+    let (plain, r0) = run(&[]);
+    let (spec, r1) = run(&["--speculate", "lookup"]);
+    assert_eq!(plain.len(), 3);
+    for (a, b) in plain.iter().zip(&spec) {
+        assert_eq!(a["text"], b["text"]);
+        assert_eq!(a["tokens"], b["tokens"]);
+    }
+    // The copying prompt took fewer passes than it has tokens.
+    assert!(spec[0]["passes"].as_u64() < spec[0]["tokens"].as_u64());
+    assert!(r0.get("speculate").is_none());
+    assert!(r1["speculate"]["accepted"].as_u64().unwrap() > 0);
+    assert!(r1["tokens_per_pass"].as_f64().unwrap() > 1.0);
+    assert!(r1["solo_passes"].as_u64() < r0["solo_passes"].as_u64());
+}
