@@ -66,9 +66,13 @@ impl SpeculateReport {
         };
         writeln!(
             w,
-            "speculate      lookup, up to {} per pass: {} proposed in {} passes, {} accepted \
+            "speculate      lookup, up to {} per pass: {} proposed in {} pass{}, {} accepted \
              ({rate:.0}%); {tokens_per_pass:.2} tokens per pass",
-            self.draft_max, self.proposed, self.drafts, self.accepted
+            self.draft_max,
+            self.proposed,
+            self.drafts,
+            if self.drafts == 1 { "" } else { "es" },
+            self.accepted
         )
     }
 }
