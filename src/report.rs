@@ -390,3 +390,65 @@ fn write_model_line(
         "model          {model} on {device} (loaded in {load_s:.2} s)"
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generate::StopReason;
+    use crate::speculate::DraftStats;
+    use std::time::Duration;
+
+    /// 40 tokens and the EOS after them, sampled by the prefill and 10 decode passes in 2 s.
+    fn generation(speculation: Option<(usize, DraftStats)>) -> Generation {
+        Generation {
+            prompt_tokens: 12,
+            reused_tokens: 0,
+            tokens: vec![7; 40],
+            stop: StopReason::Eos,
+            forward_passes: 11,
+            time_to_first_token: Duration::from_millis(100),
+            decode_time: Duration::from_secs(2),
+            sampled: 41,
+            speculation,
+        }
+    }
+
+    #[test]
+    fn decode_speed_counts_tokens_and_speculation_is_reported() {
+        let stats = DraftStats {
+            drafts: 9,
+            proposed: 50,
+            accepted: 30,
+        };
+        let r = Report::new("m", "cpu", 0.1, &generation(Some((8, stats))), None);
+        // 40 tokens after the first, over 10 decode passes, in 2 s.
+        assert_eq!(r.decode_tok_s, 20.0);
+        assert_eq!(r.ms_per_token, 50.0);
+        assert_eq!(r.tokens_per_pass, 4.0);
+        let mut human = Vec::new();
+        r.write_human(&mut human).unwrap();
+        let human = String::from_utf8(human).unwrap();
+        assert!(
+            human.contains(
+                "speculate      lookup, up to 8 per pass: 50 proposed in 9 passes, 30 accepted \
+                 (60%); 4.00 tokens per pass"
+            ),
+            "{human}"
+        );
+        let mut json = Vec::new();
+        r.write_json(&mut json).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&json).unwrap();
+        assert_eq!(v["speculate"]["accepted"], 30);
+        assert_eq!(v["speculate"]["draft_max"], 8);
+        assert_eq!(v["tokens_per_pass"], 4.0);
+
+        let plain = Report::new("m", "cpu", 0.1, &generation(None), None);
+        let mut json = Vec::new();
+        plain.write_json(&mut json).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&json).unwrap();
+        assert!(v.get("speculate").is_none());
+        let mut human = Vec::new();
+        plain.write_human(&mut human).unwrap();
+        assert!(!String::from_utf8(human).unwrap().contains("speculate"));
+    }
+}
