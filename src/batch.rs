@@ -7,6 +7,10 @@
 //! one token per sequence. A sequence that ends frees its slot and blocks at once, so the next
 //! prompt starts at the next pass, not when the whole wave is done.
 //!
+//! With speculation (`BatchOptions::speculate`) each running sequence's decode step may carry
+//! proposals from its own drafter, checked in the same pass as the other steps; the step gets
+//! one row of logits per token, sampled in order as `generate` does (see there).
+//!
 //! Results do not depend on the batch: a step's logits are computed as if it ran alone (see
 //! `model`), and each prompt has its own sampler. A preempted sequence loses its cache and is
 //! resumed later with two passes: a prefill over its prompt (what the prefix cache does not
@@ -27,6 +31,7 @@ use crate::generate::{Flow, StopReason};
 use crate::model::kv_cache::blocks_for;
 use crate::model::{LanguageModel, SeqId, SeqStep};
 use crate::sampler::Sampler;
+use crate::speculate::{DraftStats, Drafter};
 
 /// One prompt of a batch.
 pub struct Request {
@@ -47,6 +52,8 @@ pub struct BatchOptions {
     pub eos: Vec<u32>,
     /// Share prompt beginnings through the prefix cache (see `model::kv_cache`).
     pub prefix_cache: bool,
+    /// Lookup speculation: the most tokens proposed per sequence and pass (None: off).
+    pub speculate: Option<usize>,
 }
 
 /// How one prompt's generation went.
@@ -70,6 +77,8 @@ pub struct Outcome {
     pub mask: Option<crate::constraint::MaskStats>,
     /// Why sampling failed, with stop `Failed` (its grammar engine hit a limit).
     pub error: Option<String>,
+    /// What its drafter proposed and what was kept (zeros without speculation).
+    pub drafts: DraftStats,
 }
 
 /// Receives tokens and finished sequences; `index` is the request's position.
@@ -98,6 +107,11 @@ pub struct BatchStats {
     /// All blocks were back in the pool at the end.
     pub blocks_returned: bool,
     pub elapsed: Duration,
+    /// Tokens sampled by the passes (EOS included): with speculation, more than the passes
+    /// each sequence took part in.
+    pub sampled_tokens: usize,
+    /// What the drafters proposed and what was kept, all sequences together.
+    pub drafts: DraftStats,
 }
 
 struct Seq {
@@ -119,6 +133,9 @@ struct Seq {
     wait: Option<Duration>,
     ttft: Option<Duration>,
     error: Option<String>,
+    drafter: Option<Drafter>,
+    /// Proposals fed after its next token in this pass.
+    proposals: Vec<u32>,
 }
 
 /// Where a running sequence is. Its prompt's tokens are computed by a prefill step and its
@@ -131,23 +148,27 @@ enum Phase {
     /// Resumed after a preemption: its reply so far, as one decode step of several tokens
     /// (each computed as when it was generated); the last one's logits give the next token.
     Reply,
-    /// One token per pass.
+    /// Its last token, and any proposals after it.
     Decode,
 }
 
 impl Seq {
-    /// Its step of the next pass.
-    fn step(&self) -> SeqStep<'_> {
+    /// What it feeds the next pass.
+    fn fed(&self) -> Vec<u32> {
+        match self.phase {
+            Phase::Prompt => self.history[self.cached..self.prompt_len].to_vec(),
+            Phase::Reply | Phase::Decode => {
+                [&self.history[self.cached..], &self.proposals[..]].concat()
+            }
+        }
+    }
+
+    /// Its step of the next pass, feeding `tokens` (from [`Seq::fed`]).
+    fn step<'t>(&self, tokens: &'t [u32]) -> SeqStep<'t> {
         let seq = self.slot.expect("running");
         match self.phase {
-            Phase::Prompt => SeqStep::prefill(
-                seq,
-                &self.history[self.cached..self.prompt_len],
-                self.cached,
-            ),
-            Phase::Reply | Phase::Decode => {
-                SeqStep::decode(seq, &self.history[self.cached..], self.cached)
-            }
+            Phase::Prompt => SeqStep::prefill(seq, tokens, self.cached),
+            Phase::Reply | Phase::Decode => SeqStep::decode(seq, tokens, self.cached),
         }
     }
 
@@ -163,6 +184,7 @@ impl Seq {
             preempted: self.preempted,
             mask: self.sampler.constraint().map(|c| c.stats()),
             error: self.error,
+            drafts: self.drafter.map(|d| d.stats).unwrap_or_default(),
         }
     }
 }
@@ -207,6 +229,8 @@ pub fn run(
             wait: None,
             ttft: None,
             error: None,
+            drafter: opts.speculate.map(Drafter::new),
+            proposals: Vec::new(),
         })
         .collect();
     let mut running: Vec<Seq> = Vec::with_capacity(opts.batch_size);
@@ -223,16 +247,16 @@ pub fn run(
         if running.is_empty() {
             break;
         }
+        for s in running.iter_mut() {
+            s.proposals = propose(s, opts.context_len);
+        }
         make_room(model, &mut waiting, &mut running, &mut stats);
 
-        let steps: Vec<SeqStep<'_>> = running.iter().map(Seq::step).collect();
-        // The logits row each sequence samples from: its step's last.
-        let last_rows: Vec<usize> = steps
+        let fed: Vec<Vec<u32>> = running.iter().map(Seq::fed).collect();
+        let steps: Vec<SeqStep<'_>> = running
             .iter()
-            .scan(0, |end, s| {
-                *end += s.logit_rows();
-                Some(*end - 1)
-            })
+            .zip(&fed)
+            .map(|(s, tokens)| s.step(tokens))
             .collect();
         let pass_start = Instant::now();
         let logits = model.forward(&steps)?;
@@ -251,8 +275,16 @@ pub fn run(
             logits.to_dtype(DType::F32)?.to_vec2::<f32>()?
         };
         let mut ended = Vec::new();
+        let mut at = 0;
         for (i, s) in running.iter_mut().enumerate() {
+            // Its rows: the prompt chunk's last token, or its next token and each proposal
+            // (a resumed reply: its last token's only).
+            let n = steps[i].logit_rows();
+            let first = if s.phase == Phase::Reply { n - 1 } else { 0 };
+            let range = at + first..at + n;
+            at += n;
             s.passes += 1;
+            let sampled = stats.sampled_tokens;
             if s.phase == Phase::Prompt {
                 // Its prefill computed these: later prompts may begin with them.
                 let seq = s.slot.expect("running");
@@ -265,46 +297,30 @@ pub fn run(
                 }
             }
             s.phase = Phase::Decode;
-            s.cached = s.history.len();
-            let row = last_rows[i];
-            let next = if s.sampler.is_plain_argmax() {
-                argmax[row]
-            } else {
-                match s.sampler.sample_row(&mut rows[row], &s.history) {
-                    Ok(id) => id,
-                    // Only this reply fails; the others go on.
-                    Err(e) => {
-                        s.error = Some(format!("{e:#}"));
-                        ended.push((i, StopReason::Failed));
-                        continue;
-                    }
-                }
+            let rows = Pass {
+                argmax: argmax.get(range.clone()).unwrap_or_default(),
+                host: rows.get_mut(range).unwrap_or_default(),
             };
-            if s.ttft.is_none() {
+            let stop = take_tokens(s, rows, opts, &mut stats, sink)?;
+            if s.ttft.is_none() && stats.sampled_tokens > sampled {
                 s.wait = Some(pass_start - start);
                 s.ttft = Some(pass_start.elapsed());
             }
-            let generated = s.history.len() - s.prompt_len;
-            if opts.eos.contains(&next) {
-                ended.push((i, StopReason::Eos));
-                continue;
-            }
-            s.history.push(next);
-            stats.generated_tokens += 1;
-            match sink.on_token(s.index, next)? {
-                Flow::Stop(StopReason::OutputClosed) => {
+            match stop {
+                Some(StopReason::OutputClosed) => {
                     halt = Some(StopReason::OutputClosed);
                     ended.push((i, StopReason::OutputClosed));
                 }
-                Flow::Stop(reason) => ended.push((i, reason)),
-                Flow::Continue if s.sampler.grammar_complete() => {
-                    ended.push((i, StopReason::Grammar))
+                Some(reason) => ended.push((i, reason)),
+                None => {
+                    // The cache holds every token but the last sampled; rejected proposals'
+                    // keys and values are forgotten, to be overwritten.
+                    s.cached = s.history.len() - 1;
+                    let seq = s.slot.expect("running");
+                    if model.kv().len(seq).is_some_and(|l| l > s.cached) {
+                        model.truncate(seq, s.cached);
+                    }
                 }
-                Flow::Continue if generated + 1 >= s.max_new => ended.push((i, StopReason::MaxNew)),
-                Flow::Continue if s.history.len() >= opts.context_len => {
-                    ended.push((i, StopReason::ContextFull))
-                }
-                Flow::Continue => {}
             }
         }
         for (row, reason) in ended.into_iter().rev() {
@@ -323,6 +339,81 @@ pub fn run(
     stats.blocks_returned = usage.blocks_used == 0;
     stats.elapsed = start.elapsed();
     Ok(stats)
+}
+
+/// A pass's rows of one sequence: their argmax (greedy sequences) or the logits themselves.
+struct Pass<'r> {
+    argmax: &'r [u32],
+    host: &'r mut [Vec<f32>],
+}
+
+/// What a running sequence's drafter proposes after its next token (none for a prefill step
+/// or a resumed reply):
+/// never more than its last row could use, at max_new or a full context window.
+fn propose(s: &mut Seq, context_len: usize) -> Vec<u32> {
+    let Some(d) = s.drafter.as_mut().filter(|_| s.phase == Phase::Decode) else {
+        return Vec::new();
+    };
+    let generated = s.history.len() - s.prompt_len;
+    let room = s
+        .max_new
+        .saturating_sub(generated)
+        .min(context_len.saturating_sub(s.history.len()))
+        .saturating_sub(1);
+    d.propose(&s.history, room)
+}
+
+/// Sample a sequence's rows of the pass in order, each token through every stop check as
+/// `generate` does: the next row is used while the token sampled is the proposal fed after
+/// it. Some(reason) when the sequence ends.
+fn take_tokens(
+    s: &mut Seq,
+    rows: Pass<'_>,
+    opts: &BatchOptions,
+    stats: &mut BatchStats,
+    sink: &mut dyn BatchSink,
+) -> Result<Option<StopReason>> {
+    let mut used = 0;
+    let stop = loop {
+        let next = if s.sampler.is_plain_argmax() {
+            rows.argmax[used]
+        } else {
+            match s.sampler.sample_row(&mut rows.host[used], &s.history) {
+                Ok(id) => id,
+                // Only this reply fails; the others go on.
+                Err(e) => {
+                    s.error = Some(format!("{e:#}"));
+                    break Some(StopReason::Failed);
+                }
+            }
+        };
+        used += 1;
+        stats.sampled_tokens += 1;
+        if opts.eos.contains(&next) {
+            break Some(StopReason::Eos);
+        }
+        s.history.push(next);
+        stats.generated_tokens += 1;
+        match sink.on_token(s.index, next)? {
+            Flow::Stop(reason) => break Some(reason),
+            Flow::Continue if s.sampler.grammar_complete() => break Some(StopReason::Grammar),
+            Flow::Continue if s.history.len() - s.prompt_len >= s.max_new => {
+                break Some(StopReason::MaxNew)
+            }
+            Flow::Continue if s.history.len() >= opts.context_len => {
+                break Some(StopReason::ContextFull)
+            }
+            Flow::Continue => {}
+        }
+        if s.proposals.get(used - 1) != Some(&next) {
+            break None;
+        }
+    };
+    if let Some(d) = s.drafter.as_mut() {
+        d.record(s.proposals.len(), used - 1);
+    }
+    s.proposals.clear();
+    Ok(stop)
 }
 
 /// Start waiting sequences while a slot is free and the pool has room for their prefill and
@@ -407,13 +498,17 @@ fn make_room(
     let mut i = 0;
     while i < running.len() {
         let s = &running[i];
-        if model.reserve(s.slot.expect("running"), s.history.len()) {
+        if model.reserve(
+            s.slot.expect("running"),
+            s.history.len() + s.proposals.len(),
+        ) {
             i += 1;
             continue;
         }
         let mut victim = running.pop().expect("not empty");
         model.free_sequence(victim.slot.take().expect("running"));
         victim.cached = 0;
+        victim.proposals.clear();
         victim.preempted += 1;
         stats.preemptions += 1;
         waiting.push_front(victim);
@@ -433,5 +528,8 @@ fn finish(
     stats.solo_passes += s.passes;
     stats.prompt_tokens += s.prompt_len;
     stats.cached_tokens += s.reused.unwrap_or(0);
+    if let Some(d) = &s.drafter {
+        stats.drafts.add(&d.stats);
+    }
     sink.on_done(s.index, s.outcome(reason))
 }

@@ -581,6 +581,9 @@ fn remote_config(a: &Args, interactive: bool, constrained: bool) -> Result<Optio
     if a.prompt_cache.is_some() || a.no_prefix_cache {
         bail!("--prompt-cache and --no-prefix-cache are about the local KV cache; with --endpoint the server keeps its own");
     }
+    if a.speculate.is_some() {
+        bail!("--speculate runs on local models only (a server decodes as it is configured to); drop it with --endpoint");
+    }
     let concurrency = a.concurrency.unwrap_or(8);
     if concurrency == 0 {
         bail!("--concurrency must be at least 1");
@@ -767,6 +770,7 @@ mod tests {
             &["--endpoint", url, "--timeout", "-1"],
             &["--endpoint", url, "--json"],
             &["--endpoint", url, "--dry-run", "--chat"],
+            &["--endpoint", url, "--speculate", "lookup"],
             &["chat", "--endpoint", url],
             &["--endpoint", "gpu-box:8000"],
             &["--resume", "out.jsonl"],

@@ -4,13 +4,32 @@
 //! text, matches stop strings, watches for Ctrl-C). Every forward pass is counted: a prompt costs
 //! one pass whatever its length; a reply of N tokens ending at EOS costs N + 1 passes (the last
 //! pass produced the EOS), one cut by `max_new = N` costs N.
+//!
+//! With speculation (`generate_with`, `--speculate lookup`) a decode pass may check several
+//! tokens: it feeds the last sampled token and up to K proposals (see `speculate`), and gets one
+//! row of logits per token. Row 0 is sampled as usual; while the token sampled from row i is the
+//! proposal fed after it, row i + 1 is valid too and is sampled next, with no pass in between.
+//! So one pass yields from 1 to K + 1 tokens, and N tokens may cost fewer than N passes.
+//!
+//! Each row is sampled exactly as a one-token pass's logits would be (on gen's CPU kernels the
+//! rows are bit for bit those logits), with the same sampler, the same history (the accepted
+//! tokens before it included) and the same random draw a plain run would use for that token.
+//! Keeping a proposal exactly when the sampled token equals it is speculative sampling with a
+//! draft that proposes one token for certain: the proposal is kept with the probability the
+//! model gives it, and otherwise the token comes from the model's distribution with the
+//! proposal removed, renormalised (the draw, conditioned on missing the proposal). The reply is
+//! therefore the model's own: greedy, token for token the plain run's; sampled with a seed,
+//! also token for token the plain run's, since each token consumes the same draw. Every token
+//! goes through the same stop checks as without speculation, in the same order; a stop in the
+//! middle of a pass's rows drops the rest.
 
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
 
 use crate::model::{LanguageModel, SeqStep};
-use crate::sampler::Sampler;
+use crate::sampler::{Rows, Sampler};
+use crate::speculate::{DraftStats, Drafter};
 
 /// Why generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,12 +111,21 @@ pub struct Generation {
     pub time_to_first_token: Duration,
     /// From the first sampled token to the end.
     pub decode_time: Duration,
+    /// Tokens sampled in all (the reply, the EOS that ended it if one did).
+    pub sampled: usize,
+    /// With speculation: the most proposals per pass, and what was proposed and kept.
+    pub speculation: Option<(usize, DraftStats)>,
 }
 
 impl Generation {
-    /// Passes after prefill: each one sampled one token (the last may have been EOS).
+    /// Passes after prefill: each one sampled one token or, with speculation, several.
     pub fn decode_passes(&self) -> usize {
         self.forward_passes.saturating_sub(1)
+    }
+
+    /// Tokens the decode passes sampled (all but the prefill's).
+    pub fn decode_tokens(&self) -> usize {
+        self.sampled.saturating_sub(1)
     }
 }
 
@@ -127,6 +155,20 @@ pub fn generate(
     limits: &Limits,
     sink: &mut dyn TokenSink,
 ) -> Result<Generation> {
+    generate_with(model, prompt, sampler, eos, limits, None, sink)
+}
+
+/// `generate`, with lookup speculation proposing up to `draft_max` tokens per pass when Some
+/// (see the module's documentation): the same reply, in fewer passes when it copies.
+pub fn generate_with(
+    model: &mut dyn LanguageModel,
+    prompt: &[u32],
+    sampler: &mut Sampler,
+    eos: &[u32],
+    limits: &Limits,
+    draft_max: Option<usize>,
+    sink: &mut dyn TokenSink,
+) -> Result<Generation> {
     check_fits(prompt, limits)?;
     let capacity = (prompt.len() + limits.max_new).min(limits.context_len);
     // A pool with room for this sequence at least, its blocks taken up front.
@@ -137,75 +179,159 @@ pub fn generate(
         model.free_sequence(seq);
         anyhow::bail!("the KV cache has no room for {capacity} tokens");
     }
-    let result = run_loop(model, seq, reused, prompt, sampler, eos, limits, sink);
-    model.free_sequence(seq);
+    let mut run = Run {
+        model,
+        seq,
+        sampler,
+        eos,
+        limits,
+        sink,
+        drafter: draft_max.map(Drafter::new),
+    };
+    let result = run.run(prompt, reused);
+    run.model.free_sequence(seq);
     result
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run_loop(
-    model: &mut dyn LanguageModel,
+/// One generation in progress.
+struct Run<'a> {
+    model: &'a mut dyn LanguageModel,
     seq: usize,
-    cached: usize,
-    prompt: &[u32],
-    sampler: &mut Sampler,
-    eos: &[u32],
-    limits: &Limits,
-    sink: &mut dyn TokenSink,
-) -> Result<Generation> {
-    let mut history = prompt.to_vec(); // prompt, then the reply: what repetition penalty sees
-    let mut gen = Generation {
-        prompt_tokens: prompt.len(),
-        reused_tokens: cached,
-        tokens: Vec::with_capacity(limits.max_new),
-        stop: StopReason::MaxNew,
-        forward_passes: 0,
-        time_to_first_token: Duration::ZERO,
-        decode_time: Duration::ZERO,
-    };
-    if let Some(reason) = sink.cancelled() {
-        gen.stop = reason;
-        return Ok(gen);
+    sampler: &'a mut Sampler,
+    eos: &'a [u32],
+    limits: &'a Limits,
+    sink: &'a mut dyn TokenSink,
+    drafter: Option<Drafter>,
+}
+
+/// The rows of the last decode pass: `fed` its tokens (the token sampled before it, then the
+/// proposals), `used` the rows sampled so far.
+struct Pass {
+    rows: Rows,
+    fed: Vec<u32>,
+    used: usize,
+}
+
+impl Run<'_> {
+    fn run(&mut self, prompt: &[u32], cached: usize) -> Result<Generation> {
+        let (seq, limits) = (self.seq, self.limits);
+        let mut history = prompt.to_vec(); // prompt, then the reply: what repetition penalty sees
+        let mut gen = Generation {
+            prompt_tokens: prompt.len(),
+            reused_tokens: cached,
+            tokens: Vec::with_capacity(limits.max_new),
+            stop: StopReason::MaxNew,
+            forward_passes: 0,
+            time_to_first_token: Duration::ZERO,
+            decode_time: Duration::ZERO,
+            sampled: 0,
+            speculation: None,
+        };
+        if let Some(reason) = self.sink.cancelled() {
+            gen.stop = reason;
+            return Ok(gen);
+        }
+
+        // Prefill: one pass over the whole prompt (what the cache does not hold of it) gives
+        // the first token.
+        let start = Instant::now();
+        let step = SeqStep::prefill(seq, &prompt[cached..], cached);
+        let logits = self.model.forward(&[step])?;
+        gen.forward_passes += 1;
+        self.model.kv_mut().publish(seq, prompt);
+        let mut next = self.sampler.sample(&logits, &history)?;
+        gen.sampled += 1;
+        gen.time_to_first_token = start.elapsed();
+        let decode_start = Instant::now();
+        let mut pass: Option<Pass> = None;
+
+        // Decode: each sampled token goes through every stop check, then is fed back at the
+        // next position; a pass that checked proposals may already hold the next token's row.
+        gen.stop = loop {
+            if let Some(reason) = self.emit(next, &mut gen, &mut history)? {
+                break reason;
+            }
+            if let Some(p) = pass.as_mut() {
+                if p.used < p.fed.len() && p.fed[p.used] == next {
+                    // The proposal fed after the last row is the token sampled from it: the
+                    // next row holds the logits a pass over it would give.
+                    next = p.rows.sample(p.used, self.sampler, &history)?;
+                    p.used += 1;
+                    gen.sampled += 1;
+                    continue;
+                }
+                self.record(p);
+            }
+            let mut p = self.decode(next, &history, &mut gen)?;
+            next = p.rows.sample(0, self.sampler, &history)?;
+            gen.sampled += 1;
+            pass = Some(Pass { used: 1, ..p });
+        };
+        if let Some(p) = &pass {
+            self.record(p);
+        }
+        gen.decode_time = decode_start.elapsed();
+        gen.speculation = self.drafter.as_ref().map(|d| (d.max(), d.stats));
+        Ok(gen)
     }
 
-    // Prefill: one pass over the whole prompt (what the cache does not hold of it) gives the
-    // first token.
-    let start = Instant::now();
-    let logits = model.forward(&[SeqStep::prefill(seq, &prompt[cached..], cached)])?;
-    gen.forward_passes += 1;
-    model.kv_mut().publish(seq, prompt);
-    let mut next = sampler.sample(&logits, &history)?;
-    gen.time_to_first_token = start.elapsed();
-    let decode_start = Instant::now();
-    let mut pos = prompt.len();
-
-    // Decode: one pass per new token, fed back at the next position.
-    gen.stop = loop {
-        if eos.contains(&next) {
-            break StopReason::Eos;
+    /// The checks every sampled token goes through, in order: EOS, then (kept and sent to the
+    /// sink) the sink's verdict, the grammar, max_new, the context window, Ctrl-C. Some(reason)
+    /// ends the reply.
+    fn emit(
+        &mut self,
+        next: u32,
+        gen: &mut Generation,
+        history: &mut Vec<u32>,
+    ) -> Result<Option<StopReason>> {
+        if self.eos.contains(&next) {
+            return Ok(Some(StopReason::Eos));
         }
         gen.tokens.push(next);
         history.push(next);
-        if let Flow::Stop(reason) = sink.on_token(next)? {
-            break reason;
+        if let Flow::Stop(reason) = self.sink.on_token(next)? {
+            return Ok(Some(reason));
         }
-        if sampler.grammar_complete() {
-            break StopReason::Grammar;
+        if self.sampler.grammar_complete() {
+            return Ok(Some(StopReason::Grammar));
         }
-        if gen.tokens.len() >= limits.max_new {
-            break StopReason::MaxNew;
+        if gen.tokens.len() >= self.limits.max_new {
+            return Ok(Some(StopReason::MaxNew));
         }
-        if prompt.len() + gen.tokens.len() >= limits.context_len {
-            break StopReason::ContextFull;
+        if gen.prompt_tokens + gen.tokens.len() >= self.limits.context_len {
+            return Ok(Some(StopReason::ContextFull));
         }
-        if let Some(reason) = sink.cancelled() {
-            break reason;
+        Ok(self.sink.cancelled())
+    }
+
+    /// One decode pass feeding `next` (the last token of `history`) and whatever the drafter
+    /// proposes after it. The proposals stop where their last row could not be used: at
+    /// max_new tokens or a full context window.
+    fn decode(&mut self, next: u32, history: &[u32], gen: &mut Generation) -> Result<Pass> {
+        let pos = history.len() - 1;
+        // Rows of rejected proposals of the last pass: forgotten, to be overwritten.
+        if self.model.kv().len(self.seq) != Some(pos) {
+            self.model.truncate(self.seq, pos);
         }
-        let logits = model.forward(&[SeqStep::decode(seq, &[next], pos)])?;
+        let mut fed = vec![next];
+        if let Some(d) = self.drafter.as_mut() {
+            let room = (self.limits.max_new.saturating_sub(gen.tokens.len()))
+                .min(self.limits.context_len.saturating_sub(history.len()))
+                .saturating_sub(1);
+            fed.extend(d.propose(history, room));
+        }
+        let logits = self
+            .model
+            .forward(&[SeqStep::decode(self.seq, &fed, pos)])?;
         gen.forward_passes += 1;
-        pos += 1;
-        next = sampler.sample(&logits, &history)?;
-    };
-    gen.decode_time = decode_start.elapsed();
-    Ok(gen)
+        let rows = Rows::new(&logits, self.sampler)?;
+        Ok(Pass { rows, fed, used: 0 })
+    }
+
+    /// Tell the drafter how the pass's proposals went: rows used beyond the first were kept.
+    fn record(&mut self, p: &Pass) {
+        if let Some(d) = self.drafter.as_mut() {
+            d.record(p.fed.len() - 1, p.used - 1);
+        }
+    }
 }

@@ -21,4 +21,5 @@ pub mod remote;
 pub mod report;
 pub mod sampler;
 pub mod source;
+pub mod speculate;
 pub mod tokenizer;

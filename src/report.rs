@@ -23,15 +23,61 @@ pub struct Report {
     pub forward_passes: usize,
     pub ttft_s: f64,
     pub prefill_tok_s: f64,
-    /// Decode passes per second (each samples one token).
+    /// Tokens the decode passes sampled, per second of decoding.
     pub decode_tok_s: f64,
     pub ms_per_token: f64,
+    /// Tokens the decode passes sampled per decode pass: 1 without speculation.
+    pub tokens_per_pass: f64,
     pub total_s: f64,
     pub stop_reason: String,
     pub seed: Option<u64>,
     /// What the grammar cost, when the reply had one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub constraint: Option<ConstraintReport>,
+    /// What speculation proposed and kept, with --speculate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speculate: Option<SpeculateReport>,
+}
+
+/// What --speculate did.
+#[derive(Debug, Clone, Serialize)]
+pub struct SpeculateReport {
+    /// Most proposals per pass (--draft-max).
+    pub draft_max: usize,
+    /// Passes that carried proposals.
+    pub drafts: usize,
+    pub proposed: usize,
+    /// Proposals the model agreed with: tokens that took no pass of their own.
+    pub accepted: usize,
+}
+
+impl SpeculateReport {
+    pub fn new(draft_max: usize, stats: &crate::speculate::DraftStats) -> Self {
+        Self {
+            draft_max,
+            drafts: stats.drafts,
+            proposed: stats.proposed,
+            accepted: stats.accepted,
+        }
+    }
+
+    fn write_human(&self, w: &mut dyn Write, tokens_per_pass: f64) -> std::io::Result<()> {
+        let rate = if self.proposed > 0 {
+            100.0 * self.accepted as f64 / self.proposed as f64
+        } else {
+            0.0
+        };
+        writeln!(
+            w,
+            "speculate      lookup, up to {} per pass: {} proposed in {} pass{}, {} accepted \
+             ({rate:.0}%); {tokens_per_pass:.2} tokens per pass",
+            self.draft_max,
+            self.proposed,
+            self.drafts,
+            if self.drafts == 1 { "" } else { "es" },
+            self.accepted
+        )
+    }
 }
 
 /// The cost of a grammar (--json, --json-schema, --grammar, --regex).
@@ -86,6 +132,7 @@ impl Report {
         let ttft = gen.time_to_first_token.as_secs_f64();
         let decode = gen.decode_time.as_secs_f64();
         let passes = gen.decode_passes();
+        let tokens = gen.decode_tokens();
         let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
         Self {
             model: model.to_string(),
@@ -98,9 +145,14 @@ impl Report {
             forward_passes: gen.forward_passes,
             ttft_s: ttft,
             prefill_tok_s: rate(gen.prompt_tokens - gen.reused_tokens, ttft),
-            decode_tok_s: rate(passes, decode),
-            ms_per_token: if passes > 0 {
-                decode * 1000.0 / passes as f64
+            decode_tok_s: rate(tokens, decode),
+            ms_per_token: if tokens > 0 {
+                decode * 1000.0 / tokens as f64
+            } else {
+                0.0
+            },
+            tokens_per_pass: if passes > 0 {
+                tokens as f64 / passes as f64
             } else {
                 0.0
             },
@@ -108,6 +160,10 @@ impl Report {
             stop_reason: gen.stop.as_str().to_string(),
             seed,
             constraint: None,
+            speculate: gen
+                .speculation
+                .as_ref()
+                .map(|(max, stats)| SpeculateReport::new(*max, stats)),
         }
     }
 
@@ -157,6 +213,9 @@ impl Report {
         if let Some(c) = &self.constraint {
             c.write_human(w)?;
         }
+        if let Some(s) = &self.speculate {
+            s.write_human(w, self.tokens_per_pass)?;
+        }
         Ok(())
     }
 
@@ -193,6 +252,11 @@ pub struct BatchReport {
     /// What the replies' grammars cost, all together, when any had one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub constraint: Option<ConstraintReport>,
+    /// Tokens sampled per step of a sequence (its share of a pass): 1 without speculation.
+    pub tokens_per_pass: f64,
+    /// What speculation proposed and kept, all sequences together, with --speculate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speculate: Option<SpeculateReport>,
 }
 
 impl BatchReport {
@@ -232,7 +296,23 @@ impl BatchReport {
             kv_blocks_peak: stats.blocks_peak,
             kv_peak_bytes: stats.blocks_peak * block_bytes,
             constraint: None,
+            tokens_per_pass: if stats.solo_passes > 0 {
+                stats.sampled_tokens as f64 / stats.solo_passes as f64
+            } else {
+                0.0
+            },
+            speculate: None,
         }
+    }
+
+    /// `draft_max`: --draft-max with --speculate.
+    pub fn with_speculation(
+        mut self,
+        draft_max: Option<usize>,
+        stats: &crate::batch::BatchStats,
+    ) -> Self {
+        self.speculate = draft_max.map(|k| SpeculateReport::new(k, &stats.drafts));
+        self
     }
 
     /// `masks`: each constrained reply's kind of grammar and cost.
@@ -289,6 +369,9 @@ impl BatchReport {
         if let Some(c) = &self.constraint {
             c.write_human(w)?;
         }
+        if let Some(s) = &self.speculate {
+            s.write_human(w, self.tokens_per_pass)?;
+        }
         Ok(())
     }
 
@@ -319,4 +402,66 @@ fn write_model_line(
         w,
         "model          {model} on {device} (loaded in {load_s:.2} s)"
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generate::StopReason;
+    use crate::speculate::DraftStats;
+    use std::time::Duration;
+
+    /// 40 tokens and the EOS after them, sampled by the prefill and 10 decode passes in 2 s.
+    fn generation(speculation: Option<(usize, DraftStats)>) -> Generation {
+        Generation {
+            prompt_tokens: 12,
+            reused_tokens: 0,
+            tokens: vec![7; 40],
+            stop: StopReason::Eos,
+            forward_passes: 11,
+            time_to_first_token: Duration::from_millis(100),
+            decode_time: Duration::from_secs(2),
+            sampled: 41,
+            speculation,
+        }
+    }
+
+    #[test]
+    fn decode_speed_counts_tokens_and_speculation_is_reported() {
+        let stats = DraftStats {
+            drafts: 9,
+            proposed: 50,
+            accepted: 30,
+        };
+        let r = Report::new("m", "cpu", 0.1, &generation(Some((8, stats))), None);
+        // 40 tokens after the first, over 10 decode passes, in 2 s.
+        assert_eq!(r.decode_tok_s, 20.0);
+        assert_eq!(r.ms_per_token, 50.0);
+        assert_eq!(r.tokens_per_pass, 4.0);
+        let mut human = Vec::new();
+        r.write_human(&mut human).unwrap();
+        let human = String::from_utf8(human).unwrap();
+        assert!(
+            human.contains(
+                "speculate      lookup, up to 8 per pass: 50 proposed in 9 passes, 30 accepted \
+                 (60%); 4.00 tokens per pass"
+            ),
+            "{human}"
+        );
+        let mut json = Vec::new();
+        r.write_json(&mut json).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&json).unwrap();
+        assert_eq!(v["speculate"]["accepted"], 30);
+        assert_eq!(v["speculate"]["draft_max"], 8);
+        assert_eq!(v["tokens_per_pass"], 4.0);
+
+        let plain = Report::new("m", "cpu", 0.1, &generation(None), None);
+        let mut json = Vec::new();
+        plain.write_json(&mut json).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&json).unwrap();
+        assert!(v.get("speculate").is_none());
+        let mut human = Vec::new();
+        plain.write_human(&mut human).unwrap();
+        assert!(!String::from_utf8(human).unwrap().contains("speculate"));
+    }
 }

@@ -145,7 +145,41 @@ impl Sampler {
         Ok(id)
     }
 
+    /// The distribution `sample` draws from for `row` after `history`, the grammar's mask
+    /// aside: (id, probability) of every token it may pick, most likely first. Greedy: the
+    /// one token it picks, with probability 1.
+    pub fn distribution(&mut self, row: &[f32], history: &[u32]) -> Result<Vec<(u32, f64)>> {
+        let mut row = row.to_vec();
+        Ok(match self.weigh(&mut row, history)? {
+            Weighed::Greedy(id) => vec![(id, 1.0)],
+            Weighed::Candidates(total) => self
+                .candidates
+                .iter()
+                .map(|&(id, w)| (id, f64::from(w) / f64::from(total)))
+                .collect(),
+        })
+    }
+
     fn draw(&mut self, row: &mut [f32], history: &[u32]) -> Result<u32> {
+        let total = match self.weigh(row, history)? {
+            Weighed::Greedy(id) => return Ok(id),
+            Weighed::Candidates(total) => total,
+        };
+        let c = &self.candidates;
+        let mut r = self.rng.next_f32() * total;
+        for e in c.iter() {
+            r -= e.1;
+            if r <= 0.0 {
+                return Ok(e.0);
+            }
+        }
+        Ok(c[c.len() - 1].0)
+    }
+
+    /// Every step before the draw, in one place for `draw` and `distribution`: repetition
+    /// penalty, then greedy's pick, or the candidates (in `self.candidates`, most likely first,
+    /// with weights summing to the returned total) after top-k, temperature, top-p and min-p.
+    fn weigh(&mut self, row: &mut [f32], history: &[u32]) -> Result<Weighed> {
         let p = &self.params;
         if p.repeat_penalty != 1.0 {
             let start = history.len().saturating_sub(p.repeat_last_n);
@@ -164,7 +198,7 @@ impl Sampler {
             }
         }
         if p.is_greedy() {
-            return Ok(argmax(row));
+            return Ok(Weighed::Greedy(argmax(row)));
         }
         let c = &mut self.candidates;
         c.clear();
@@ -212,15 +246,56 @@ impl Sampler {
             let keep = c.iter().take_while(|e| e.1 >= floor).count().max(1);
             c.truncate(keep);
         }
-        let total: f32 = c.iter().map(|e| e.1).sum();
-        let mut r = self.rng.next_f32() * total;
-        for e in c.iter() {
-            r -= e.1;
-            if r <= 0.0 {
-                return Ok(e.0);
-            }
+        Ok(Weighed::Candidates(c.iter().map(|e| e.1).sum()))
+    }
+}
+
+/// What `Sampler::weigh` left to draw from.
+enum Weighed {
+    Greedy(u32),
+    /// In `Sampler::candidates`, with their total weight.
+    Candidates(f32),
+}
+
+/// The rows of logits of one forward pass, ready to be sampled one at a time in order: their
+/// argmax already taken where that is all the sampler does (one scan of every row on the
+/// device), otherwise on the host.
+pub enum Rows {
+    Argmax(Vec<u32>),
+    Host(Vec<Vec<f32>>),
+}
+
+impl Rows {
+    /// `logits`: (rows, vocab), to be sampled by `sampler`.
+    pub fn new(logits: &Tensor, sampler: &Sampler) -> Result<Self> {
+        let logits = match logits.rank() {
+            1 => logits.unsqueeze(0)?,
+            _ => logits.clone(),
+        };
+        Ok(if sampler.is_plain_argmax() {
+            Rows::Argmax(crate::model::cpu::ops::argmax_rows(&logits)?)
+        } else {
+            Rows::Host(logits.to_dtype(DType::F32)?.to_vec2::<f32>()?)
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Rows::Argmax(v) => v.len(),
+            Rows::Host(v) => v.len(),
         }
-        Ok(c[c.len() - 1].0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// `sampler.sample` on row `i` (each row is sampled once: a host row is changed in place).
+    pub fn sample(&mut self, i: usize, sampler: &mut Sampler, history: &[u32]) -> Result<u32> {
+        match self {
+            Rows::Argmax(v) => Ok(v[i]),
+            Rows::Host(v) => sampler.sample_row(&mut v[i], history),
+        }
     }
 }
 

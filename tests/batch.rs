@@ -61,6 +61,7 @@ fn opts(batch_size: usize, pool_blocks: usize) -> BatchOptions {
         pool_blocks,
         eos: vec![EOS],
         prefix_cache: true,
+        speculate: None,
     }
 }
 
@@ -314,6 +315,7 @@ fn batched_greedy_ids_equal_one_by_one_on_the_real_model() {
             pool_blocks: 64,
             eos: eos.clone(),
             prefix_cache: true,
+            speculate: None,
         };
         let stats = batch::run(loaded.model.as_mut(), reqs, &o, &mut sink).unwrap();
         assert!(stats.forward_passes < stats.solo_passes);

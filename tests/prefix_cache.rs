@@ -85,6 +85,7 @@ fn run_batch_n(
         pool_blocks,
         eos: Vec::new(),
         prefix_cache,
+        speculate: None,
     };
     let mut sink = Collect::default();
     let stats = batch::run(m.model.as_mut(), requests, &opts, &mut sink).unwrap();

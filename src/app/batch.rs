@@ -130,6 +130,7 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
         pool_blocks,
         eos,
         prefix_cache: cfg.prefix_cache,
+        speculate: cfg.speculate.map(|(_, k)| k),
     };
     let stats = if requests.is_empty() {
         batch::BatchStats::default()
@@ -154,7 +155,8 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
             &stats,
             loaded.model.kv_bytes_per_token() * BLOCK_SIZE,
         )
-        .with_constraints(&masks);
+        .with_constraints(&masks)
+        .with_speculation(cfg.speculate.map(|(_, k)| k), &stats);
         let mut err = std::io::stderr().lock();
         match cfg.stats {
             StatsFormat::Human => report.write_human(&mut err)?,

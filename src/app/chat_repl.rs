@@ -55,6 +55,7 @@ struct Chat {
     colour: bool,
     quiet: bool,
     ignore_eos: bool,
+    speculate: Option<usize>,
 }
 
 /// How a turn ended, for the loop.
@@ -104,6 +105,7 @@ impl Chat {
             colour: stderr_tty && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
             quiet: cfg.quiet,
             ignore_eos: cfg.ignore_eos,
+            speculate: cfg.speculate.map(|(_, k)| k),
         })
     }
 
@@ -214,12 +216,13 @@ impl Chat {
             out: &mut out,
             kept: Some(String::new()),
         };
-        let result = generate::generate(
+        let result = generate::generate_with(
             loaded.model.as_mut(),
             &ids,
             &mut self.sampler,
             &eos,
             &limits,
+            self.speculate,
             &mut sink,
         );
         let gen = match result {
@@ -394,7 +397,7 @@ impl Chat {
         let prefilled = gen.prompt_tokens - gen.reused_tokens;
         let decode = gen.decode_time.as_secs_f64();
         let rate = if decode > 0.0 {
-            format!("{:.1} tok/s", gen.decode_passes() as f64 / decode)
+            format!("{:.1} tok/s", gen.decode_tokens() as f64 / decode)
         } else {
             "- tok/s".into()
         };

@@ -262,12 +262,13 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         }
         None => None,
     };
-    let mut gen = generate::generate(
+    let mut gen = generate::generate_with(
         loaded.model.as_mut(),
         &prompt,
         &mut sampler,
         &eos,
         &limits,
+        cfg.speculate.map(|(_, k)| k),
         &mut sink,
     )?;
     sink.finish(gen.stop)?;

@@ -7,8 +7,9 @@ use gen::model::{check_batch, LanguageModel, ModelInfo, PagedKv, SeqStep};
 pub const VOCAB: usize = 64;
 pub const EOS: u32 = 0;
 
-/// Predicts `len + 1` while the sequence is shorter than `eos_at`, then EOS (0). Keeps real
-/// block tables, so the loops' reservations are checked like a real model's.
+/// Predicts `len + 1` while the sequence is shorter than `eos_at`, then EOS (0), for every row
+/// (`len`: the sequence's length through that row's token). Keeps real block tables, so the
+/// loops' reservations are checked like a real model's.
 pub struct Counting {
     pub info: ModelInfo,
     pub eos_at: usize,
@@ -70,11 +71,10 @@ impl LanguageModel for Counting {
         for step in batch {
             self.kv.advance(step.seq, step.tokens.len());
             pass.push((step.seq, step.pos, step.tokens.len()));
-            // A row per token that gets logits (a prompt chunk's last, each of a decode step's),
-            // predicting from the length the sequence had after that token.
-            let first = step.tokens.len() - step.logit_rows();
-            for t in first..step.tokens.len() {
-                let len = step.pos + t + 1;
+            // One row per token of a decode step (a sequence of that token's length), the last
+            // token's for a prompt chunk.
+            let end = step.pos + step.tokens.len();
+            for len in (end + 1 - step.logit_rows())..=end {
                 let next = if len < self.eos_at {
                     len + 1
                 } else {
