@@ -14,8 +14,8 @@
 //!     cargo bench --bench prefix
 //!
 //! Environment: GEN_BENCH_RUNS (3), GEN_BENCH_THREADS (2), GEN_BENCH_MODEL (default model),
-//! GEN_LLAMA_BATCHED_BENCH (llama-batched-bench; default: where ../shared/bench/llama-cpp-tools
-//! builds it; skipped when absent). Medians over rounds. Not a test: nothing here asserts a
+//! GEN_LLAMA_BATCHED_BENCH (llama-batched-bench; default: where `.ci/llama-server
+//! llama-batched-bench` builds it; skipped when absent). Medians over rounds. Not a test: nothing here asserts a
 //! speed; it stops with an error if the replies differ.
 
 mod common;
@@ -151,7 +151,8 @@ fn peer_batched_bench(model: &Path, threads: usize) {
         .map(PathBuf::from)
         .unwrap_or_else(|| {
             let home = std::env::var_os("HOME").unwrap_or_default();
-            Path::new(&home).join(".cache/gen-peer/tools/llama.cpp/build/bin/llama-batched-bench")
+            Path::new(&home)
+                .join(".cache/gen-peer/llama-server-0.3.36/llama.cpp/build/bin/llama-batched-bench")
         });
     if !bin.exists() {
         println!("  llama-batched-bench: not found (set GEN_LLAMA_BATCHED_BENCH), skipped");
