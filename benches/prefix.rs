@@ -168,7 +168,13 @@ fn peer_batched_bench(model: &Path, threads: usize) {
         .args(["-t", &threads.to_string()])
         .output()
         .expect("run llama-batched-bench");
-    match common::last_json(&String::from_utf8_lossy(&out.stdout)) {
+    // Its JSON line comes on stdout or stderr, depending on the build's logging.
+    let text = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    match common::last_json(&text) {
         Some(v) => println!(
             "  llama-batched-bench -pps (8 x (640 shared + 64)): prompt {:.2} s, then {:.1} tok/s generating; {:.1} tok/s generated over the whole wave",
             v["t_pp"].as_f64().unwrap_or(f64::NAN),
