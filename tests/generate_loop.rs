@@ -1,36 +1,12 @@
 //! The generation loop with a test model standing in for a real one: pass accounting, stop
 //! reasons, and the positions the loop feeds the model.
 
-use anyhow::Result;
-use gen::generate::{generate, Flow, Limits, StopReason, TokenSink};
+use gen::generate::{generate, Limits, StopReason};
 use gen::model::LanguageModel;
 use gen::sampler::{Sampler, SamplingParams};
 
 mod common;
-use common::counting::{Counting, EOS};
-
-#[derive(Default)]
-struct Collect {
-    seen: Vec<u32>,
-    stop_after: Option<usize>,
-    cancel_after: Option<usize>,
-}
-
-impl TokenSink for Collect {
-    fn on_token(&mut self, id: u32) -> Result<Flow> {
-        self.seen.push(id);
-        Ok(match self.stop_after {
-            Some(n) if self.seen.len() >= n => Flow::Stop(StopReason::Stop),
-            _ => Flow::Continue,
-        })
-    }
-    fn cancelled(&self) -> Option<StopReason> {
-        match self.cancel_after {
-            Some(n) if self.seen.len() >= n => Some(StopReason::Interrupted),
-            _ => None,
-        }
-    }
-}
+use common::counting::{Collect, Counting, EOS};
 
 fn run(
     model: &mut Counting,

@@ -11,29 +11,13 @@ use anyhow::Result;
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use gen::batch::{self, BatchOptions, BatchSink, Outcome, Request};
-use gen::generate::{generate_with, Flow, Generation, Limits, StopReason, TokenSink};
+use gen::generate::{generate_with, Flow, Generation, Limits, StopReason};
 use gen::model::kv_cache::blocks_for;
 use gen::model::{check_batch, load_gguf, LanguageModel, ModelInfo, PagedKv, SeqStep};
 use gen::sampler::{Sampler, SamplingParams};
 
 mod common;
-use common::counting::{Counting, EOS};
-
-#[derive(Default)]
-struct Collect {
-    seen: Vec<u32>,
-    stop_after: Option<usize>,
-}
-
-impl TokenSink for Collect {
-    fn on_token(&mut self, id: u32) -> Result<Flow> {
-        self.seen.push(id);
-        Ok(match self.stop_after {
-            Some(n) if self.seen.len() >= n => Flow::Stop(StopReason::Stop),
-            _ => Flow::Continue,
-        })
-    }
-}
+use common::counting::{Collect, Counting, EOS};
 
 fn run(
     model: &mut dyn LanguageModel,

@@ -2,6 +2,7 @@
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
+use gen::generate::{Flow, StopReason, TokenSink};
 use gen::model::{check_batch, LanguageModel, ModelInfo, PagedKv, SeqStep};
 
 pub const VOCAB: usize = 64;
@@ -88,5 +89,30 @@ impl LanguageModel for Counting {
         self.passes.push(pass);
         let n = rows.len() / VOCAB;
         Ok(Tensor::from_vec(rows, (n, VOCAB), &Device::Cpu)?)
+    }
+}
+
+/// A token sink for the loop tests: records what it saw, and asks for a stop (a stop string)
+/// or a cancel (Ctrl-C) after so many tokens.
+#[derive(Default)]
+pub struct Collect {
+    pub seen: Vec<u32>,
+    pub stop_after: Option<usize>,
+    pub cancel_after: Option<usize>,
+}
+
+impl TokenSink for Collect {
+    fn on_token(&mut self, id: u32) -> Result<Flow> {
+        self.seen.push(id);
+        Ok(match self.stop_after {
+            Some(n) if self.seen.len() >= n => Flow::Stop(StopReason::Stop),
+            _ => Flow::Continue,
+        })
+    }
+    fn cancelled(&self) -> Option<StopReason> {
+        match self.cancel_after {
+            Some(n) if self.seen.len() >= n => Some(StopReason::Interrupted),
+            _ => None,
+        }
     }
 }
