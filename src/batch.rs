@@ -431,6 +431,8 @@ fn admit(
         let Some(s) = waiting.front() else { break };
         let need = s.history.len() + 1;
         let kv = model.kv();
+        // Only its prompt: the blocks of its reply (after a preemption) hold what decode
+        // steps computed, not what a prefill over them would.
         let found = kv.lookup(&s.history[..s.prompt_len]);
         // Blocks it takes from what is free: new ones, and cached ones nobody holds.
         let taken =
@@ -463,11 +465,7 @@ fn admit(
         let seq = model.new_sequence();
         // Where its blocks go: a run with room for the whole reply, if the pool has one.
         model.expect_tokens(seq, (s.prompt_len + s.max_new).min(opts.context_len));
-        // Only its prompt: the blocks of its reply (after a preemption) hold what decode
-        // steps computed, not what a prefill over them would.
-        let reused = model
-            .kv_mut()
-            .attach_prefix(seq, &s.history[..s.prompt_len]);
+        let reused = model.kv_mut().attach(seq, found);
         let ok = model.reserve(seq, s.history.len());
         debug_assert!(ok, "checked above");
         s.reused.get_or_insert(reused.min(s.prompt_len));

@@ -417,6 +417,12 @@ impl PagedKv {
     /// BLOCK_SIZE). Its next step starts there.
     pub fn attach_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> usize {
         let found = self.lookup(tokens);
+        self.attach(seq, found)
+    }
+
+    /// Give the new, empty sequence `seq` the blocks `found` (what [`lookup`](Self::lookup)
+    /// just returned, nothing published or evicted since); returns the tokens it now holds.
+    pub fn attach(&mut self, seq: SeqId, found: Vec<u32>) -> usize {
         let Some(Some(s)) = self.seqs.get(seq) else {
             return 0;
         };
