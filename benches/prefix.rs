@@ -6,7 +6,8 @@
 //!    order flips every round), throughput = generated tokens / wall time (model load
 //!    included), and the replies compared. Beside it, llama.cpp's `llama-batched-bench -pps`
 //!    on the nearest shape it has (8 sequences of one shared 640-token prompt, 64 tokens each):
-//!    it shares the whole prompt, gen only what the prompts really have in common.
+//!    it shares the whole prompt, gen only what the prompts really have in common; gen is also run
+//!    on exactly that shape (8 copies of one 640-token prompt), timed as a run (load excluded).
 //! 2. `--prompt-cache`: a run over the 1,000-token benchmark prompt that writes the file, then
 //!    one that uses it; time to first token of each (the second's includes reading the file)
 //!    and their texts compared.
@@ -142,7 +143,25 @@ fn shared_prefixes(model: &Path, threads: usize, runs: usize, dir: &Path) {
         median(without),
         median(ratio)
     );
+    same_shape_as_peer(model, threads, &text, dir);
     peer_batched_bench(model, threads);
+}
+
+/// llama-batched-bench's shape for gen: 8 copies of one 640-token prompt, 64 tokens each, batch
+/// 8; generated tokens over the run's own time (the report's, model load excluded).
+fn same_shape_as_peer(model: &Path, threads: usize, text: &str, dir: &Path) {
+    let loaded = gen::model::load_gguf(model, &Device::Cpu, None).expect("load the model");
+    let ids = loaded.tokenizer.encode(text, false).expect("tokenize");
+    let prompt = loaded.tokenizer.decode(&ids[..640]).expect("decode");
+    let line = serde_json::json!({ "prompt": prompt }).to_string() + "\n";
+    let jsonl = dir.join("same-shape.jsonl");
+    std::fs::write(&jsonl, line.repeat(8)).unwrap();
+    let (_, _, report) = batch_run(model, threads, &jsonl, true);
+    let total = report["total_s"].as_f64().unwrap_or(f64::NAN);
+    println!(
+        "  gen on that shape (8 x (640 shared + 64), batch 8, prefix cache): {:.1} tok/s generated over the whole wave ({total:.2} s)",
+        512.0 / total
+    );
 }
 
 /// llama-batched-bench -pps: 8 sequences of one shared 640-token prompt, 64 tokens each.
