@@ -96,6 +96,14 @@ pub struct Limits {
     pub context_len: usize,
 }
 
+impl Limits {
+    /// Tokens a sequence with a prompt of `prompt_len` tokens may come to hold: its room in
+    /// the KV cache.
+    pub fn capacity(&self, prompt_len: usize) -> usize {
+        (prompt_len + self.max_new).min(self.context_len)
+    }
+}
+
 /// The outcome of one generation: what was generated and what it cost.
 #[derive(Debug, Clone)]
 pub struct Generation {
@@ -170,7 +178,7 @@ pub fn generate_with(
     sink: &mut dyn TokenSink,
 ) -> Result<Generation> {
     check_fits(prompt, limits)?;
-    let capacity = (prompt.len() + limits.max_new).min(limits.context_len);
+    let capacity = limits.capacity(prompt.len());
     // A pool with room for this sequence at least, its blocks taken up front.
     model.reserve_pool(crate::model::kv_cache::blocks_for(capacity))?;
     let seq = model.new_sequence();

@@ -249,8 +249,10 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
     }
     let cache = match &cfg.prompt_cache {
         Some(path) => {
-            let capacity = (prompt.len() + limits.max_new).min(limits.context_len);
-            loaded.model.reserve_pool(blocks_for(capacity))?;
+            // The pool generate() will use, made now so the file's blocks can go into it.
+            loaded
+                .model
+                .reserve_pool(blocks_for(limits.capacity(prompt.len())))?;
             let model = loaded.model.as_mut();
             Some(PromptCache::open(
                 path,
