@@ -284,7 +284,8 @@ impl CpuQWeight {
                     tiles.groups,
                     act.chunks,
                     per_call,
-                    |g, token, n, out, stride, real| {
+                    false,
+                    |g, _, token, n, out, stride, real| {
                         // SAFETY: as `schedule` promises for out; tiles and activations hold the
                         // same block count.
                         unsafe { self.tile_dot(tiles.tile(g), &act, token, n, out, stride, real) }
@@ -304,7 +305,8 @@ impl CpuQWeight {
                     tiles.groups,
                     act.chunks,
                     per_call,
-                    |g, token, n, out, stride, real| {
+                    self.pairs(),
+                    |g, two, token, n, out, stride, real| {
                         // SAFETY: as `schedule` promises for out; tiles and activations hold the
                         // same block count.
                         unsafe {
@@ -312,6 +314,7 @@ impl CpuQWeight {
                                 tiles.ty,
                                 self.kernel,
                                 tiles.tile(g),
+                                two.then(|| tiles.tile(g + 1)),
                                 act.chunk(token),
                                 n,
                                 out,
@@ -335,13 +338,15 @@ impl CpuQWeight {
                     tiles.groups,
                     chunks,
                     per_call,
-                    |g, token, n, out, stride, real| {
+                    self.pairs(),
+                    |g, two, token, n, out, stride, real| {
                         // SAFETY: tokens token..token + n are rows of x; `schedule` promises out.
                         unsafe {
                             half_dot(
                                 tiles.ty,
                                 self.kernel,
                                 tiles.tile(g),
+                                two.then(|| tiles.tile(g + 1)),
                                 xs.at(token * k),
                                 k,
                                 n,
@@ -355,6 +360,15 @@ impl CpuQWeight {
                 )
             }
         }
+    }
+
+    /// Whether the tile kernel takes two row groups a call (512-bit registers, `quants_zmm`).
+    fn pairs(&self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self.kernel == Kernel::Vnni {
+            return matches!(self.layout, Layout::Quant(_) | Layout::Half(_));
+        }
+        false
     }
 
     /// Most tokens per call of the tile kernel: each unpacked weight block serves this many.
@@ -427,6 +441,7 @@ impl CpuQWeight {
 /// in blocks (see below), `dot(g, token, n, out, stride, real)` computing tokens
 /// token..token + n (n <= `per_call`, within one chunk of 8) against row group g into out +
 /// i * stride, its first `real` rows. Returns T rows of widths[i] values per part.
+#[allow(clippy::too_many_arguments)]
 fn schedule(
     t: usize,
     k: usize,
@@ -434,7 +449,8 @@ fn schedule(
     groups: usize,
     chunks: usize,
     per_call: usize,
-    dot: impl Fn(usize, usize, usize, *mut f32, usize, usize) + Sync,
+    pairs: bool,
+    dot: impl Fn(usize, bool, usize, usize, *mut f32, usize, usize) + Sync,
 ) -> Vec<Vec<f32>> {
     // Written by the kernels before it is read: not zeroed first (that memset was 2-3% of a
     // batch run).
@@ -447,7 +463,10 @@ fn schedule(
         first += w.div_ceil(8);
     }
     debug_assert_eq!(first, groups);
-    let chunk = (groups / (rayon::current_num_threads() * 4)).max(1);
+    let mut chunk = (groups / (rayon::current_num_threads() * 4)).max(1);
+    if pairs {
+        chunk += chunk % 2;
+    }
     let group_ranges: Vec<(usize, usize)> = (0..groups)
         .step_by(chunk)
         .map(|g| (g, (g + chunk).min(groups)))
@@ -460,11 +479,15 @@ fn schedule(
     let per_block = (48 * 1024 / (k * TOKENS)).max(1);
     group_ranges.into_par_iter().for_each(|(g0, g1)| {
         for c_start in (0..chunks).step_by(per_block) {
-            for g in g0..g1 {
+            let mut g = g0;
+            while g < g1 {
                 let p = parts.partition_point(|part| part.0 <= g) - 1;
                 let (pg, w, out) = parts[p];
                 let col = (g - pg) * 8;
-                let real = (w - col).min(8);
+                // Two groups in one call where the kernel takes pairs and g + 1 is this task's
+                // and this part's too.
+                let two = pairs && g + 1 < g1 && col + 8 < w;
+                let real = (w - col).min(if two { 16 } else { 8 });
                 for c in c_start..(c_start + per_block).min(chunks) {
                     let in_chunk = (t - c * TOKENS).min(TOKENS);
                     let mut i0 = 0;
@@ -474,10 +497,11 @@ fn schedule(
                         // token + n <= T and col + real <= w, so every row written is inside
                         // this part's T x w buffer; row group g's columns are written by this
                         // task only.
-                        dot(g, token, n, out.at(token * w + col), w, real);
+                        dot(g, two, token, n, out.at(token * w + col), w, real);
                         i0 += n;
                     }
                 }
+                g += 1 + usize::from(two);
             }
         }
     });
@@ -512,6 +536,7 @@ unsafe fn half_dot(
     ty: Half,
     kernel: Kernel,
     w: &[u16],
+    w1: Option<&[u16]>,
     x: *const f32,
     k: usize,
     n: usize,
@@ -535,6 +560,33 @@ unsafe fn half_dot(
             }
         }};
     }
+    #[cfg(target_arch = "x86_64")]
+    macro_rules! by_n2 {
+        ($w1:ident, $bf:literal) => {{
+            use half_kernels::zmm::tile2;
+            match n {
+                1 => tile2::<$bf, 1>(w, $w1, x, k, out, stride, real, stream),
+                2 => tile2::<$bf, 2>(w, $w1, x, k, out, stride, real, stream),
+                3 => tile2::<$bf, 3>(w, $w1, x, k, out, stride, real, stream),
+                4 => tile2::<$bf, 4>(w, $w1, x, k, out, stride, real, stream),
+                5 => tile2::<$bf, 5>(w, $w1, x, k, out, stride, real, stream),
+                6 => tile2::<$bf, 6>(w, $w1, x, k, out, stride, real, stream),
+                7 => tile2::<$bf, 7>(w, $w1, x, k, out, stride, real, stream),
+                _ => tile2::<$bf, 8>(w, $w1, x, k, out, stride, real, stream),
+            }
+        }};
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let (Kernel::Vnni, Some(w1)) = (kernel, w1) {
+        return match ty {
+            Half::F16 => by_n2!(w1, false),
+            Half::Bf16 => by_n2!(w1, true),
+        };
+    }
+    debug_assert!(
+        w1.is_none(),
+        "pairs are only scheduled for the 512-bit kernels"
+    );
     match (kernel, ty) {
         #[cfg(target_arch = "x86_64")]
         (Kernel::Avx2, Half::F16) => by_n!(avx2, false),
@@ -557,6 +609,7 @@ unsafe fn quant_dot(
     ty: QType,
     kernel: Kernel,
     w: quants::Tile<'_>,
+    w1: Option<quants::Tile<'_>>,
     a: quants::ActChunk,
     n: usize,
     out: *mut f32,
@@ -596,12 +649,43 @@ unsafe fn quant_dot(
             }
         };
     }
-    match kernel {
+    #[cfg(target_arch = "x86_64")]
+    macro_rules! by_n2 {
+        ($w1:ident, $ty:expr) => {{
+            const TY: u8 = $ty as u8;
+            use super::quants_zmm::tile2;
+            match n {
+                1 => tile2::<TY, 1>(w, $w1, a, out, stride, real, stream),
+                2 => tile2::<TY, 2>(w, $w1, a, out, stride, real, stream),
+                3 => tile2::<TY, 3>(w, $w1, a, out, stride, real, stream),
+                4 => tile2::<TY, 4>(w, $w1, a, out, stride, real, stream),
+                5 => tile2::<TY, 5>(w, $w1, a, out, stride, real, stream),
+                6 => tile2::<TY, 6>(w, $w1, a, out, stride, real, stream),
+                7 => tile2::<TY, 7>(w, $w1, a, out, stride, real, stream),
+                _ => tile2::<TY, 8>(w, $w1, a, out, stride, real, stream),
+            }
+        }};
+    }
+    match (kernel, w1) {
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx2 => by_type!(avx2),
+        (Kernel::Vnni, Some(w1)) => match ty {
+            QType::Q4_0 => by_n2!(w1, QType::Q4_0),
+            QType::Q5_0 => by_n2!(w1, QType::Q5_0),
+            QType::Q5_1 => by_n2!(w1, QType::Q5_1),
+            QType::Q2K => by_n2!(w1, QType::Q2K),
+            QType::Q3K => by_n2!(w1, QType::Q3K),
+            QType::Q4K => by_n2!(w1, QType::Q4K),
+            QType::Q5K => by_n2!(w1, QType::Q5K),
+            QType::Q6K => by_n2!(w1, QType::Q6K),
+            QType::Iq4Nl => by_n2!(w1, QType::Iq4Nl),
+            QType::Iq4Xs => by_n2!(w1, QType::Iq4Xs),
+        },
+        (_, Some(_)) => unreachable!("pairs are only scheduled for the VNNI kernel"),
         #[cfg(target_arch = "x86_64")]
-        Kernel::Vnni => by_type!(vnni),
-        Kernel::Scalar => quants::scalar_tile(ty.spec(), w, a, n, out, stride, real),
+        (Kernel::Avx2, None) => by_type!(avx2),
+        #[cfg(target_arch = "x86_64")]
+        (Kernel::Vnni, None) => by_type!(vnni),
+        (Kernel::Scalar, None) => quants::scalar_tile(ty.spec(), w, a, n, out, stride, real),
     }
 }
 
@@ -1193,6 +1277,69 @@ pub(crate) fn test_data(n: usize, seed: u64) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The 512-bit kernels (two row groups a call) give the 256-bit ones' bits: every type gen
+    /// tiles, as a fused projection of parts whose widths are not multiples of 16 (so pairs,
+    /// single groups and ragged ends all occur, as in a fused q/k/v), 1 to 11 tokens; each
+    /// part of the fused product equals the part's own product.
+    #[test]
+    fn paired_groups_and_parts_give_the_same_bits() {
+        let kernels = crate::model::cpu::q8::test_kernels();
+        #[cfg(target_arch = "x86_64")]
+        if !kernels.contains(&Kernel::Vnni) {
+            eprintln!("no AVX-512 VNNI here: the 512-bit kernels are not exercised");
+        }
+        let k = 512;
+        let mut types: Vec<u32> = quants::QType::ALL.iter().map(|t| t.spec().ggml).collect();
+        types.extend([1, 30, 2, 8]);
+        for id in types {
+            let raw = |n: usize, seed: u64| match quants::QType::from_ggml(id) {
+                Some(ty) => quants::random_blocks(ty, n, k, seed),
+                None if id == 1 || id == 30 => test_data(n * k, seed)
+                    .iter()
+                    .flat_map(|&v| half::f16::from_f32(v).to_bits().to_le_bytes())
+                    .collect(),
+                None => {
+                    let dt = if id == 2 {
+                        GgmlDType::Q4_1
+                    } else {
+                        GgmlDType::Q8_0
+                    };
+                    let w = Tensor::from_vec(test_data(n * k, seed), (n, k), &Device::Cpu);
+                    QTensor::quantize(&w.unwrap(), dt)
+                        .unwrap()
+                        .data()
+                        .unwrap()
+                        .to_vec()
+                }
+            };
+            let widths = [13, 24, 40];
+            let raws: Vec<Vec<u8>> = widths.iter().map(|&n| raw(n, n as u64 + 5)).collect();
+            for t in [1, 3, 8, 11] {
+                let x = test_data(t * k, 40 + t as u64);
+                let mut whole = Vec::new();
+                for &kernel in kernels.iter().filter(|k| **k != Kernel::Scalar) {
+                    let one =
+                        |r: &[u8], n| CpuQWeight::from_raw(id, r, n, k, kernel).unwrap().unwrap();
+                    let (fused, got_widths) =
+                        CpuQWeight::concat(raws.iter().zip(widths).map(|(r, n)| one(r, n)));
+                    assert_eq!(got_widths, widths);
+                    let parts = fused.matmul_parts(&x, t, &widths);
+                    for ((p, r), n) in parts.iter().zip(&raws).zip(widths) {
+                        assert_eq!(p, &one(r, n).matmul(&x, t), "type {id} {kernel:?} t={t}");
+                    }
+                    whole.push((kernel, parts));
+                }
+                for (kernel, parts) in &whole[1..] {
+                    assert_eq!(
+                        parts, &whole[0].1,
+                        "type {id}: {kernel:?} vs {:?} t={t}",
+                        whole[0].0
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn q8_1_sum_is_rounded_once_like_llama_cpp() {

@@ -18,6 +18,8 @@ pub mod q8;
 pub mod quants;
 #[cfg(target_arch = "x86_64")]
 mod quants_x86;
+#[cfg(target_arch = "x86_64")]
+mod quants_zmm;
 pub mod wide16;
 
 use anyhow::Result;

@@ -26,8 +26,11 @@ impl Kernel {
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c")
         {
-            let vnni =
-                is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl");
+            // The VNNI kernels also run on 512-bit registers (`quants_zmm`): byte operations
+            // there need AVX-512BW, which every CPU with AVX-512 VNNI has.
+            let vnni = is_x86_feature_detected!("avx512vnni")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512bw");
             if vnni && !std::env::var("GEN_KERNEL").is_ok_and(|v| v == "avx2") {
                 return Kernel::Vnni;
             }
@@ -135,6 +138,64 @@ pub unsafe fn x86_quantize_block(blk: &[f32], q: &mut [u8]) -> (f32, i32) {
     (d, _mm_cvtsi128_si32(s))
 }
 
+/// The Q8_K quantization of one super-block of 256 values with AVX2, bit for bit the scalar
+/// one in `quants` (for finite values): the first value of largest magnitude sets the scale
+/// `-127 / max`, each product rounds half to even, capped at 127. Writes the 256 bytes to q
+/// and returns `1 / scale` and each 32-value block's sums of its two halves.
+///
+/// # Safety
+/// The CPU must have AVX2; sb and q hold 256 values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn x86_quantize_q8k(sb: &[f32], q: &mut [u8]) -> (f32, [[i32; 2]; 8]) {
+    use std::arch::x86_64::*;
+    assert!(sb.len() >= 256 && q.len() >= 256);
+    let p = sb.as_ptr();
+    let sign = _mm256_set1_ps(-0.0);
+    let mut m = _mm256_setzero_ps();
+    for c in 0..32 {
+        // |v| first: a NaN there leaves m as it was, as the scalar scan skips it.
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(p.add(c * 8))), m);
+    }
+    let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+    if amax == 0.0 {
+        q[..256].fill(0);
+        return (0.0, [[0; 2]; 8]);
+    }
+    let max = *sb[..256]
+        .iter()
+        .find(|v| v.abs() == amax)
+        .expect("amax is one of them");
+    let is = -127.0 / max;
+    let iscale = _mm256_set1_ps(is);
+    let cap = _mm256_set1_epi32(127);
+    let mut sums = [[0i32; 2]; 8];
+    for (b, sum) in sums.iter_mut().enumerate() {
+        let r: [__m256i; 4] = std::array::from_fn(|j| {
+            let v = _mm256_mul_ps(iscale, _mm256_loadu_ps(p.add(b * 32 + j * 8)));
+            _mm256_min_epi32(_mm256_cvtps_epi32(v), cap)
+        });
+        let lo = _mm256_packs_epi32(r[0], r[1]);
+        let hi = _mm256_packs_epi32(r[2], r[3]);
+        let bytes = _mm256_packs_epi16(lo, hi);
+        let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(q.as_mut_ptr().add(b * 32) as *mut __m256i, bytes);
+        let h = |a: __m256i| {
+            let s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+            _mm_cvtsi128_si32(s)
+        };
+        *sum = [
+            h(_mm256_add_epi32(r[0], r[1])),
+            h(_mm256_add_epi32(r[2], r[3])),
+        ];
+    }
+    (1.0 / is, sums)
+}
+
 /// Small steps every x86 matrix kernel takes; inlined into each (their features are a subset
 /// of every kernel's).
 ///
@@ -216,7 +277,10 @@ pub(crate) fn test_kernels() -> Vec<Kernel> {
         && is_x86_feature_detected!("f16c")
     {
         k.push(Kernel::Avx2);
-        if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
+        if is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512bw")
+        {
             k.push(Kernel::Vnni);
         }
     }

@@ -855,6 +855,25 @@ fn quantize_token(
             }
         }
         Act::Q8K => {
+            #[cfg(target_arch = "x86_64")]
+            if kernel != Kernel::Scalar {
+                let mut q = [0u8; 8 * QK];
+                for (s, sb) in row.chunks_exact(8 * QK).enumerate() {
+                    // SAFETY: a SIMD kernel is only chosen on CPUs with AVX2.
+                    let (d, sums) = unsafe { super::q8::x86_quantize_q8k(sb, &mut q) };
+                    for (i, [lo, hi]) in sums.into_iter().enumerate() {
+                        let sum = lo + hi;
+                        put(
+                            s * 8 + i,
+                            &q[i * QK..(i + 1) * QK],
+                            d,
+                            [lo, hi, sum],
+                            [d * lo as f32, d * hi as f32, d * sum as f32],
+                        );
+                    }
+                }
+                return;
+            }
             for (s, sb) in row.chunks_exact(8 * QK).enumerate() {
                 let (mut amax, mut max) = (0f32, 0f32);
                 for &v in sb {
@@ -997,6 +1016,62 @@ pub fn random_blocks(ty: QType, rows: usize, cols: usize, seed: u64) -> Vec<u8> 
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
+    /// The SIMD Q8_K quantizer gives the scalar one's bytes, scales and sums exactly: random
+    /// rows, a zero super-block, ties (products k + 0.5), a maximum whose negative comes later
+    /// (the first one sets the sign), values that land on +127.
+    #[test]
+    fn simd_q8k_quantization_equals_scalar() {
+        let simd: Vec<Kernel> = crate::model::cpu::q8::test_kernels()
+            .into_iter()
+            .filter(|k| *k != Kernel::Scalar)
+            .collect();
+        let mut rows: Vec<Vec<f32>> = (0..40)
+            .map(|i| crate::model::cpu::matmul::test_data(512, 900 + i))
+            .collect();
+        let mut special = vec![0f32; 256];
+        special.extend((0..256).map(|i| {
+            if i == 7 {
+                -127.0
+            } else {
+                (i % 64) as f32 - 31.5
+            }
+        }));
+        rows.push(special);
+        rows.push(
+            (0..512)
+                .map(|i| {
+                    if i % 256 == 9 {
+                        2.0
+                    } else if i % 256 == 200 {
+                        -2.0
+                    } else {
+                        0.01 * i as f32
+                    }
+                })
+                .collect(),
+        );
+        rows.push(
+            (0..512)
+                .map(|i| if i % 3 == 0 { -1.0 } else { 1.0 })
+                .collect(),
+        );
+        type Put = (usize, Vec<u8>, u32, [i32; 3], [u32; 3]);
+        let run = |row: &[f32], kernel: Kernel| {
+            let mut got: Vec<Put> = Vec::new();
+            quantize_token(row, Act::Q8K, kernel, |b, q, d, sums, scaled| {
+                got.push((b, q.to_vec(), d.to_bits(), sums, scaled.map(f32::to_bits)));
+            });
+            got
+        };
+        for (r, row) in rows.iter().enumerate() {
+            let want = run(row, Kernel::Scalar);
+            assert_eq!(want.len(), 16);
+            for &k in &simd {
+                assert_eq!(run(row, k), want, "row {r}, {k:?}");
+            }
+        }
+    }
 
     /// Straight from ggml's `dequantize_row_*`, one super-block of GGUF bytes to its values:
     /// written apart from [`decode`] and the tiles, so the kernels are checked against the

@@ -157,6 +157,63 @@ macro_rules! half_kernels {
     };
 }
 
+/// Two neighbouring groups (16 rows) per call on 512-bit registers: each lane does what the
+/// 256-bit kernels do for its row, in the same order (the sums are theirs bit for bit), with
+/// one activation broadcast serving 16 rows.
+#[cfg(target_arch = "x86_64")]
+pub mod zmm {
+    use std::arch::x86_64::*;
+
+    /// N tokens at x (rows of k values) against groups w0 (outputs 0..8) and w1 (8..16),
+    /// written to out + i * stride, the first `real` outputs.
+    ///
+    /// # Safety
+    /// The CPU must support the features; x holds N rows of k values, w0 and w1 k * 8 values
+    /// each; out is valid for the writes.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    pub unsafe fn tile2<const BF: bool, const N: usize>(
+        w0: &[u16],
+        w1: &[u16],
+        x: *const f32,
+        k: usize,
+        out: *mut f32,
+        stride: usize,
+        real: usize,
+        stream: bool,
+    ) {
+        debug_assert!(w0.len() >= k * 8 && w1.len() >= k * 8 && k.is_multiple_of(2));
+        let mut acc = [_mm512_setzero_ps(); N];
+        let mut odd = [_mm512_setzero_ps(); N];
+        let (p0, p1) = (w0.as_ptr(), w1.as_ptr());
+        let load = |c: usize| {
+            let lo = _mm_loadu_si128(p0.add(c * 8) as *const __m128i);
+            let hi = _mm_loadu_si128(p1.add(c * 8) as *const __m128i);
+            let raw = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi);
+            if BF {
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
+            } else {
+                _mm512_cvtph_ps(raw)
+            }
+        };
+        for c in (0..k).step_by(2) {
+            if stream && c % 4 == 0 {
+                _mm_prefetch::<_MM_HINT_T0>(p0.wrapping_add(c * 8 + 1024) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(p1.wrapping_add(c * 8 + 1024) as *const i8);
+            }
+            let (v0, v1) = (load(c), load(c + 1));
+            for i in 0..N {
+                acc[i] = _mm512_fmadd_ps(v0, _mm512_set1_ps(*x.add(i * k + c)), acc[i]);
+                odd[i] = _mm512_fmadd_ps(v1, _mm512_set1_ps(*x.add(i * k + c + 1)), odd[i]);
+            }
+        }
+        let mask: __mmask16 = if real >= 16 { !0 } else { (1u16 << real) - 1 };
+        for i in 0..N {
+            _mm512_mask_storeu_ps(out.add(i * stride), mask, _mm512_add_ps(acc[i], odd[i]));
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 half_kernels!(avx2, "avx2,fma,f16c");
 #[cfg(target_arch = "x86_64")]

@@ -1,0 +1,299 @@
+//! The VNNI kernels of [`super::quants`] on 512-bit registers: two neighbouring row groups (16
+//! rows) per call, each register holding the same 4 codes of both groups' 8 rows. Every lane
+//! does exactly what the 256-bit kernel ([`super::quants_x86`]'s `vnni`) does for its row, in
+//! the same order, so the sums are bit for bit theirs; what changes is that one activation
+//! broadcast, one scale conversion and one loop step serve 16 rows instead of 8. On CPUs with
+//! two 512-bit multiply-add units (Intel's server parts) that is twice the arithmetic per
+//! cycle; on those that split 512-bit work in two halves (AMD Zen 4), half the instructions.
+
+#![cfg(target_arch = "x86_64")]
+
+use super::quants::{spec_of, Act, ActChunk, Bits, Min, Tile, IQ4_VALUES, TOKENS};
+use std::arch::x86_64::*;
+
+/// 32 bytes at p0 (the first group's) and 32 at p1, as one register.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn join(p0: *const u8, p1: *const u8) -> __m512i {
+    let lo = _mm256_loadu_si256(p0 as *const __m256i);
+    let hi = _mm256_loadu_si256(p1 as *const __m256i);
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+}
+
+/// 8 bytes at p0 and 8 at p1.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn join8(p0: *const u8, p1: *const u8) -> __m128i {
+    _mm_unpacklo_epi64(
+        _mm_loadl_epi64(p0 as *const __m128i),
+        _mm_loadl_epi64(p1 as *const __m128i),
+    )
+}
+
+/// 8 f16 values at p0 and 8 at p1, as 16 f32 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn widen2(p0: *const u8, p1: *const u8) -> __m512 {
+    let lo = _mm_loadu_si128(p0 as *const __m128i);
+    let hi = _mm_loadu_si128(p1 as *const __m128i);
+    _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi))
+}
+
+/// The block's scale and minimum per row for sub-scale byte `h` (as the 256-bit kernel's).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn sub_scale<const TY: u8>(
+    b0: *const u8,
+    b1: *const u8,
+    h: usize,
+    dv: __m512,
+    dmv: __m512,
+) -> (__m512, __m512) {
+    let spec = spec_of(TY);
+    let spb = spec.scales_per_block();
+    if spb == 0 {
+        return (dv, dmv);
+    }
+    let (pb, h) = (spec.plane_bytes(), h.min(spb - 1));
+    let raw = join8(b0.add(pb + h * 8), b1.add(pb + h * 8));
+    let (sc, mn) = match spec.min {
+        Min::Packed => (
+            _mm512_cvtepu8_epi32(_mm_and_si128(raw, _mm_set1_epi8(0x0F))),
+            _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F))),
+        ),
+        Min::Sub => {
+            let at = pb + 8 * spb + h * 8;
+            (
+                _mm512_cvtepi8_epi32(raw),
+                _mm512_cvtepu8_epi32(join8(b0.add(at), b1.add(at))),
+            )
+        }
+        _ => (_mm512_cvtepi8_epi32(raw), _mm512_setzero_si512()),
+    };
+    let scale = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(sc));
+    let min = match spec.min {
+        Min::Sub | Min::Packed => _mm512_sub_ps(
+            _mm512_setzero_ps(),
+            _mm512_mul_ps(dmv, _mm512_cvtepi32_ps(mn)),
+        ),
+        _ => dmv,
+    };
+    (scale, min)
+}
+
+/// N tokens' activations against two tiles of 8 rows of type TY (a `QType` as u8): w0's rows
+/// are outputs 0..8, w1's 8..16, written to out + i * stride for token i (the first `real`).
+///
+/// # Safety
+/// The CPU must support the features; `a` holds N tokens of as many blocks as each tile;
+/// `out` is valid for those writes.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub unsafe fn tile2<const TY: u8, const N: usize>(
+    w0: Tile<'_>,
+    w1: Tile<'_>,
+    a: ActChunk,
+    out: *mut f32,
+    stride: usize,
+    real: usize,
+    stream: bool,
+) {
+    let spec = spec_of(TY);
+    let (sbb, bb) = (spec.sb_bytes(), spec.blk_bytes());
+    debug_assert_eq!(w0.buf.len(), w1.buf.len());
+    let nb = w0.buf.len() / sbb * spec.per_super;
+    let (buf0, buf1) = (w0.buf.as_ptr(), w1.buf.as_ptr());
+    let lut = spec.bits == Bits::Lut;
+    // Signed codes (the IQ4 tables) are biased by 128, as in the 256-bit VNNI kernel.
+    let centre = spec.centre + if lut { 128 } else { 0 };
+    let mut table = [0i8; 64];
+    for (i, t) in table.iter_mut().enumerate() {
+        *t = IQ4_VALUES[i % 16] ^ -128;
+    }
+    let table = _mm512_loadu_si512(table.as_ptr() as *const __m512i);
+    let mut acc = [_mm512_setzero_ps(); N];
+    let per_sb = spec.act == Act::Q8K;
+    // Types whose sums meet the activation scale only once per super-block and have no minimum
+    // terms (Q3_K, Q6_K, IQ4_XS) keep the running sums in `out` (read and written once per
+    // super-block) instead of N registers: with 16 rows a register, 8 unpacked weight
+    // registers and N partial sums, N more would not fit in 32.
+    let in_out = per_sb && spec.min == Min::None;
+    let mask: __mmask16 = if real >= 16 { !0 } else { (1u16 << real) - 1 };
+    let mut facc = [_mm512_setzero_ps(); N];
+    const AHEAD: usize = super::q8::PREFETCH_AHEAD;
+    let (mut dv, mut dmv) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    for b in 0..nb {
+        let at = spec.block_at(b);
+        let (b0, b1) = (buf0.add(at), buf1.add(at));
+        if stream {
+            let mut l = 0;
+            while l < bb {
+                _mm_prefetch::<_MM_HINT_T0>(b0.wrapping_add(AHEAD + l) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(b1.wrapping_add(AHEAD + l) as *const i8);
+                l += 64;
+            }
+        }
+        if b % spec.per_super == 0 {
+            let hdr = (b / spec.per_super) * sbb;
+            dv = widen2(buf0.add(hdr), buf1.add(hdr));
+            if spec.min != Min::None {
+                dmv = widen2(buf0.add(hdr + 16), buf1.add(hdr + 16));
+            }
+        }
+        let wv = unpack::<TY>(b0, b1, table);
+        let (scale0, min0) = sub_scale::<TY>(b0, b1, 0, dv, dmv);
+        let (scale1, min1) = if spec.halves {
+            sub_scale::<TY>(b0, b1, 1, dv, dmv)
+        } else {
+            (scale0, min0)
+        };
+        let qb = a.qs.add(b * 256);
+        for (i, (acc, facc)) in acc.iter_mut().zip(facc.iter_mut()).enumerate() {
+            let slot = b * TOKENS + i;
+            let q = qb.add(i * 32) as *const i32;
+            let act = |g: usize| _mm512_set1_epi32(q.add(g).read_unaligned());
+            let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+            for g in 0..4 {
+                s0 = _mm512_dpbusd_epi32(s0, wv[g], act(g));
+                s1 = _mm512_dpbusd_epi32(s1, wv[g + 4], act(g + 4));
+            }
+            let da = _mm512_set1_ps(*a.d.add(slot));
+            let isum = a.isum.add(slot * 4);
+            let asum = a.asum.add(slot * 4);
+            if spec.halves {
+                if centre != 0 {
+                    s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(*isum));
+                    s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(*isum.add(1)));
+                }
+                if per_sb {
+                    *facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), scale0, *facc);
+                    *facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), scale1, *facc);
+                } else {
+                    let f = _mm512_mul_ps(_mm512_cvtepi32_ps(s0), scale0);
+                    let f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), scale1, f);
+                    *acc = _mm512_fmadd_ps(f, da, *acc);
+                }
+                if spec.min != Min::None {
+                    *acc = _mm512_fmadd_ps(min0, _mm512_set1_ps(*asum), *acc);
+                    *acc = _mm512_fmadd_ps(min1, _mm512_set1_ps(*asum.add(1)), *acc);
+                }
+            } else {
+                let mut s = _mm512_add_epi32(s0, s1);
+                if centre != 0 {
+                    s = _mm512_sub_epi32(s, _mm512_set1_epi32(*isum.add(2)));
+                }
+                if per_sb {
+                    *facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale0, *facc);
+                } else {
+                    let d = _mm512_mul_ps(scale0, da);
+                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, *acc);
+                }
+                if spec.min != Min::None {
+                    *acc = _mm512_fmadd_ps(min0, _mm512_set1_ps(*asum.add(2)), *acc);
+                }
+            }
+            if per_sb && b % spec.per_super == spec.per_super - 1 {
+                if in_out {
+                    let o = out.add(i * stride);
+                    let sum = if b < spec.per_super {
+                        _mm512_setzero_ps()
+                    } else {
+                        _mm512_maskz_loadu_ps(mask, o)
+                    };
+                    _mm512_mask_storeu_ps(o, mask, _mm512_fmadd_ps(*facc, da, sum));
+                } else {
+                    *acc = _mm512_fmadd_ps(*facc, da, *acc);
+                }
+                *facc = _mm512_setzero_ps();
+            }
+        }
+    }
+    if !in_out {
+        store16(&acc, out, stride, mask);
+    }
+}
+
+/// Token i's 16 sums to out + i * stride, the lanes of `mask`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub unsafe fn store16<const N: usize>(
+    acc: &[__m512; N],
+    out: *mut f32,
+    stride: usize,
+    mask: __mmask16,
+) {
+    for (i, acc) in acc.iter().enumerate() {
+        _mm512_mask_storeu_ps(out.add(i * stride), mask, *acc);
+    }
+}
+
+/// The 8 registers of block codes of both groups: register c holds codes 4c..4c+4 of each of
+/// the 16 rows (IQ4: their table values, biased).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn unpack<const TY: u8>(b0: *const u8, b1: *const u8, table: __m512i) -> [__m512i; 8] {
+    let spec = spec_of(TY);
+    let m4 = _mm512_set1_epi8(0x0F);
+    let m2 = _mm512_set1_epi8(0x03);
+    let mut wv = [_mm512_setzero_si512(); 8];
+    match spec.bits {
+        Bits::Four | Bits::Five | Bits::Six | Bits::Lut => {
+            for c in 0..4 {
+                let raw = join(b0.add(c * 32), b1.add(c * 32));
+                wv[c] = _mm512_and_si512(raw, m4);
+                wv[c + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4);
+            }
+        }
+        Bits::Two | Bits::Three => {
+            for p in 0..2 {
+                let raw = join(b0.add(p * 32), b1.add(p * 32));
+                for c in 0..4 {
+                    let sh = _mm_cvtsi32_si128(2 * c as i32);
+                    wv[p * 4 + c] = _mm512_and_si512(_mm512_srl_epi16(raw, sh), m2);
+                }
+            }
+        }
+    }
+    match spec.bits {
+        Bits::Five | Bits::Three => {
+            // Bit c of each byte is register c's extra bit, moved to `to`.
+            let (at, to) = if spec.bits == Bits::Five {
+                (128, 4)
+            } else {
+                (64, 2)
+            };
+            let h = join(b0.add(at), b1.add(at));
+            let keep = _mm512_set1_epi8((1i32 << to) as i8);
+            for c in 0..8i32 {
+                let moved = if c <= to {
+                    _mm512_sll_epi16(h, _mm_cvtsi32_si128(to - c))
+                } else {
+                    _mm512_srl_epi16(h, _mm_cvtsi32_si128(c - to))
+                };
+                wv[c as usize] = _mm512_or_si512(wv[c as usize], _mm512_and_si512(moved, keep));
+            }
+        }
+        Bits::Six => {
+            let keep = _mm512_set1_epi8(0x30);
+            for p in 0..2 {
+                let h = join(b0.add(128 + p * 32), b1.add(128 + p * 32));
+                for c in 0..4i32 {
+                    // Bits 2c, 2c+1 to bits 4, 5.
+                    let moved = if 2 * c <= 4 {
+                        _mm512_sll_epi16(h, _mm_cvtsi32_si128(4 - 2 * c))
+                    } else {
+                        _mm512_srl_epi16(h, _mm_cvtsi32_si128(2 * c - 4))
+                    };
+                    let r = p * 4 + c as usize;
+                    wv[r] = _mm512_or_si512(wv[r], _mm512_and_si512(moved, keep));
+                }
+            }
+        }
+        Bits::Lut => {
+            for r in wv.iter_mut() {
+                *r = _mm512_shuffle_epi8(table, *r);
+            }
+        }
+        _ => {}
+    }
+    wv
+}
