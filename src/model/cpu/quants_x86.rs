@@ -7,6 +7,166 @@
 
 use crate::model::cpu::q8::simd::{dot_s_avx2, dot_u_avx2, dot_u_vnni};
 
+/// One token's block sums s0, s1 (the halves' integer dot products, one lane a row) folded
+/// into its running sums, as the type has it: the centre off with the activation sums, the
+/// sub-scales (per half or per block), the activation scale now or once per super-block
+/// (`facc`), the minimum terms. Written once for the 256- and 512-bit kernels, whose
+/// intrinsics come first ([sub, set1, add (i32), convert, mul, fmadd, set1 (f32)]).
+macro_rules! fold_sums {
+    (
+        [$sub:path, $set1:path, $add:path, $cvt:path, $mul:path, $fma:path, $set1f:path],
+        $spec:expr, $centre:expr, $per_sb:expr, $s0:ident, $s1:ident, $acc:expr, $facc:expr,
+        ($scale0:expr, $min0:expr), ($scale1:expr, $min1:expr), $da:expr, $a:expr, $slot:expr
+    ) => {{
+        let isum = $a.isum.add($slot * 4);
+        let asum = $a.asum.add($slot * 4);
+        if $spec.halves {
+            if $centre != 0 {
+                $s0 = $sub($s0, $set1(*isum));
+                $s1 = $sub($s1, $set1(*isum.add(1)));
+            }
+            if $per_sb {
+                $facc = $fma($cvt($s0), $scale0, $facc);
+                $facc = $fma($cvt($s1), $scale1, $facc);
+            } else {
+                let f = $mul($cvt($s0), $scale0);
+                let f = $fma($cvt($s1), $scale1, f);
+                $acc = $fma(f, $da, $acc);
+            }
+            if $spec.min != Min::None {
+                $acc = $fma($min0, $set1f(*asum), $acc);
+                $acc = $fma($min1, $set1f(*asum.add(1)), $acc);
+            }
+        } else {
+            let mut s = $add($s0, $s1);
+            if $centre != 0 {
+                s = $sub(s, $set1(*isum.add(2)));
+            }
+            if $per_sb {
+                $facc = $fma($cvt(s), $scale0, $facc);
+            } else {
+                let d = $mul($scale0, $da);
+                $acc = $fma($cvt(s), d, $acc);
+            }
+            if $spec.min != Min::None {
+                $acc = $fma($min0, $set1f(*asum.add(2)), $acc);
+            }
+        }
+    }};
+}
+pub(crate) use fold_sums;
+
+/// The 8 registers of one block's codes: register c holds codes 4c..4c+4 of each row (IQ4:
+/// their table values). `$load(offset)` reads the block's bytes at offset (one tile's 32, or
+/// two tiles' side by side); the intrinsics of the register width follow.
+macro_rules! unpack_codes {
+    (
+        $ty:expr, $load:ident, $table:expr,
+        [$zero:path, $set1:path, $and:path, $or:path, $srl:path, $sll:path, $shuffle:path]
+    ) => {{
+        let spec = spec_of($ty);
+        let m4 = $set1(0x0F);
+        let m2 = $set1(0x03);
+        let mut wv = [$zero(); 8];
+        match spec.bits {
+            Bits::Four | Bits::Five | Bits::Six | Bits::Lut => {
+                for c in 0..4 {
+                    let raw = $load(c * 32);
+                    wv[c] = $and(raw, m4);
+                    wv[c + 4] = $and($srl(raw, _mm_cvtsi32_si128(4)), m4);
+                }
+            }
+            Bits::Two | Bits::Three => {
+                for p in 0..2 {
+                    let raw = $load(p * 32);
+                    for c in 0..4 {
+                        let sh = _mm_cvtsi32_si128(2 * c as i32);
+                        wv[p * 4 + c] = $and($srl(raw, sh), m2);
+                    }
+                }
+            }
+        }
+        match spec.bits {
+            Bits::Five | Bits::Three => {
+                // Bit c of each byte is register c's extra bit, moved to `to`.
+                let (at, to) = if spec.bits == Bits::Five {
+                    (128, 4)
+                } else {
+                    (64, 2)
+                };
+                let h = $load(at);
+                let keep = $set1((1i32 << to) as i8);
+                for c in 0..8i32 {
+                    let moved = if c <= to {
+                        $sll(h, _mm_cvtsi32_si128(to - c))
+                    } else {
+                        $srl(h, _mm_cvtsi32_si128(c - to))
+                    };
+                    wv[c as usize] = $or(wv[c as usize], $and(moved, keep));
+                }
+            }
+            Bits::Six => {
+                let keep = $set1(0x30);
+                for p in 0..2 {
+                    let h = $load(128 + p * 32);
+                    for c in 0..4i32 {
+                        // Bits 2c, 2c+1 to bits 4, 5.
+                        let moved = if 2 * c <= 4 {
+                            $sll(h, _mm_cvtsi32_si128(4 - 2 * c))
+                        } else {
+                            $srl(h, _mm_cvtsi32_si128(2 * c - 4))
+                        };
+                        let r = p * 4 + c as usize;
+                        wv[r] = $or(wv[r], $and(moved, keep));
+                    }
+                }
+            }
+            Bits::Lut => {
+                for r in wv.iter_mut() {
+                    *r = $shuffle($table, *r);
+                }
+            }
+            _ => {}
+        }
+        wv
+    }};
+}
+pub(crate) use unpack_codes;
+
+/// One block's scale and minimum per row for sub-scale byte `h`: the super-block's `dv` times
+/// the integer sub-scale, and minus `dmv` times the sub-minimum (or `dv` and `dmv` themselves
+/// for types without sub-scales). `$bytes(offset)` reads the rows' bytes at that offset in the
+/// block (8, or 16 for two tiles); the intrinsics of the register width follow.
+macro_rules! block_scales {
+    (
+        $spec:expr, $h:expr, $bytes:ident, $dv:expr, $dmv:expr,
+        [$u8:path, $i8:path, $zero_i:path, $cvt:path, $mul:path, $sub:path, $zero:path]
+    ) => {{
+        let spb = $spec.scales_per_block();
+        if spb == 0 {
+            ($dv, $dmv)
+        } else {
+            let (pb, h) = ($spec.plane_bytes(), $h.min(spb - 1));
+            let raw = $bytes(pb + h * 8);
+            let (sc, mn) = match $spec.min {
+                Min::Packed => (
+                    $u8(_mm_and_si128(raw, _mm_set1_epi8(0x0F))),
+                    $u8(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F))),
+                ),
+                Min::Sub => ($i8(raw), $u8($bytes(pb + 8 * spb + h * 8))),
+                _ => ($i8(raw), $zero_i()),
+            };
+            let scale = $mul($dv, $cvt(sc));
+            let min = match $spec.min {
+                Min::Sub | Min::Packed => $sub($zero(), $mul($dmv, $cvt(mn))),
+                _ => $dmv,
+            };
+            (scale, min)
+        }
+    }};
+}
+pub(crate) use block_scales;
+
 macro_rules! quant_kernels {
     ($name:ident, $features:literal, $dot_u:ident, $dot_lut:ident, $lut_xor:expr, $lut_bias:expr) => {
         pub mod $name {
@@ -32,11 +192,9 @@ macro_rules! quant_kernels {
                 stream: bool,
             ) {
                 let spec = spec_of(TY);
-                let pb = spec.plane_bytes();
                 let (sbb, bb) = (spec.sb_bytes(), spec.blk_bytes());
                 let nb = w.buf.len() / sbb * spec.per_super;
                 let buf = w.buf.as_ptr();
-                let spb = spec.scales_per_block();
                 let lut = spec.bits == Bits::Lut;
                 // Signed codes are biased on VNNI: the activation sums come times 128 more
                 // (`centre_of`).
@@ -72,37 +230,24 @@ macro_rules! quant_kernels {
                     }
                     let wv = unpack::<TY>(base, table);
                     // Scales and minimums of this block (per half: index 0 and 1).
-                    let sc_at = |h: usize| base.add(pb + h * 8);
-                    let mn_at = |h: usize| base.add(pb + 8 * spb + h * 8);
-                    let bytes = |p: *const u8| _mm_loadl_epi64(p as *const __m128i);
-                    let sub = |h: usize| -> (__m256, __m256) {
-                        if spb == 0 {
-                            return (dv, dmv);
-                        }
-                        let raw = bytes(sc_at(h.min(spb - 1)));
-                        let (sc, mn) = match spec.min {
-                            Min::Packed => (
-                                _mm256_cvtepu8_epi32(_mm_and_si128(raw, _mm_set1_epi8(0x0F))),
-                                _mm256_cvtepu8_epi32(_mm_and_si128(
-                                    _mm_srli_epi16(raw, 4),
-                                    _mm_set1_epi8(0x0F),
-                                )),
-                            ),
-                            Min::Sub => (
-                                _mm256_cvtepi8_epi32(raw),
-                                _mm256_cvtepu8_epi32(bytes(mn_at(h.min(spb - 1)))),
-                            ),
-                            _ => (_mm256_cvtepi8_epi32(raw), _mm256_setzero_si256()),
-                        };
-                        let scale = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(sc));
-                        let min = match spec.min {
-                            Min::Sub | Min::Packed => _mm256_sub_ps(
-                                _mm256_setzero_ps(),
-                                _mm256_mul_ps(dmv, _mm256_cvtepi32_ps(mn)),
-                            ),
-                            _ => dmv,
-                        };
-                        (scale, min)
+                    let bytes = |o: usize| _mm_loadl_epi64(base.add(o) as *const __m128i);
+                    let sub = |h: usize| {
+                        block_scales!(
+                            spec,
+                            h,
+                            bytes,
+                            dv,
+                            dmv,
+                            [
+                                _mm256_cvtepu8_epi32,
+                                _mm256_cvtepi8_epi32,
+                                _mm256_setzero_si256,
+                                _mm256_cvtepi32_ps,
+                                _mm256_mul_ps,
+                                _mm256_sub_ps,
+                                _mm256_setzero_ps
+                            ]
+                        )
                     };
                     let (scale0, min0) = sub(0);
                     let (scale1, min1) = if spec.halves { sub(1) } else { (scale0, min0) };
@@ -123,40 +268,29 @@ macro_rules! quant_kernels {
                             }
                         }
                         let da = _mm256_set1_ps(*a.d.add(slot));
-                        let isum = a.isum.add(slot * 4);
-                        let asum = a.asum.add(slot * 4);
-                        if spec.halves {
-                            if centre != 0 {
-                                s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(*isum));
-                                s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(*isum.add(1)));
-                            }
-                            if per_sb {
-                                *facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), scale0, *facc);
-                                *facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), scale1, *facc);
-                            } else {
-                                let f = _mm256_mul_ps(_mm256_cvtepi32_ps(s0), scale0);
-                                let f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), scale1, f);
-                                *acc = _mm256_fmadd_ps(f, da, *acc);
-                            }
-                            if spec.min != Min::None {
-                                *acc = _mm256_fmadd_ps(min0, _mm256_set1_ps(*asum), *acc);
-                                *acc = _mm256_fmadd_ps(min1, _mm256_set1_ps(*asum.add(1)), *acc);
-                            }
-                        } else {
-                            let mut s = _mm256_add_epi32(s0, s1);
-                            if centre != 0 {
-                                s = _mm256_sub_epi32(s, _mm256_set1_epi32(*isum.add(2)));
-                            }
-                            if per_sb {
-                                *facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale0, *facc);
-                            } else {
-                                let d = _mm256_mul_ps(scale0, da);
-                                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, *acc);
-                            }
-                            if spec.min != Min::None {
-                                *acc = _mm256_fmadd_ps(min0, _mm256_set1_ps(*asum.add(2)), *acc);
-                            }
-                        }
+                        fold_sums!(
+                            [
+                                _mm256_sub_epi32,
+                                _mm256_set1_epi32,
+                                _mm256_add_epi32,
+                                _mm256_cvtepi32_ps,
+                                _mm256_mul_ps,
+                                _mm256_fmadd_ps,
+                                _mm256_set1_ps
+                            ],
+                            spec,
+                            centre,
+                            per_sb,
+                            s0,
+                            s1,
+                            *acc,
+                            *facc,
+                            (scale0, min0),
+                            (scale1, min1),
+                            da,
+                            a,
+                            slot
+                        );
                         if per_sb && b % spec.per_super == spec.per_super - 1 {
                             *acc = _mm256_fmadd_ps(*facc, da, *acc);
                             *facc = _mm256_setzero_ps();
@@ -166,77 +300,25 @@ macro_rules! quant_kernels {
                 store(&acc, out, stride, real);
             }
 
-            /// The 8 registers of block codes at `base`: register c holds codes 4c..4c+4 of
-            /// each of the 8 rows (IQ4: their table values, biased on VNNI).
+            /// The 8 registers of block codes at `base` (see `unpack_codes`).
             #[inline]
             #[target_feature(enable = $features)]
             unsafe fn unpack<const TY: u8>(base: *const u8, table: __m256i) -> [__m256i; 8] {
-                let spec = spec_of(TY);
-                let m4 = _mm256_set1_epi8(0x0F);
-                let m2 = _mm256_set1_epi8(0x03);
-                let mut wv = [_mm256_setzero_si256(); 8];
-                match spec.bits {
-                    Bits::Four | Bits::Five | Bits::Six | Bits::Lut => {
-                        for c in 0..4 {
-                            let raw = _mm256_loadu_si256(base.add(c * 32) as *const __m256i);
-                            wv[c] = _mm256_and_si256(raw, m4);
-                            wv[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-                        }
-                    }
-                    Bits::Two | Bits::Three => {
-                        for p in 0..2 {
-                            let raw = _mm256_loadu_si256(base.add(p * 32) as *const __m256i);
-                            for c in 0..4 {
-                                let sh = _mm_cvtsi32_si128(2 * c as i32);
-                                wv[p * 4 + c] = _mm256_and_si256(_mm256_srl_epi16(raw, sh), m2);
-                            }
-                        }
-                    }
-                }
-                match spec.bits {
-                    Bits::Five | Bits::Three => {
-                        // Bit c of each byte is register c's extra bit, moved to `to`.
-                        let (at, to) = if spec.bits == Bits::Five {
-                            (128, 4)
-                        } else {
-                            (64, 2)
-                        };
-                        let h = _mm256_loadu_si256(base.add(at) as *const __m256i);
-                        let keep = _mm256_set1_epi8((1i32 << to) as i8);
-                        for c in 0..8i32 {
-                            let moved = if c <= to {
-                                _mm256_sll_epi16(h, _mm_cvtsi32_si128(to - c))
-                            } else {
-                                _mm256_srl_epi16(h, _mm_cvtsi32_si128(c - to))
-                            };
-                            wv[c as usize] =
-                                _mm256_or_si256(wv[c as usize], _mm256_and_si256(moved, keep));
-                        }
-                    }
-                    Bits::Six => {
-                        let keep = _mm256_set1_epi8(0x30);
-                        for p in 0..2 {
-                            let h = _mm256_loadu_si256(base.add(128 + p * 32) as *const __m256i);
-                            for c in 0..4i32 {
-                                // Bits 2c, 2c+1 to bits 4, 5.
-                                let moved = if 2 * c <= 4 {
-                                    _mm256_sll_epi16(h, _mm_cvtsi32_si128(4 - 2 * c))
-                                } else {
-                                    _mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * c - 4))
-                                };
-                                let r = p * 4 + c as usize;
-                                wv[r] = _mm256_or_si256(wv[r], _mm256_and_si256(moved, keep));
-                            }
-                        }
-                    }
-                    Bits::Lut => {
-                        for r in wv.iter_mut() {
-                            *r = _mm256_shuffle_epi8(table, *r);
-                        }
-                    }
-                    _ => {}
-                }
-                wv
+                let load = |o: usize| _mm256_loadu_si256(base.add(o) as *const __m256i);
+                unpack_codes!(
+                    TY,
+                    load,
+                    table,
+                    [
+                        _mm256_setzero_si256,
+                        _mm256_set1_epi8,
+                        _mm256_and_si256,
+                        _mm256_or_si256,
+                        _mm256_srl_epi16,
+                        _mm256_sll_epi16,
+                        _mm256_shuffle_epi8
+                    ]
+                )
             }
         }
     };

@@ -9,6 +9,7 @@
 #![cfg(target_arch = "x86_64")]
 
 use super::quants::{spec_of, Act, ActChunk, Bits, Min, Tile, IQ4_VALUES, TOKENS};
+use super::quants_x86::{block_scales, fold_sums, unpack_codes};
 use std::arch::x86_64::*;
 
 /// 32 bytes at p0 (the first group's) and 32 at p1, as one register.
@@ -39,7 +40,7 @@ unsafe fn widen2(p0: *const u8, p1: *const u8) -> __m512 {
     _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi))
 }
 
-/// The block's scale and minimum per row for sub-scale byte `h` (as the 256-bit kernel's).
+/// The block's scale and minimum per row for sub-scale byte `h` (see `block_scales`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn sub_scale<const TY: u8>(
@@ -49,36 +50,23 @@ unsafe fn sub_scale<const TY: u8>(
     dv: __m512,
     dmv: __m512,
 ) -> (__m512, __m512) {
-    let spec = spec_of(TY);
-    let spb = spec.scales_per_block();
-    if spb == 0 {
-        return (dv, dmv);
-    }
-    let (pb, h) = (spec.plane_bytes(), h.min(spb - 1));
-    let raw = join8(b0.add(pb + h * 8), b1.add(pb + h * 8));
-    let (sc, mn) = match spec.min {
-        Min::Packed => (
-            _mm512_cvtepu8_epi32(_mm_and_si128(raw, _mm_set1_epi8(0x0F))),
-            _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F))),
-        ),
-        Min::Sub => {
-            let at = pb + 8 * spb + h * 8;
-            (
-                _mm512_cvtepi8_epi32(raw),
-                _mm512_cvtepu8_epi32(join8(b0.add(at), b1.add(at))),
-            )
-        }
-        _ => (_mm512_cvtepi8_epi32(raw), _mm512_setzero_si512()),
-    };
-    let scale = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(sc));
-    let min = match spec.min {
-        Min::Sub | Min::Packed => _mm512_sub_ps(
-            _mm512_setzero_ps(),
-            _mm512_mul_ps(dmv, _mm512_cvtepi32_ps(mn)),
-        ),
-        _ => dmv,
-    };
-    (scale, min)
+    let bytes = |o: usize| join8(b0.add(o), b1.add(o));
+    block_scales!(
+        spec_of(TY),
+        h,
+        bytes,
+        dv,
+        dmv,
+        [
+            _mm512_cvtepu8_epi32,
+            _mm512_cvtepi8_epi32,
+            _mm512_setzero_si512,
+            _mm512_cvtepi32_ps,
+            _mm512_mul_ps,
+            _mm512_sub_ps,
+            _mm512_setzero_ps
+        ]
+    )
 }
 
 /// N tokens' activations against two tiles of 8 rows of type TY (a `QType` as u8): w0's rows
@@ -157,40 +145,29 @@ pub unsafe fn tile2<const TY: u8, const N: usize>(
                 s1 = _mm512_dpbusd_epi32(s1, wv[g + 4], act(g + 4));
             }
             let da = _mm512_set1_ps(*a.d.add(slot));
-            let isum = a.isum.add(slot * 4);
-            let asum = a.asum.add(slot * 4);
-            if spec.halves {
-                if centre != 0 {
-                    s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(*isum));
-                    s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(*isum.add(1)));
-                }
-                if per_sb {
-                    *facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), scale0, *facc);
-                    *facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), scale1, *facc);
-                } else {
-                    let f = _mm512_mul_ps(_mm512_cvtepi32_ps(s0), scale0);
-                    let f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), scale1, f);
-                    *acc = _mm512_fmadd_ps(f, da, *acc);
-                }
-                if spec.min != Min::None {
-                    *acc = _mm512_fmadd_ps(min0, _mm512_set1_ps(*asum), *acc);
-                    *acc = _mm512_fmadd_ps(min1, _mm512_set1_ps(*asum.add(1)), *acc);
-                }
-            } else {
-                let mut s = _mm512_add_epi32(s0, s1);
-                if centre != 0 {
-                    s = _mm512_sub_epi32(s, _mm512_set1_epi32(*isum.add(2)));
-                }
-                if per_sb {
-                    *facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale0, *facc);
-                } else {
-                    let d = _mm512_mul_ps(scale0, da);
-                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, *acc);
-                }
-                if spec.min != Min::None {
-                    *acc = _mm512_fmadd_ps(min0, _mm512_set1_ps(*asum.add(2)), *acc);
-                }
-            }
+            fold_sums!(
+                [
+                    _mm512_sub_epi32,
+                    _mm512_set1_epi32,
+                    _mm512_add_epi32,
+                    _mm512_cvtepi32_ps,
+                    _mm512_mul_ps,
+                    _mm512_fmadd_ps,
+                    _mm512_set1_ps
+                ],
+                spec,
+                centre,
+                per_sb,
+                s0,
+                s1,
+                *acc,
+                *facc,
+                (scale0, min0),
+                (scale1, min1),
+                da,
+                a,
+                slot
+            );
             if per_sb && b % spec.per_super == spec.per_super - 1 {
                 if in_out {
                     let o = out.add(i * stride);
@@ -231,69 +208,19 @@ pub unsafe fn store16<const N: usize>(
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn unpack<const TY: u8>(b0: *const u8, b1: *const u8, table: __m512i) -> [__m512i; 8] {
-    let spec = spec_of(TY);
-    let m4 = _mm512_set1_epi8(0x0F);
-    let m2 = _mm512_set1_epi8(0x03);
-    let mut wv = [_mm512_setzero_si512(); 8];
-    match spec.bits {
-        Bits::Four | Bits::Five | Bits::Six | Bits::Lut => {
-            for c in 0..4 {
-                let raw = join(b0.add(c * 32), b1.add(c * 32));
-                wv[c] = _mm512_and_si512(raw, m4);
-                wv[c + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4);
-            }
-        }
-        Bits::Two | Bits::Three => {
-            for p in 0..2 {
-                let raw = join(b0.add(p * 32), b1.add(p * 32));
-                for c in 0..4 {
-                    let sh = _mm_cvtsi32_si128(2 * c as i32);
-                    wv[p * 4 + c] = _mm512_and_si512(_mm512_srl_epi16(raw, sh), m2);
-                }
-            }
-        }
-    }
-    match spec.bits {
-        Bits::Five | Bits::Three => {
-            // Bit c of each byte is register c's extra bit, moved to `to`.
-            let (at, to) = if spec.bits == Bits::Five {
-                (128, 4)
-            } else {
-                (64, 2)
-            };
-            let h = join(b0.add(at), b1.add(at));
-            let keep = _mm512_set1_epi8((1i32 << to) as i8);
-            for c in 0..8i32 {
-                let moved = if c <= to {
-                    _mm512_sll_epi16(h, _mm_cvtsi32_si128(to - c))
-                } else {
-                    _mm512_srl_epi16(h, _mm_cvtsi32_si128(c - to))
-                };
-                wv[c as usize] = _mm512_or_si512(wv[c as usize], _mm512_and_si512(moved, keep));
-            }
-        }
-        Bits::Six => {
-            let keep = _mm512_set1_epi8(0x30);
-            for p in 0..2 {
-                let h = join(b0.add(128 + p * 32), b1.add(128 + p * 32));
-                for c in 0..4i32 {
-                    // Bits 2c, 2c+1 to bits 4, 5.
-                    let moved = if 2 * c <= 4 {
-                        _mm512_sll_epi16(h, _mm_cvtsi32_si128(4 - 2 * c))
-                    } else {
-                        _mm512_srl_epi16(h, _mm_cvtsi32_si128(2 * c - 4))
-                    };
-                    let r = p * 4 + c as usize;
-                    wv[r] = _mm512_or_si512(wv[r], _mm512_and_si512(moved, keep));
-                }
-            }
-        }
-        Bits::Lut => {
-            for r in wv.iter_mut() {
-                *r = _mm512_shuffle_epi8(table, *r);
-            }
-        }
-        _ => {}
-    }
-    wv
+    let load = |o: usize| join(b0.add(o), b1.add(o));
+    unpack_codes!(
+        TY,
+        load,
+        table,
+        [
+            _mm512_setzero_si512,
+            _mm512_set1_epi8,
+            _mm512_and_si512,
+            _mm512_or_si512,
+            _mm512_srl_epi16,
+            _mm512_sll_epi16,
+            _mm512_shuffle_epi8
+        ]
+    )
 }
