@@ -27,6 +27,9 @@ use super::q8::{quantize_block, through_f16, PREFETCH_AHEAD};
 use super::quants::{self, QType};
 use super::wide16::{self as half_kernels, Half, HalfTiles};
 
+#[cfg(target_arch = "x86_64")]
+mod zmm;
+
 const QK: usize = 32;
 const Q4_1_BYTES: usize = 20;
 const Q8_0_BYTES: usize = 34;
@@ -284,11 +287,14 @@ impl CpuQWeight {
                     tiles.groups,
                     act.chunks,
                     per_call,
-                    false,
-                    |g, _, token, n, out, stride, real| {
+                    self.pairs(),
+                    |g, two, token, n, out, stride, real| {
+                        let w1 = two.then(|| tiles.tile(g + 1));
                         // SAFETY: as `schedule` promises for out; tiles and activations hold the
                         // same block count.
-                        unsafe { self.tile_dot(tiles.tile(g), &act, token, n, out, stride, real) }
+                        unsafe {
+                            self.tile_dot(tiles.tile(g), w1, &act, token, n, out, stride, real)
+                        }
                     },
                 )
             }
@@ -366,7 +372,7 @@ impl CpuQWeight {
     fn pairs(&self) -> bool {
         #[cfg(target_arch = "x86_64")]
         if self.kernel == Kernel::Vnni {
-            return matches!(self.layout, Layout::Quant(_) | Layout::Half(_));
+            return !matches!(self.layout, Layout::Rows(_));
         }
         false
     }
@@ -383,7 +389,8 @@ impl CpuQWeight {
     }
 
     /// Tokens token..token + n (n <= 8, all in one chunk of `act`) against one group of 8
-    /// rows, written to out + i * stride (the first `real` of the 8 rows).
+    /// rows, or with `w1` the next group too (16 rows, the 512-bit kernels), written to out +
+    /// i * stride (the first `real` rows).
     ///
     /// # Safety
     /// `out` must be valid for writes of `real` floats at out + i * stride for i < n.
@@ -392,6 +399,7 @@ impl CpuQWeight {
     unsafe fn tile_dot(
         &self,
         w: Tile<'_>,
+        w1: Option<Tile<'_>>,
         act: &ActTiles,
         token: usize,
         n: usize,
@@ -423,6 +431,37 @@ impl CpuQWeight {
                 }
             }};
         }
+        #[cfg(target_arch = "x86_64")]
+        if let Some(w1) = w1 {
+            macro_rules! pair {
+                ($f:ident) => {{
+                    macro_rules! with {
+                        ($k:literal) => {{
+                            unsafe { zmm::$f::<$k>(w, w1, a, out, stride, real, stream) }
+                        }};
+                    }
+                    match n {
+                        1 => with!(1),
+                        2 => with!(2),
+                        3 => with!(3),
+                        4 => with!(4),
+                        5 => with!(5),
+                        6 => with!(6),
+                        7 => with!(7),
+                        _ => with!(8),
+                    }
+                }};
+            }
+            return match self.ty {
+                WeightType::Q4_1 => pair!(tile_q4_1),
+                WeightType::Q8_0 => pair!(tile_q8_0),
+                _ => unreachable!("tiles hold Q4_1 or Q8_0"),
+            };
+        }
+        debug_assert!(
+            w1.is_none(),
+            "pairs are only scheduled for the 512-bit kernels"
+        );
         match (self.ty, self.kernel) {
             #[cfg(target_arch = "x86_64")]
             (WeightType::Q4_1, Kernel::Avx2) => call!(avx2, tile_q4_1),

@@ -15,7 +15,7 @@ use std::arch::x86_64::*;
 /// 32 bytes at p0 (the first group's) and 32 at p1, as one register.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn join(p0: *const u8, p1: *const u8) -> __m512i {
+pub(crate) unsafe fn join(p0: *const u8, p1: *const u8) -> __m512i {
     let lo = _mm256_loadu_si256(p0 as *const __m256i);
     let hi = _mm256_loadu_si256(p1 as *const __m256i);
     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
@@ -34,7 +34,7 @@ unsafe fn join8(p0: *const u8, p1: *const u8) -> __m128i {
 /// 8 f16 values at p0 and 8 at p1, as 16 f32 lanes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn widen2(p0: *const u8, p1: *const u8) -> __m512 {
+pub(crate) unsafe fn widen2(p0: *const u8, p1: *const u8) -> __m512 {
     let lo = _mm_loadu_si128(p0 as *const __m128i);
     let hi = _mm_loadu_si128(p1 as *const __m128i);
     _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi))
