@@ -16,7 +16,7 @@ unsafe fn prefetch2(w0: &Tile<'_>, w1: &Tile<'_>, b: usize, bytes: usize) {
         for l in (0..bytes).step_by(64) {
             _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_AHEAD + l) as *const i8);
         }
-        if b % 4 == 0 {
+        if b.is_multiple_of(4) {
             let ahead = b * 8 + PREFETCH_AHEAD * 8 / bytes;
             _mm_prefetch::<_MM_HINT_T0>(w.d.as_ptr().wrapping_add(ahead) as *const i8);
             if !w.m.is_empty() {
