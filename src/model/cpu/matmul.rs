@@ -30,6 +30,43 @@ use super::wide16::{self as half_kernels, Half, HalfTiles};
 #[cfg(target_arch = "x86_64")]
 mod zmm;
 
+/// `$body` with the const `$k` set to the token count `$n` (1 to 8; more counts as 8): the
+/// kernels take it as a const generic, each count its own unrolled instance.
+#[rustfmt::skip]
+macro_rules! with_tokens {
+    ($n:expr, $k:ident => $body:expr) => {
+        match $n {
+            1 => { const $k: usize = 1; $body }
+            2 => { const $k: usize = 2; $body }
+            3 => { const $k: usize = 3; $body }
+            4 => { const $k: usize = 4; $body }
+            5 => { const $k: usize = 5; $body }
+            6 => { const $k: usize = 6; $body }
+            7 => { const $k: usize = 7; $body }
+            _ => { const $k: usize = 8; $body }
+        }
+    };
+}
+
+/// `$body` with the const `$t` set to the [`QType`] `$ty` as u8 (the kernels' const generic).
+#[rustfmt::skip]
+macro_rules! with_qtype {
+    ($ty:expr, $t:ident => $body:expr) => {
+        match $ty {
+            QType::Q4_0 => { const $t: u8 = QType::Q4_0 as u8; $body }
+            QType::Q5_0 => { const $t: u8 = QType::Q5_0 as u8; $body }
+            QType::Q5_1 => { const $t: u8 = QType::Q5_1 as u8; $body }
+            QType::Q2K => { const $t: u8 = QType::Q2K as u8; $body }
+            QType::Q3K => { const $t: u8 = QType::Q3K as u8; $body }
+            QType::Q4K => { const $t: u8 = QType::Q4K as u8; $body }
+            QType::Q5K => { const $t: u8 = QType::Q5K as u8; $body }
+            QType::Q6K => { const $t: u8 = QType::Q6K as u8; $body }
+            QType::Iq4Nl => { const $t: u8 = QType::Iq4Nl as u8; $body }
+            QType::Iq4Xs => { const $t: u8 = QType::Iq4Xs as u8; $body }
+        }
+    };
+}
+
 const QK: usize = 32;
 const Q4_1_BYTES: usize = 20;
 const Q8_0_BYTES: usize = 34;
@@ -413,44 +450,16 @@ impl CpuQWeight {
         // SAFETY (all unsafe calls below): a SIMD kernel is only chosen when the CPU reports
         // its features (Kernel::detect); tiles and activations hold the same block count.
         macro_rules! call {
-            ($m:ident, $f:ident) => {{
-                macro_rules! with {
-                    ($k:literal) => {{
-                        unsafe { x86::$m::$f::<$k>(w, a, out, stride, real, stream) }
-                    }};
-                }
-                match n {
-                    1 => with!(1),
-                    2 => with!(2),
-                    3 => with!(3),
-                    4 => with!(4),
-                    5 => with!(5),
-                    6 => with!(6),
-                    7 => with!(7),
-                    _ => with!(8),
-                }
-            }};
+            ($m:ident, $f:ident) => {
+                with_tokens!(n, N => unsafe { x86::$m::$f::<N>(w, a, out, stride, real, stream) })
+            };
         }
         #[cfg(target_arch = "x86_64")]
         if let Some(w1) = w1 {
             macro_rules! pair {
-                ($f:ident) => {{
-                    macro_rules! with {
-                        ($k:literal) => {{
-                            unsafe { zmm::$f::<$k>(w, w1, a, out, stride, real, stream) }
-                        }};
-                    }
-                    match n {
-                        1 => with!(1),
-                        2 => with!(2),
-                        3 => with!(3),
-                        4 => with!(4),
-                        5 => with!(5),
-                        6 => with!(6),
-                        7 => with!(7),
-                        _ => with!(8),
-                    }
-                }};
+                ($f:ident) => {
+                    with_tokens!(n, N => unsafe { zmm::$f::<N>(w, w1, a, out, stride, real, stream) })
+                };
             }
             return match self.ty {
                 WeightType::Q4_1 => pair!(tile_q4_1),
@@ -585,35 +594,17 @@ unsafe fn half_dot(
     stream: bool,
 ) {
     macro_rules! by_n {
-        ($m:ident, $bf:literal) => {{
-            use half_kernels::$m::tile;
-            match n {
-                1 => tile::<$bf, 1>(w, x, k, out, stride, real, stream),
-                2 => tile::<$bf, 2>(w, x, k, out, stride, real, stream),
-                3 => tile::<$bf, 3>(w, x, k, out, stride, real, stream),
-                4 => tile::<$bf, 4>(w, x, k, out, stride, real, stream),
-                5 => tile::<$bf, 5>(w, x, k, out, stride, real, stream),
-                6 => tile::<$bf, 6>(w, x, k, out, stride, real, stream),
-                7 => tile::<$bf, 7>(w, x, k, out, stride, real, stream),
-                _ => tile::<$bf, 8>(w, x, k, out, stride, real, stream),
-            }
-        }};
+        ($m:ident, $bf:literal) => {
+            with_tokens!(n, N => half_kernels::$m::tile::<$bf, N>(w, x, k, out, stride, real, stream))
+        };
     }
     #[cfg(target_arch = "x86_64")]
     macro_rules! by_n2 {
-        ($w1:ident, $bf:literal) => {{
-            use half_kernels::zmm::tile2;
-            match n {
-                1 => tile2::<$bf, 1>(w, $w1, x, k, out, stride, real, stream),
-                2 => tile2::<$bf, 2>(w, $w1, x, k, out, stride, real, stream),
-                3 => tile2::<$bf, 3>(w, $w1, x, k, out, stride, real, stream),
-                4 => tile2::<$bf, 4>(w, $w1, x, k, out, stride, real, stream),
-                5 => tile2::<$bf, 5>(w, $w1, x, k, out, stride, real, stream),
-                6 => tile2::<$bf, 6>(w, $w1, x, k, out, stride, real, stream),
-                7 => tile2::<$bf, 7>(w, $w1, x, k, out, stride, real, stream),
-                _ => tile2::<$bf, 8>(w, $w1, x, k, out, stride, real, stream),
-            }
-        }};
+        ($w1:ident, $bf:literal) => {
+            with_tokens!(n, N => {
+                half_kernels::zmm::tile2::<$bf, N>(w, $w1, x, k, out, stride, real, stream)
+            })
+        };
     }
     #[cfg(target_arch = "x86_64")]
     if let (Kernel::Vnni, Some(w1)) = (kernel, w1) {
@@ -656,74 +647,20 @@ unsafe fn quant_dot(
     real: usize,
     stream: bool,
 ) {
-    macro_rules! by_n {
-        ($m:ident, $ty:expr) => {{
-            const TY: u8 = $ty as u8;
-            use super::quants_x86::$m::tile;
-            match n {
-                1 => tile::<TY, 1>(w, a, out, stride, real, stream),
-                2 => tile::<TY, 2>(w, a, out, stride, real, stream),
-                3 => tile::<TY, 3>(w, a, out, stride, real, stream),
-                4 => tile::<TY, 4>(w, a, out, stride, real, stream),
-                5 => tile::<TY, 5>(w, a, out, stride, real, stream),
-                6 => tile::<TY, 6>(w, a, out, stride, real, stream),
-                7 => tile::<TY, 7>(w, a, out, stride, real, stream),
-                _ => tile::<TY, 8>(w, a, out, stride, real, stream),
-            }
-        }};
-    }
-    macro_rules! by_type {
-        ($f:ident) => {
-            match ty {
-                QType::Q4_0 => by_n!($f, QType::Q4_0),
-                QType::Q5_0 => by_n!($f, QType::Q5_0),
-                QType::Q5_1 => by_n!($f, QType::Q5_1),
-                QType::Q2K => by_n!($f, QType::Q2K),
-                QType::Q3K => by_n!($f, QType::Q3K),
-                QType::Q4K => by_n!($f, QType::Q4K),
-                QType::Q5K => by_n!($f, QType::Q5K),
-                QType::Q6K => by_n!($f, QType::Q6K),
-                QType::Iq4Nl => by_n!($f, QType::Iq4Nl),
-                QType::Iq4Xs => by_n!($f, QType::Iq4Xs),
-            }
-        };
-    }
-    #[cfg(target_arch = "x86_64")]
-    macro_rules! by_n2 {
-        ($w1:ident, $ty:expr) => {{
-            const TY: u8 = $ty as u8;
-            use super::quants_zmm::tile2;
-            match n {
-                1 => tile2::<TY, 1>(w, $w1, a, out, stride, real, stream),
-                2 => tile2::<TY, 2>(w, $w1, a, out, stride, real, stream),
-                3 => tile2::<TY, 3>(w, $w1, a, out, stride, real, stream),
-                4 => tile2::<TY, 4>(w, $w1, a, out, stride, real, stream),
-                5 => tile2::<TY, 5>(w, $w1, a, out, stride, real, stream),
-                6 => tile2::<TY, 6>(w, $w1, a, out, stride, real, stream),
-                7 => tile2::<TY, 7>(w, $w1, a, out, stride, real, stream),
-                _ => tile2::<TY, 8>(w, $w1, a, out, stride, real, stream),
-            }
-        }};
-    }
     match (kernel, w1) {
         #[cfg(target_arch = "x86_64")]
-        (Kernel::Vnni, Some(w1)) => match ty {
-            QType::Q4_0 => by_n2!(w1, QType::Q4_0),
-            QType::Q5_0 => by_n2!(w1, QType::Q5_0),
-            QType::Q5_1 => by_n2!(w1, QType::Q5_1),
-            QType::Q2K => by_n2!(w1, QType::Q2K),
-            QType::Q3K => by_n2!(w1, QType::Q3K),
-            QType::Q4K => by_n2!(w1, QType::Q4K),
-            QType::Q5K => by_n2!(w1, QType::Q5K),
-            QType::Q6K => by_n2!(w1, QType::Q6K),
-            QType::Iq4Nl => by_n2!(w1, QType::Iq4Nl),
-            QType::Iq4Xs => by_n2!(w1, QType::Iq4Xs),
-        },
+        (Kernel::Vnni, Some(w1)) => with_qtype!(ty, TY => with_tokens!(n, N => {
+            super::quants_zmm::tile2::<TY, N>(w, w1, a, out, stride, real, stream)
+        })),
         (_, Some(_)) => unreachable!("pairs are only scheduled for the VNNI kernel"),
         #[cfg(target_arch = "x86_64")]
-        (Kernel::Avx2, None) => by_type!(avx2),
+        (Kernel::Avx2, None) => with_qtype!(ty, TY => with_tokens!(n, N => {
+            super::quants_x86::avx2::tile::<TY, N>(w, a, out, stride, real, stream)
+        })),
         #[cfg(target_arch = "x86_64")]
-        (Kernel::Vnni, None) => by_type!(vnni),
+        (Kernel::Vnni, None) => with_qtype!(ty, TY => with_tokens!(n, N => {
+            super::quants_x86::vnni::tile::<TY, N>(w, a, out, stride, real, stream)
+        })),
         (Kernel::Scalar, None) => quants::scalar_tile(ty.spec(), w, a, n, out, stride, real),
     }
 }
