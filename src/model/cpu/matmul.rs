@@ -405,7 +405,8 @@ impl CpuQWeight {
         }
     }
 
-    /// Whether the tile kernel takes two row groups a call (512-bit registers, `quants_zmm`).
+    /// Whether the tile kernel takes two row groups a call: the 512-bit kernels (`zmm`,
+    /// `quants_zmm`, `wide16::zmm`), which come with the VNNI kernel choice.
     fn pairs(&self) -> bool {
         #[cfg(target_arch = "x86_64")]
         if self.kernel == Kernel::Vnni {
@@ -486,9 +487,10 @@ impl CpuQWeight {
 }
 
 /// Runs a tiled product: row groups split among the threads, each group through the tokens
-/// in blocks (see below), `dot(g, token, n, out, stride, real)` computing tokens
-/// token..token + n (n <= `per_call`, within one chunk of 8) against row group g into out +
-/// i * stride, its first `real` rows. Returns T rows of widths[i] values per part.
+/// in blocks (see below), `dot(g, two, token, n, out, stride, real)` computing tokens
+/// token..token + n (n <= `per_call`, within one chunk of 8) against row group g (and g + 1
+/// when `two`: only with `pairs`, within one task and one part) into out + i * stride, its
+/// first `real` rows. Returns T rows of widths[i] values per part.
 #[allow(clippy::too_many_arguments)]
 fn schedule(
     t: usize,
@@ -1273,7 +1275,10 @@ mod tests {
                 Some(ty) => quants::random_blocks(ty, n, k, seed),
                 None if id == 1 || id == 30 => test_data(n * k, seed)
                     .iter()
-                    .flat_map(|&v| half::f16::from_f32(v).to_bits().to_le_bytes())
+                    .flat_map(|&v| match id {
+                        1 => half::f16::from_f32(v).to_bits().to_le_bytes(),
+                        _ => half::bf16::from_f32(v).to_bits().to_le_bytes(),
+                    })
                     .collect(),
                 None => {
                     let dt = if id == 2 {

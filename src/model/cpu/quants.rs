@@ -813,6 +813,39 @@ impl Acts {
     }
 }
 
+/// One Q8_K super-block (256 values) as llama.cpp quantizes it: the first value of largest
+/// magnitude sets the scale `-127 / max`, each product rounds half to even, capped at 127.
+/// Writes the 256 bytes to q; returns `1 / scale` and each 32-value block's sums of its two
+/// halves. (`q8::x86_quantize_q8k` is the same with AVX2, bit for bit.)
+fn quantize_q8k(sb: &[f32], q: &mut [u8]) -> (f32, [[i32; 2]; 8]) {
+    let (mut amax, mut max) = (0f32, 0f32);
+    for &v in sb {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    let (iscale, d) = if amax == 0.0 {
+        (0.0, 0.0)
+    } else {
+        let is = -127.0 / max;
+        (is, 1.0 / is)
+    };
+    let mut sums = [[0i32; 2]; 8];
+    for ((blk, out), sum) in sb
+        .chunks_exact(QK)
+        .zip(q.chunks_exact_mut(QK))
+        .zip(&mut sums)
+    {
+        for (o, &v) in out.iter_mut().zip(blk) {
+            *o = (round_half_even(iscale * v) as i32).min(127) as i8 as u8;
+        }
+        let half = |h: &[u8]| h.iter().map(|&v| v as i8 as i32).sum::<i32>();
+        *sum = [half(&out[..16]), half(&out[16..])];
+    }
+    (d, sums)
+}
+
 /// One token's row into blocks: `put(block, quants, scale, [sum lo, sum hi, sum], [their
 /// products with the scale])`.
 fn quantize_token(
@@ -855,48 +888,21 @@ fn quantize_token(
             }
         }
         Act::Q8K => {
-            #[cfg(target_arch = "x86_64")]
-            if kernel != Kernel::Scalar {
-                let mut q = [0u8; 8 * QK];
-                for (s, sb) in row.chunks_exact(8 * QK).enumerate() {
-                    // SAFETY: a SIMD kernel is only chosen on CPUs with AVX2.
-                    let (d, sums) = unsafe { super::q8::x86_quantize_q8k(sb, &mut q) };
-                    for (i, [lo, hi]) in sums.into_iter().enumerate() {
-                        let sum = lo + hi;
-                        put(
-                            s * 8 + i,
-                            &q[i * QK..(i + 1) * QK],
-                            d,
-                            [lo, hi, sum],
-                            [d * lo as f32, d * hi as f32, d * sum as f32],
-                        );
-                    }
-                }
-                return;
-            }
+            let mut q = [0u8; 8 * QK];
             for (s, sb) in row.chunks_exact(8 * QK).enumerate() {
-                let (mut amax, mut max) = (0f32, 0f32);
-                for &v in sb {
-                    if v.abs() > amax {
-                        amax = v.abs();
-                        max = v;
-                    }
-                }
-                let (iscale, d) = if amax == 0.0 {
-                    (0.0, 0.0)
-                } else {
-                    let is = -127.0 / max;
-                    (is, 1.0 / is)
+                let (d, sums) = match kernel {
+                    // SAFETY: a SIMD kernel is only chosen on CPUs with AVX2.
+                    #[cfg(target_arch = "x86_64")]
+                    Kernel::Avx2 | Kernel::Vnni => unsafe {
+                        super::q8::x86_quantize_q8k(sb, &mut q)
+                    },
+                    _ => quantize_q8k(sb, &mut q),
                 };
-                for (i, blk) in sb.chunks_exact(QK).enumerate() {
-                    for (o, &v) in q.iter_mut().zip(blk) {
-                        *o = (round_half_even(iscale * v) as i32).min(127) as i8 as u8;
-                    }
-                    let (lo, hi) = halves(&q);
+                for (i, [lo, hi]) in sums.into_iter().enumerate() {
                     let sum = lo + hi;
                     put(
                         s * 8 + i,
-                        &q,
+                        &q[i * QK..(i + 1) * QK],
                         d,
                         [lo, hi, sum],
                         [d * lo as f32, d * hi as f32, d * sum as f32],
