@@ -9,6 +9,9 @@
 //! (5,632 x 1,024: a 1B-class model's fused gate+up), on GEN_BENCH_THREADS: one token with the
 //! weights from memory (GB/s of weight bytes) and 512 tokens (GMAC/s).
 //!
+//! GEN_BENCH_SHAPES=0 skips the first table; GEN_BENCH_TYPE=Q6_K measures only the types whose
+//! name contains it.
+//!
 //! A yardstick for kernel work, not a test: nothing here asserts a speed.
 
 mod common;
@@ -36,12 +39,17 @@ fn main() {
     println!("kernel {}", kernel.name());
     println!("| shape | tokens | threads | weights | ms a call | GMAC/s |");
     println!("|---|---|---|---|---|---|");
+    let shapes = if env_or("GEN_BENCH_SHAPES", 1) == 1 {
+        &shapes[..]
+    } else {
+        &[]
+    };
     for nthreads in [1, threads] {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(nthreads)
             .build()
             .expect("thread pool");
-        for &(name, n, k, dtype) in &shapes {
+        for &(name, n, k, dtype) in shapes {
             let w = Tensor::from_vec(data(n * k, 7), (n, k), &Device::Cpu).unwrap();
             // Copies enough to overflow the last-level cache, cycled through as a decode pass
             // cycles through its layers, so the weights come from memory ("cold"), or the
@@ -93,7 +101,7 @@ fn main() {
 
 /// One row per type: decode-like (T = 1, weights cycled from memory) and prefill-like.
 fn every_type(threads: usize, reps: usize, kernel: Kernel) {
-    let (n, k) = (5632, 1024);
+    let (n, k) = (5632, env_or("GEN_BENCH_K", 1024));
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
@@ -113,6 +121,25 @@ fn every_type(threads: usize, reps: usize, kernel: Kernel) {
             }),
         ));
     }
+    for (name, id) in [("F16", 1u32), ("BF16", 30)] {
+        types.push((
+            name.into(),
+            id,
+            Box::new(move |seed| {
+                let f = |v: f32| {
+                    if id == 1 {
+                        half::f16::from_f32(v).to_bits()
+                    } else {
+                        half::bf16::from_f32(v).to_bits()
+                    }
+                };
+                data(n * k, seed)
+                    .into_iter()
+                    .flat_map(|v| f(v).to_le_bytes())
+                    .collect()
+            }),
+        ));
+    }
     for q in QType::ALL {
         types.push((
             q.spec().name.into(),
@@ -120,7 +147,8 @@ fn every_type(threads: usize, reps: usize, kernel: Kernel) {
             Box::new(move |seed| random_blocks(q, n, k, seed)),
         ));
     }
-    for (name, id, make) in &types {
+    let only = std::env::var("GEN_BENCH_TYPE").unwrap_or_default();
+    for (name, id, make) in types.iter().filter(|t| t.0.contains(&only)) {
         let raw = make(7);
         // GEN_BENCH_WARM=1: one copy (T=1 from cache: a quick look at compute alone).
         let copies = if env_or("GEN_BENCH_WARM", 0) == 1 {

@@ -316,17 +316,14 @@ impl CpuQWeight {
             }
             Layout::Tiles(tiles) => {
                 let act = ActTiles::quantize(x, k, t, with_sums, self.kernel);
-                let per_call = self.tokens_per_tile();
                 schedule(
                     t,
                     k,
                     widths,
                     tiles.groups,
-                    act.chunks,
-                    per_call,
-                    self.pairs(),
-                    |g, two, token, n, out, stride, real| {
-                        let w1 = two.then(|| tiles.tile(g + 1));
+                    self.cut(),
+                    |g, groups, token, n, out, stride, real| {
+                        let w1 = (groups == 2).then(|| tiles.tile(g + 1));
                         // SAFETY: as `schedule` promises for out; tiles and activations hold the
                         // same block count.
                         unsafe {
@@ -339,17 +336,14 @@ impl CpuQWeight {
                 let spec = tiles.ty.spec();
                 let centre = quants::centre_of(tiles.ty, self.kernel);
                 let act = quants::Acts::quantize(x, k, t, spec.act, self.kernel, centre);
-                let per_call = self.tokens_per_tile();
                 let stream = act.chunks <= STREAM_CHUNKS;
                 schedule(
                     t,
                     k,
                     widths,
                     tiles.groups,
-                    act.chunks,
-                    per_call,
-                    self.pairs(),
-                    |g, two, token, n, out, stride, real| {
+                    self.cut(),
+                    |g, groups, token, n, out, stride, real| {
                         // SAFETY: as `schedule` promises for out; tiles and activations hold the
                         // same block count.
                         unsafe {
@@ -357,7 +351,7 @@ impl CpuQWeight {
                                 tiles.ty,
                                 self.kernel,
                                 tiles.tile(g),
-                                two.then(|| tiles.tile(g + 1)),
+                                (groups == 2).then(|| tiles.tile(g + 1)),
                                 act.chunk(token),
                                 n,
                                 out,
@@ -370,26 +364,22 @@ impl CpuQWeight {
                 )
             }
             Layout::Half(tiles) => {
-                let per_call = self.tokens_per_tile();
-                let chunks = t.div_ceil(TOKENS);
-                let stream = chunks <= STREAM_CHUNKS;
+                let stream = t.div_ceil(TOKENS) <= STREAM_CHUNKS;
                 let xs = SharedIn(x.as_ptr());
                 schedule(
                     t,
                     k,
                     widths,
                     tiles.groups,
-                    chunks,
-                    per_call,
-                    self.pairs(),
-                    |g, two, token, n, out, stride, real| {
+                    self.cut(),
+                    |g, groups, token, n, out, stride, real| {
                         // SAFETY: tokens token..token + n are rows of x; `schedule` promises out.
                         unsafe {
                             half_dot(
-                                tiles.ty,
+                                tiles,
                                 self.kernel,
-                                tiles.tile(g),
-                                two.then(|| tiles.tile(g + 1)),
+                                g,
+                                groups,
                                 xs.at(token * k),
                                 k,
                                 n,
@@ -405,24 +395,36 @@ impl CpuQWeight {
         }
     }
 
-    /// Whether the tile kernel takes two row groups a call: the 512-bit kernels (`zmm`,
-    /// `quants_zmm`, `wide16::zmm`), which come with the VNNI kernel choice.
-    fn pairs(&self) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        if self.kernel == Kernel::Vnni {
-            return !matches!(self.layout, Layout::Rows(_));
-        }
-        false
-    }
-
-    /// Most tokens per call of the tile kernel: each unpacked weight block serves this many.
-    /// VNNI comes with AVX-512VL's 32 vector registers, room for 8 accumulators beside the 8
-    /// unpacked weight registers; AVX2 has 16.
-    fn tokens_per_tile(&self) -> usize {
+    /// How the product is cut into kernel calls. Row groups a call: two for the 512-bit
+    /// kernels (`zmm`, `quants_zmm`, `wide16::zmm`), which come with the VNNI kernel choice,
+    /// four for F16/BF16 there (`wide16::zmm::tile4`). Tokens a call: each unpacked weight
+    /// block serves this many; VNNI comes with AVX-512VL's 32 vector registers, room for 8
+    /// accumulators beside the 8 unpacked weight registers (AVX2 has 16: 4), or for 6 tokens'
+    /// 4 sums in the F16/BF16 kernel (then 6 tokens a chunk, so that every call has 6).
+    fn cut(&self) -> Cut {
+        let half = matches!(self.layout, Layout::Half(_));
         match self.kernel {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Vnni => 8,
-            _ => 4,
+            Kernel::Vnni if half => Cut {
+                per_chunk: 6,
+                per_call: 6,
+                span: 4,
+            },
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Vnni => Cut {
+                per_chunk: TOKENS,
+                per_call: 8,
+                span: if matches!(self.layout, Layout::Rows(_)) {
+                    1
+                } else {
+                    2
+                },
+            },
+            _ => Cut {
+                per_chunk: TOKENS,
+                per_call: 4,
+                span: 1,
+            },
         }
     }
 
@@ -486,22 +488,38 @@ impl CpuQWeight {
     }
 }
 
+/// How [`schedule`] cuts a product into kernel calls.
+#[derive(Clone, Copy, Debug)]
+struct Cut {
+    /// Tokens a chunk: the quantized activations' layout (`TOKENS`), or any for f32 inputs.
+    per_chunk: usize,
+    /// Most tokens a call, within one chunk.
+    per_call: usize,
+    /// Most row groups a call: 1, 2 (the 512-bit kernels) or 4 (the 512-bit F16/BF16 one).
+    span: usize,
+}
+
 /// Runs a tiled product: row groups split among the threads, each group through the tokens
-/// in blocks (see below), `dot(g, two, token, n, out, stride, real)` computing tokens
-/// token..token + n (n <= `per_call`, within one chunk of 8) against row group g (and g + 1
-/// when `two`: only with `pairs`, within one task and one part) into out + i * stride, its
-/// first `real` rows. Returns T rows of widths[i] values per part.
-#[allow(clippy::too_many_arguments)]
+/// in blocks (see below), `dot(g, groups, token, n, out, stride, real)` computing tokens
+/// token..token + n (n <= `cut.per_call`, within one chunk) against row groups g..g + groups
+/// (groups is 1, or 2 or 4 up to `cut.span`: only groups of one task and one part) into
+/// out + i * stride, its first `real` rows. Which groups go together depends on the row
+/// groups, the parts and the thread count only, never on T: a row's sums do not depend on
+/// the batch. Returns T rows of widths[i] values per part.
 fn schedule(
     t: usize,
     k: usize,
     widths: &[usize],
     groups: usize,
-    chunks: usize,
-    per_call: usize,
-    pairs: bool,
-    dot: impl Fn(usize, bool, usize, usize, *mut f32, usize, usize) + Sync,
+    cut: Cut,
+    dot: impl Fn(usize, usize, usize, usize, *mut f32, usize, usize) + Sync,
 ) -> Vec<Vec<f32>> {
+    let Cut {
+        per_chunk,
+        per_call,
+        span,
+    } = cut;
+    let chunks = t.div_ceil(per_chunk);
     // Written by the kernels before it is read: not zeroed first (that memset was 2-3% of a
     // batch run).
     let mut outs: Vec<Vec<f32>> = widths.iter().map(|&w| Vec::with_capacity(t * w)).collect();
@@ -514,9 +532,7 @@ fn schedule(
     }
     debug_assert_eq!(first, groups);
     let mut chunk = (groups / (rayon::current_num_threads() * 4)).max(1);
-    if pairs {
-        chunk += chunk % 2;
-    }
+    chunk = chunk.next_multiple_of(span);
     let group_ranges: Vec<(usize, usize)> = (0..groups)
         .step_by(chunk)
         .map(|g| (g, (g + chunk).min(groups)))
@@ -526,7 +542,7 @@ fn schedule(
     // outputs sit in L2; otherwise a wide input (the down projection's, 1,536 values a token)
     // streamed from L3 once per row group. (192 KiB measured 3-4% slower on a batch's
     // prefill, 24 KiB the same as 48.)
-    let per_block = (48 * 1024 / (k * TOKENS)).max(1);
+    let per_block = (48 * 1024 / (k * per_chunk)).max(1);
     group_ranges.into_par_iter().for_each(|(g0, g1)| {
         for c_start in (0..chunks).step_by(per_block) {
             let mut g = g0;
@@ -534,24 +550,25 @@ fn schedule(
                 let p = parts.partition_point(|part| part.0 <= g) - 1;
                 let (pg, w, out) = parts[p];
                 let col = (g - pg) * 8;
-                // Two groups in one call where the kernel takes pairs and g + 1 is this task's
-                // and this part's too.
-                let two = pairs && g + 1 < g1 && col + 8 < w;
-                let real = (w - col).min(if two { 16 } else { 8 });
+                // As many groups in one call as the kernel takes (4 or 2) where they are all
+                // this task's and this part's, else one.
+                let fits = |n: usize| n <= span && g + n <= g1 && col + 8 * (n - 1) < w;
+                let n_groups = [4, 2].into_iter().find(|&n| fits(n)).unwrap_or(1);
+                let real = (w - col).min(8 * n_groups);
                 for c in c_start..(c_start + per_block).min(chunks) {
-                    let in_chunk = (t - c * TOKENS).min(TOKENS);
+                    let in_chunk = (t - c * per_chunk).min(per_chunk);
                     let mut i0 = 0;
                     while i0 < in_chunk {
                         let n = (in_chunk - i0).min(per_call);
-                        let token = c * TOKENS + i0;
+                        let token = c * per_chunk + i0;
                         // token + n <= T and col + real <= w, so every row written is inside
                         // this part's T x w buffer; row group g's columns are written by this
                         // task only.
-                        dot(g, two, token, n, out.at(token * w + col), w, real);
+                        dot(g, n_groups, token, n, out.at(token * w + col), w, real);
                         i0 += n;
                     }
                 }
-                g += 1 + usize::from(two);
+                g += n_groups;
             }
         }
     });
@@ -583,10 +600,10 @@ impl SharedIn {
 /// x holds n rows of k values; w is a group's k * 8 values; out is valid for the writes.
 #[allow(clippy::too_many_arguments)]
 unsafe fn half_dot(
-    ty: Half,
+    tiles: &HalfTiles,
     kernel: Kernel,
-    w: &[u16],
-    w1: Option<&[u16]>,
+    g: usize,
+    groups: usize,
     x: *const f32,
     k: usize,
     n: usize,
@@ -595,6 +612,7 @@ unsafe fn half_dot(
     real: usize,
     stream: bool,
 ) {
+    let (ty, w) = (tiles.ty, tiles.tile(g));
     macro_rules! by_n {
         ($m:ident, $bf:literal) => {
             with_tokens!(n, N => half_kernels::$m::tile::<$bf, N>(w, x, k, out, stride, real, stream))
@@ -602,22 +620,39 @@ unsafe fn half_dot(
     }
     #[cfg(target_arch = "x86_64")]
     macro_rules! by_n2 {
-        ($w1:ident, $bf:literal) => {
+        ($w1:expr, $bf:literal) => {
             with_tokens!(n, N => {
                 half_kernels::zmm::tile2::<$bf, N>(w, $w1, x, k, out, stride, real, stream)
             })
         };
     }
     #[cfg(target_arch = "x86_64")]
-    if let (Kernel::Vnni, Some(w1)) = (kernel, w1) {
-        return match ty {
-            Half::F16 => by_n2!(w1, false),
-            Half::Bf16 => by_n2!(w1, true),
+    macro_rules! by_n4 {
+        ($bf:literal) => {{
+            let ws = [w, tiles.tile(g + 1), tiles.tile(g + 2), tiles.tile(g + 3)];
+            match n {
+                1 => half_kernels::zmm::tile4::<$bf, 1>(ws, x, k, out, stride, real, stream),
+                2 => half_kernels::zmm::tile4::<$bf, 2>(ws, x, k, out, stride, real, stream),
+                3 => half_kernels::zmm::tile4::<$bf, 3>(ws, x, k, out, stride, real, stream),
+                4 => half_kernels::zmm::tile4::<$bf, 4>(ws, x, k, out, stride, real, stream),
+                5 => half_kernels::zmm::tile4::<$bf, 5>(ws, x, k, out, stride, real, stream),
+                _ => half_kernels::zmm::tile4::<$bf, 6>(ws, x, k, out, stride, real, stream),
+            }
+        }};
+    }
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Vnni && groups > 1 {
+        debug_assert!(n <= 6 || groups == 2);
+        return match (ty, groups) {
+            (Half::F16, 4) => by_n4!(false),
+            (Half::Bf16, 4) => by_n4!(true),
+            (Half::F16, _) => by_n2!(tiles.tile(g + 1), false),
+            (Half::Bf16, _) => by_n2!(tiles.tile(g + 1), true),
         };
     }
     debug_assert!(
-        w1.is_none(),
-        "pairs are only scheduled for the 512-bit kernels"
+        groups == 1,
+        "several groups a call only for the 512-bit kernels"
     );
     match (kernel, ty) {
         #[cfg(target_arch = "x86_64")]
@@ -1256,10 +1291,11 @@ pub(crate) fn test_data(n: usize, seed: u64) -> Vec<f32> {
 mod tests {
     use super::*;
 
-    /// The 512-bit kernels (two row groups a call) give the 256-bit ones' bits: every type gen
-    /// tiles, as a fused projection of parts whose widths are not multiples of 16 (so pairs,
-    /// single groups and ragged ends all occur, as in a fused q/k/v), 1 to 11 tokens; each
-    /// part of the fused product equals the part's own product.
+    /// The 512-bit kernels (two row groups a call, four for F16/BF16) give the 256-bit ones'
+    /// bits: every type gen tiles, as a fused projection of parts whose widths are not
+    /// multiples of 16 (so quads, pairs, single groups and ragged ends all occur, as in a fused
+    /// q/k/v), 1 to 13 tokens (calls of 6 and 8 tokens and their remainders); each part of the
+    /// fused product equals the part's own product, whose groups go together differently.
     #[test]
     fn paired_groups_and_parts_give_the_same_bits() {
         let kernels = crate::model::cpu::q8::test_kernels();
@@ -1294,9 +1330,9 @@ mod tests {
                         .to_vec()
                 }
             };
-            let widths = [13, 24, 40];
+            let widths = [13, 24, 40, 72];
             let raws: Vec<Vec<u8>> = widths.iter().map(|&n| raw(n, n as u64 + 5)).collect();
-            for t in [1, 3, 8, 11] {
+            for t in [1, 3, 8, 11, 13] {
                 let x = test_data(t * k, 40 + t as u64);
                 let mut whole = Vec::new();
                 for &kernel in kernels.iter().filter(|k| **k != Kernel::Scalar) {

@@ -212,6 +212,74 @@ pub mod zmm {
             _mm512_mask_storeu_ps(out.add(i * stride), mask, _mm512_add_ps(acc[i], odd[i]));
         }
     }
+
+    /// Four neighbouring groups (32 rows) per call, two 512-bit registers a column: one
+    /// activation broadcast serves two multiply-adds, where [`tile2`] spends one a multiply-add
+    /// and is bound by those loads (a 32-row tile measured 1.3x the 16-row one alone in L1).
+    /// Each lane still does what the 256-bit kernels do for its row, in the same order (even
+    /// and odd columns in two sums, added at the end), so the sums are theirs bit for bit. At
+    /// most 6 tokens: 4 sums a token, 24 registers.
+    ///
+    /// # Safety
+    /// As [`tile2`], with w[0..4] the groups of outputs 0..8, 8..16, 16..24, 24..32.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    pub unsafe fn tile4<const BF: bool, const N: usize>(
+        w: [&[u16]; 4],
+        x: *const f32,
+        k: usize,
+        out: *mut f32,
+        stride: usize,
+        real: usize,
+        stream: bool,
+    ) {
+        debug_assert!(N <= 6 && w.iter().all(|w| w.len() >= k * 8) && k.is_multiple_of(2));
+        // [token][half]: rows 0..16 and 16..32, even and odd columns.
+        let mut even = [[_mm512_setzero_ps(); 2]; N];
+        let mut odd = [[_mm512_setzero_ps(); 2]; N];
+        let p = w.map(|w| w.as_ptr());
+        let load = |h: usize, c: usize| {
+            let lo = _mm_loadu_si128(p[2 * h].add(c * 8) as *const __m128i);
+            let hi = _mm_loadu_si128(p[2 * h + 1].add(c * 8) as *const __m128i);
+            let raw = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi);
+            if BF {
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
+            } else {
+                _mm512_cvtph_ps(raw)
+            }
+        };
+        for c in (0..k).step_by(2) {
+            if stream && c % 4 == 0 {
+                for q in p.iter().copied() {
+                    _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(c * 8 + 1024) as *const i8);
+                }
+            }
+            let v = [load(0, c), load(1, c)];
+            let u = [load(0, c + 1), load(1, c + 1)];
+            for i in 0..N {
+                let a = _mm512_set1_ps(*x.add(i * k + c));
+                let b = _mm512_set1_ps(*x.add(i * k + c + 1));
+                for h in 0..2 {
+                    even[i][h] = _mm512_fmadd_ps(v[h], a, even[i][h]);
+                    odd[i][h] = _mm512_fmadd_ps(u[h], b, odd[i][h]);
+                }
+            }
+        }
+        let lanes = |r: usize| -> __mmask16 {
+            if r >= 16 {
+                !0
+            } else {
+                (1u16 << r) - 1
+            }
+        };
+        let masks = [lanes(real), lanes(real.saturating_sub(16))];
+        for i in 0..N {
+            for h in 0..2 {
+                let sum = _mm512_add_ps(even[i][h], odd[i][h]);
+                _mm512_mask_storeu_ps(out.add(i * stride + 16 * h), masks[h], sum);
+            }
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
