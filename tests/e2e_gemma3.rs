@@ -33,14 +33,17 @@ fn references() -> Vec<Reference> {
 /// file's Q5_0, Q4_K and Q6_K matrices: 118 of 120 steps identical, the two others gaps of
 /// 0.11 and 0.36 (candle's kernels before them: 117 of 120, gaps below 0.5; an intermediate
 /// version of gen's, which applied the Q8_K activation scale per block instead of per
-/// super-block, had one gap of 0.71). gen's kernels agree with candle's to 1e-5 on each matrix
-/// (below).
-const NEAR_TIE: f32 = 0.5;
+/// super-block, had one gap of 0.71). Since Q6_K runs biased on VNNI (signed codes against
+/// activations plus 128, the bias's sums taken off once per super-block: the same integer
+/// sums, rounded in f32 at a few times their magnitude), 116 of 120, the largest gap 0.63.
+/// gen's kernels agree with candle's to 1e-5 on each matrix (below).
+const NEAR_TIE: f32 = 0.7;
 /// Largest difference allowed between gen's logit of llama.cpp's token and llama.cpp's own
 /// (logits here run from about -15 to 30). Measured: 0.99 at most on the short prompts with an
 /// f32 KV cache, 1.90 since gen keeps keys and values in f16 like llama.cpp (which also rounds
 /// queries and attention weights to f16 and tabulates GELU in f16, where gen stays in f32),
-/// 1.94 since gen runs the file's Q5_0 and K-quant matrices on its own kernels; 0.30 on the
+/// 1.94 since gen runs the file's Q5_0 and K-quant matrices on its own kernels, 2.20 with Q6_K
+/// biased (above); 0.30 on the
 /// 1,108-token prompt. With the sliding window switched off, that prompt differs by
 /// up to 11.8 and only 5 of its 24 choices match, so this bound does catch a wrong window.
 const LOGIT_TOLERANCE: f32 = 2.5;

@@ -320,10 +320,22 @@ impl Spec {
         matches!(self.min, Min::Own | Min::Sub | Min::Packed)
     }
 
-    /// A super-block's header in a tile: the 8 rows' d, then their dm (f16 bits).
+    /// The types whose sums meet one activation scale per super-block and have no minimum
+    /// terms (Q3_K, Q6_K, IQ4_XS): on VNNI their codes go in signed (code - centre, or the
+    /// IQ4 table's value) against activations biased by 128 (unsigned), so no integer sum of
+    /// the activations comes off per block and token; what the bias adds, 128 times the codes'
+    /// sum, depends on the weights alone and comes off once per super-block (`corr`).
+    pub const fn biased(&self) -> bool {
+        matches!(self.act, Act::Q8K) && matches!(self.min, Min::None)
+    }
+
+    /// A super-block's header in a tile: the 8 rows' d, then their dm (f16 bits), or for the
+    /// `biased` types their f32 `corr` (see [`super_corr`]).
     pub const fn hdr_bytes(&self) -> usize {
         if self.has_dm() {
             32
+        } else if self.biased() {
+            48
         } else {
             16
         }
@@ -549,6 +561,10 @@ impl Tiles {
                         if spec.has_dm() {
                             out[h + 16 + 2 * r..h + 18 + 2 * r].copy_from_slice(&dm.to_le_bytes());
                         }
+                        if spec.biased() {
+                            let corr = super_corr(spec, d, &canon).to_le_bytes();
+                            out[h + 16 + 4 * r..h + 20 + 4 * r].copy_from_slice(&corr);
+                        }
                         for (i, c) in canon.iter().enumerate() {
                             put(spec, out, s * spec.per_super + i, r, c);
                         }
@@ -596,6 +612,29 @@ impl Tiles {
             }
         }
     }
+}
+
+/// What biasing the activations by 128 adds to one row's sums over a super-block of a
+/// `biased` type, in the units of the activation scale: d * (128 * sum over its blocks (or
+/// halves) of sub-scale * sum of the signed codes), rounded to f32 once. Every VNNI kernel
+/// subtracts it from the super-block's scaled sums before the activation scale.
+fn super_corr(spec: Spec, d: u16, canon: &[Canon]) -> f32 {
+    let parts = if spec.halves { 2 } else { 1 };
+    let per = QK / parts;
+    let mut c: i64 = 0;
+    for blk in canon {
+        for (h, codes) in blk.v.chunks_exact(per).enumerate() {
+            let w: i64 = codes
+                .iter()
+                .map(|&v| match spec.bits {
+                    Bits::Lut => IQ4_VALUES[v as usize] as i64,
+                    _ => v as i64 - spec.centre as i64,
+                })
+                .sum();
+            c += blk.sc[h] as i8 as i64 * w;
+        }
+    }
+    f16::from_bits(d).to_f32() * (128 * c) as f32
 }
 
 /// Block b of row r of a group (`out`: the group's bytes) into its planes and scale bytes.
@@ -716,15 +755,28 @@ pub fn block_scales(spec: Spec, t: &Tile<'_>, b: usize) -> ([[f32; 8]; 2], [[f32
 
 /// What a kernel's integer dot products of `ty`'s codes with activation bytes must lose per
 /// unit of the activations' sum: the type's centre, plus 128 for the IQ4 tables on VNNI (which
-/// takes them as unsigned bytes, biased by 128). [`Acts`] holds the sums times this.
+/// takes them as unsigned bytes, biased by 128); none for the `biased` types on VNNI (signed
+/// codes). [`Acts`] holds the sums times this.
 pub fn centre_of(ty: QType, kernel: Kernel) -> i32 {
     let spec = ty.spec();
+    if biased(ty, kernel) {
+        return 0;
+    }
     #[cfg(target_arch = "x86_64")]
     if spec.bits == Bits::Lut && kernel == Kernel::Vnni {
         return spec.centre + 128;
     }
-    let _ = kernel;
     spec.centre
+}
+
+/// Whether the kernel takes `ty`'s activations biased by 128 ([`Spec::biased`], on VNNI).
+pub fn biased(ty: QType, kernel: Kernel) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Vnni {
+        return ty.spec().biased();
+    }
+    let _ = kernel;
+    false
 }
 
 /// Activations quantized for these kernels: tokens in chunks of 8 and, within a chunk, per
@@ -753,8 +805,17 @@ pub struct ActChunk {
 }
 
 impl Acts {
-    /// T rows of K values, as `act` says; integer sums times `centre`.
-    pub fn quantize(x: &[f32], k: usize, t: usize, act: Act, kernel: Kernel, centre: i32) -> Self {
+    /// T rows of K values, as `act` says; integer sums times `centre`; with `bias`, each quant
+    /// plus 128 (as an unsigned byte: see [`Spec::biased`]).
+    pub fn quantize(
+        x: &[f32],
+        k: usize,
+        t: usize,
+        act: Act,
+        kernel: Kernel,
+        centre: i32,
+        bias: bool,
+    ) -> Self {
         let nb = k / QK;
         let chunks = t.div_ceil(TOKENS);
         let slots = chunks * nb * TOKENS;
@@ -776,7 +837,9 @@ impl Acts {
             {
                 quantize_token(row, act, kernel, |b, q, scale, sums, f| {
                     let at = b * TOKENS + i;
-                    qs[at * QK..at * QK + QK].copy_from_slice(q);
+                    for (o, &v) in qs[at * QK..at * QK + QK].iter_mut().zip(q) {
+                        *o = if bias { v ^ 0x80 } else { v };
+                    }
                     d[at] = scale;
                     for (o, s) in isum[at * 4..at * 4 + 3].iter_mut().zip(sums) {
                         *o = centre * s;
@@ -1229,10 +1292,16 @@ pub(crate) mod tests {
                     );
                 }
             }
-            // Memory: the file's bytes, give or take the repacking of scales.
+            // Memory: the file's bytes, give or take the repacking of scales (and for the
+            // biased types 4 bytes a row and super-block: Q3_K's 110 become 118).
             let file = rows.div_ceil(8) * 8 * row_bytes;
+            let extra = if spec.biased() {
+                4 * file / spec.block_bytes
+            } else {
+                0
+            };
             assert!(
-                t.bytes() <= file + file / 25,
+                t.bytes() <= file + file / 25 + extra,
                 "{ty:?}: {} bytes for a file's {file}",
                 t.bytes()
             );
@@ -1302,6 +1371,9 @@ pub(crate) mod tests {
                     })
                     .collect();
                 let mut outs: Vec<Vec<f32>> = Vec::new();
+                // Per output, the sum of its products' magnitudes: what float rounding scales
+                // with.
+                let mut l1s = vec![0f32; t * n];
                 for kernel in crate::model::cpu::q8::test_kernels() {
                     let lin = CpuQWeight::from_raw(spec.ggml, &raw, n, k, kernel)
                         .unwrap()
@@ -1313,6 +1385,7 @@ pub(crate) mod tests {
                             let want: f64 =
                                 xs.iter().zip(ws).map(|(a, b)| *a as f64 * *b as f64).sum();
                             let l1: f32 = xs.iter().zip(ws).map(|(a, b)| (a * b).abs()).sum();
+                            l1s[i * n + j] = l1;
                             let q: f32 = ws
                                 .iter()
                                 .zip(&step[i * k..(i + 1) * k])
@@ -1336,11 +1409,16 @@ pub(crate) mod tests {
                     }
                     outs.push(got);
                 }
+                // The SIMD kernels against the scalar one: the same integer sums, scaled in
+                // another order (or, for the biased types on VNNI, with the bias's sums taken
+                // off per super-block: terms up to 128 / |quant| times bigger).
                 for o in &outs[1..] {
-                    for (a, b) in o.iter().zip(&outs[0]) {
+                    for ((a, b), l1) in o.iter().zip(&outs[0]).zip(&l1s) {
+                        // (Measured: at most 5e-8 of the magnitudes.)
+                        let tol = if spec.biased() { 1e-6 * l1 } else { 0.0 };
                         assert!(
-                            (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
-                            "{ty:?}: SIMD {a} vs scalar {b}"
+                            (a - b).abs() <= 1e-5 * (1.0 + b.abs()) + tol,
+                            "{ty:?}: SIMD {a} vs scalar {b} (products' magnitudes {l1})"
                         );
                     }
                 }

@@ -168,7 +168,10 @@ macro_rules! block_scales {
 pub(crate) use block_scales;
 
 macro_rules! quant_kernels {
-    ($name:ident, $features:literal, $dot_u:ident, $dot_lut:ident, $lut_xor:expr, $lut_bias:expr) => {
+    (
+        $name:ident, $features:literal, $dot_u:ident, $dot_lut:ident, $lut_xor:expr,
+        $lut_bias:expr, $bias:expr
+    ) => {
         pub mod $name {
             use super::super::quants::{
                 spec_of, Act, ActChunk, Bits, Min, Tile, IQ4_VALUES, TOKENS,
@@ -198,10 +201,17 @@ macro_rules! quant_kernels {
                 let lut = spec.bits == Bits::Lut;
                 // Signed codes are biased on VNNI: the activation sums come times 128 more
                 // (`centre_of`).
-                let centre = spec.centre + if lut { $lut_bias } else { 0 };
+                // Signed codes against activations biased by 128 (`Spec::biased`): no centre,
+                // the table as it is; `corr` comes off once per super-block.
+                let biased = $bias && spec.biased();
+                let centre = if biased {
+                    0
+                } else {
+                    spec.centre + if lut { $lut_bias } else { 0 }
+                };
                 let mut table = [0i8; 32];
                 for (i, t) in table.iter_mut().enumerate() {
-                    *t = IQ4_VALUES[i % 16] ^ $lut_xor;
+                    *t = IQ4_VALUES[i % 16] ^ if biased { 0 } else { $lut_xor };
                 }
                 let table = _mm256_loadu_si256(table.as_ptr() as *const __m256i);
                 let mut acc = [_mm256_setzero_ps(); N];
@@ -212,6 +222,7 @@ macro_rules! quant_kernels {
                 const AHEAD: usize = super::super::q8::PREFETCH_AHEAD;
                 let mut dv = _mm256_setzero_ps();
                 let mut dmv = _mm256_setzero_ps();
+                let mut corr = _mm256_setzero_ps();
                 for b in 0..nb {
                     let base = buf.add(spec.block_at(b));
                     if stream {
@@ -227,8 +238,16 @@ macro_rules! quant_kernels {
                         if spec.min != Min::None {
                             dmv = widen(hdr.add(16) as *const u16);
                         }
+                        if biased {
+                            corr = _mm256_loadu_ps(hdr.add(16) as *const f32);
+                        }
                     }
-                    let wv = unpack::<TY>(base, table);
+                    let mut wv = unpack::<TY>(base, table);
+                    if biased && !lut {
+                        for w in wv.iter_mut() {
+                            *w = _mm256_sub_epi8(*w, _mm256_set1_epi8(spec.centre as i8));
+                        }
+                    }
                     // Scales and minimums of this block (per half: index 0 and 1).
                     let bytes = |o: usize| _mm_loadl_epi64(base.add(o) as *const __m128i);
                     let sub = |h: usize| {
@@ -259,7 +278,10 @@ macro_rules! quant_kernels {
                         let mut s0 = _mm256_setzero_si256();
                         let mut s1 = _mm256_setzero_si256();
                         for g in 0..4 {
-                            if lut {
+                            if biased {
+                                s0 = super::$dot_u(s0, act(g), wv[g]);
+                                s1 = super::$dot_u(s1, act(g + 4), wv[g + 4]);
+                            } else if lut {
                                 s0 = super::$dot_lut(s0, wv[g], act(g));
                                 s1 = super::$dot_lut(s1, wv[g + 4], act(g + 4));
                             } else {
@@ -292,6 +314,9 @@ macro_rules! quant_kernels {
                             slot
                         );
                         if per_sb && b % spec.per_super == spec.per_super - 1 {
+                            if biased {
+                                *facc = _mm256_sub_ps(*facc, corr);
+                            }
                             *acc = _mm256_fmadd_ps(*facc, da, *acc);
                             *facc = _mm256_setzero_ps();
                         }
@@ -324,12 +349,13 @@ macro_rules! quant_kernels {
     };
 }
 
-quant_kernels!(avx2, "avx2,fma,f16c", dot_u_avx2, dot_s_avx2, 0, 0);
+quant_kernels!(avx2, "avx2,fma,f16c", dot_u_avx2, dot_s_avx2, 0, 0, false);
 quant_kernels!(
     vnni,
     "avx2,fma,f16c,avx512vnni,avx512vl",
     dot_u_vnni,
     dot_u_vnni,
     -128,
-    128
+    128,
+    true
 );

@@ -91,11 +91,17 @@ pub unsafe fn tile2<const TY: u8, const N: usize>(
     let nb = w0.buf.len() / sbb * spec.per_super;
     let (buf0, buf1) = (w0.buf.as_ptr(), w1.buf.as_ptr());
     let lut = spec.bits == Bits::Lut;
-    // Signed codes (the IQ4 tables) are biased by 128, as in the 256-bit VNNI kernel.
-    let centre = spec.centre + if lut { 128 } else { 0 };
+    // Signed codes (the IQ4 tables) are biased by 128, as in the 256-bit VNNI kernel; the
+    // `biased` types take signed codes against biased activations instead.
+    let biased = spec.biased();
+    let centre = if biased {
+        0
+    } else {
+        spec.centre + if lut { 128 } else { 0 }
+    };
     let mut table = [0i8; 64];
     for (i, t) in table.iter_mut().enumerate() {
-        *t = IQ4_VALUES[i % 16] ^ -128;
+        *t = IQ4_VALUES[i % 16] ^ if biased { 0 } else { -128 };
     }
     let table = _mm512_loadu_si512(table.as_ptr() as *const __m512i);
     let mut acc = [_mm512_setzero_ps(); N];
@@ -109,6 +115,7 @@ pub unsafe fn tile2<const TY: u8, const N: usize>(
     let mut facc = [_mm512_setzero_ps(); N];
     const AHEAD: usize = super::q8::PREFETCH_AHEAD;
     let (mut dv, mut dmv) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    let mut corr = _mm512_setzero_ps();
     for b in 0..nb {
         let at = spec.block_at(b);
         let (b0, b1) = (buf0.add(at), buf1.add(at));
@@ -126,8 +133,16 @@ pub unsafe fn tile2<const TY: u8, const N: usize>(
             if spec.min != Min::None {
                 dmv = widen2(buf0.add(hdr + 16), buf1.add(hdr + 16));
             }
+            if biased {
+                corr = _mm512_castsi512_ps(join(buf0.add(hdr + 16), buf1.add(hdr + 16)));
+            }
         }
-        let wv = unpack::<TY>(b0, b1, table);
+        let mut wv = unpack::<TY>(b0, b1, table);
+        if biased && !lut {
+            for w in wv.iter_mut() {
+                *w = _mm512_sub_epi8(*w, _mm512_set1_epi8(spec.centre as i8));
+            }
+        }
         let (scale0, min0) = sub_scale::<TY>(b0, b1, 0, dv, dmv);
         let (scale1, min1) = if spec.halves {
             sub_scale::<TY>(b0, b1, 1, dv, dmv)
@@ -141,8 +156,13 @@ pub unsafe fn tile2<const TY: u8, const N: usize>(
             let act = |g: usize| _mm512_set1_epi32(q.add(g).read_unaligned());
             let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
             for g in 0..4 {
-                s0 = _mm512_dpbusd_epi32(s0, wv[g], act(g));
-                s1 = _mm512_dpbusd_epi32(s1, wv[g + 4], act(g + 4));
+                if biased {
+                    s0 = _mm512_dpbusd_epi32(s0, act(g), wv[g]);
+                    s1 = _mm512_dpbusd_epi32(s1, act(g + 4), wv[g + 4]);
+                } else {
+                    s0 = _mm512_dpbusd_epi32(s0, wv[g], act(g));
+                    s1 = _mm512_dpbusd_epi32(s1, wv[g + 4], act(g + 4));
+                }
             }
             let da = _mm512_set1_ps(*a.d.add(slot));
             fold_sums!(
@@ -169,6 +189,9 @@ pub unsafe fn tile2<const TY: u8, const N: usize>(
                 slot
             );
             if per_sb && b % spec.per_super == spec.per_super - 1 {
+                if biased {
+                    *facc = _mm512_sub_ps(*facc, corr);
+                }
                 if in_out {
                     let o = out.add(i * stride);
                     let sum = if b < spec.per_super {
