@@ -837,8 +837,10 @@ impl Acts {
             {
                 quantize_token(row, act, kernel, |b, q, scale, sums, f| {
                     let at = b * TOKENS + i;
-                    for (o, &v) in qs[at * QK..at * QK + QK].iter_mut().zip(q) {
-                        *o = if bias { v ^ 0x80 } else { v };
+                    let out = &mut qs[at * QK..at * QK + QK];
+                    out.copy_from_slice(q);
+                    if bias {
+                        out.iter_mut().for_each(|v| *v ^= 0x80);
                     }
                     d[at] = scale;
                     for (o, s) in isum[at * 4..at * 4 + 3].iter_mut().zip(sums) {
