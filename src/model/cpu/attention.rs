@@ -260,9 +260,14 @@ const QT: usize = 4;
 /// (A plain (hd, L) transpose put the rows of a dimension L * 4 bytes apart: at lengths near
 /// a multiple of 1,024 every row fell in the same L1 set.)
 const KT: usize = 16;
+/// Queries per chunk of the score and value passes, each key panel and value row loaded once
+/// for all of them: the 512-bit kernels hold 16 queries' accumulators (one register of 16
+/// keys, or of 16 value columns, each); the AVX2 ones take the chunk in pieces of `QR_AVX2`.
+/// (6 at a time on 512-bit registers was bound by reading the panels from L2 for each piece.)
+const QR: usize = 16;
 /// Queries per register tile of the AVX2 kernels: 6 queries x 2 registers of keys (or of
 /// value columns) = 12 accumulators, plus the 2 loaded registers and a broadcast.
-const QR: usize = 6;
+const QR_AVX2: usize = 6;
 
 /// Causal attention of a step's T new tokens (positions pos..pos+T) against its sequence's
 /// pages, on the CPU. q: (T, h*hd). Returns (T, h*hd).
@@ -473,6 +478,148 @@ mod x86 {
     use crate::model::cpu::ops::x86::exp_nonpositive;
     use std::arch::x86_64::*;
 
+    /// Whether the prefill's score and value passes run on 512-bit registers (AVX-512F, and
+    /// the 256-bit kernels allowed: not under GEN_KERNEL=avx2 or scalar). Decided once.
+    fn wide() -> bool {
+        static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *WIDE.get_or_init(|| {
+            is_x86_feature_detected!("avx512f")
+                && std::env::var("GEN_KERNEL").map_or(true, |v| v != "avx2" && v != "scalar")
+        })
+    }
+
+    /// The prefill's score and value passes on 512-bit registers: a panel's 16 keys, or 16 of a
+    /// value row's columns, in one register where the 256-bit kernels use two. Every lane does
+    /// what the 256-bit kernels do for its key or column, in the same order: the same bits,
+    /// with half the instructions (and on CPUs with two 512-bit FMA units, twice the rate).
+    mod zmm {
+        use std::arch::x86_64::*;
+
+        /// `$body` with the const `$n` set to `$count` (1 to 16).
+        #[rustfmt::skip]
+        macro_rules! by_count {
+            ($count:expr, $n:ident => $body:expr) => {
+                match $count {
+                    1 => { const $n: usize = 1; $body }
+                    2 => { const $n: usize = 2; $body }
+                    3 => { const $n: usize = 3; $body }
+                    4 => { const $n: usize = 4; $body }
+                    5 => { const $n: usize = 5; $body }
+                    6 => { const $n: usize = 6; $body }
+                    7 => { const $n: usize = 7; $body }
+                    8 => { const $n: usize = 8; $body }
+                    9 => { const $n: usize = 9; $body }
+                    10 => { const $n: usize = 10; $body }
+                    11 => { const $n: usize = 11; $body }
+                    12 => { const $n: usize = 12; $body }
+                    13 => { const $n: usize = 13; $body }
+                    14 => { const $n: usize = 14; $body }
+                    15 => { const $n: usize = 15; $body }
+                    _ => { const $n: usize = 16; $body }
+                }
+            };
+        }
+
+        /// As `super::panel_scores`.
+        #[target_feature(enable = "avx2,fma,avx512f")]
+        pub unsafe fn panel_scores(
+            queries: &[&[f32]],
+            panels: &[f32],
+            width: usize,
+            scale: f32,
+            scores: &mut [f32],
+        ) {
+            by_count!(queries.len(), N => panel_scores_n::<N>(queries, panels, width, scale, scores))
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,avx512f")]
+        unsafe fn panel_scores_n<const NQ: usize>(
+            queries: &[&[f32]],
+            panels: &[f32],
+            width: usize,
+            scale: f32,
+            scores: &mut [f32],
+        ) {
+            const KT: usize = super::super::KT;
+            const { assert!(KT == 16) };
+            let hd = queries[0].len();
+            let n = panels.len() / (hd * KT);
+            assert!(queries.len() == NQ && scores.len() >= NQ * width && n * KT <= width);
+            // The queries side by side per dimension, so that one pointer and constant
+            // offsets reach all of them (16 pointers do not fit in the registers).
+            const MAX_HD: usize = 256;
+            assert!(hd <= MAX_HD);
+            let mut packed = [0f32; 16 * MAX_HD];
+            for (qq, q) in queries.iter().enumerate() {
+                for (d, &x) in q.iter().enumerate() {
+                    packed[d * 16 + qq] = x;
+                }
+            }
+            let sv = _mm512_set1_ps(scale);
+            for pi in 0..n {
+                let panel = panels.as_ptr().add(pi * hd * KT);
+                let mut acc = [_mm512_setzero_ps(); NQ];
+                for d in 0..hd {
+                    let kv = _mm512_loadu_ps(panel.add(d * KT));
+                    let qd = packed.as_ptr().add(d * 16);
+                    for (qq, acc) in acc.iter_mut().enumerate() {
+                        *acc = _mm512_fmadd_ps(_mm512_set1_ps(*qd.add(qq)), kv, *acc);
+                    }
+                }
+                for (qq, acc) in acc.iter().enumerate() {
+                    let at = scores.as_mut_ptr().add(qq * width + pi * KT);
+                    _mm512_storeu_ps(at, _mm512_mul_ps(*acc, sv));
+                }
+            }
+        }
+
+        /// As `super::weighted_sums`: 16 columns a pass (one register a query), then 8.
+        #[target_feature(enable = "avx2,fma,avx512f")]
+        pub unsafe fn weighted_sums(
+            w: &[f32],
+            width: usize,
+            v: &[f32],
+            hd: usize,
+            inv: &[f32],
+            out: &[*mut f32],
+        ) {
+            by_count!(out.len(), N => weighted_sums_n::<N>(w, width, v, hd, inv, out))
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,avx512f")]
+        unsafe fn weighted_sums_n<const NQ: usize>(
+            w: &[f32],
+            width: usize,
+            v: &[f32],
+            hd: usize,
+            inv: &[f32],
+            out: &[*mut f32],
+        ) {
+            assert!(out.len() == NQ && inv.len() == NQ && w.len() >= NQ * width);
+            let rows = v.len() / hd;
+            let mut c0 = 0;
+            while c0 < hd {
+                // 16 columns, or the last 8.
+                let mask: __mmask16 = if hd - c0 >= 16 { 0xFFFF } else { 0x00FF };
+                let mut acc = [_mm512_setzero_ps(); NQ];
+                for p in 0..rows {
+                    let x = _mm512_maskz_loadu_ps(mask, v.as_ptr().add(p * hd + c0));
+                    for (qq, acc) in acc.iter_mut().enumerate() {
+                        let b = _mm512_set1_ps(*w.get_unchecked(qq * width + p));
+                        *acc = _mm512_fmadd_ps(b, x, *acc);
+                    }
+                }
+                for (qq, acc) in acc.iter().enumerate() {
+                    let iv = _mm512_set1_ps(inv[qq]);
+                    _mm512_mask_storeu_ps(out[qq].add(c0), mask, _mm512_mul_ps(*acc, iv));
+                }
+                c0 += if mask == 0xFFFF { 16 } else { 8 };
+            }
+        }
+    }
+
     /// Scores of up to QR queries against key panels (each (hd, KT), dimension-major), times
     /// `scale`, into scores[qq * width + p] for p < panels * KT.
     #[target_feature(enable = "avx2,fma")]
@@ -483,13 +630,19 @@ mod x86 {
         scale: f32,
         scores: &mut [f32],
     ) {
-        match queries.len() {
-            1 => panel_scores_n::<1>(queries, panels, width, scale, scores),
-            2 => panel_scores_n::<2>(queries, panels, width, scale, scores),
-            3 => panel_scores_n::<3>(queries, panels, width, scale, scores),
-            4 => panel_scores_n::<4>(queries, panels, width, scale, scores),
-            5 => panel_scores_n::<5>(queries, panels, width, scale, scores),
-            _ => panel_scores_n::<6>(queries, panels, width, scale, scores),
+        if wide() {
+            return zmm::panel_scores(queries, panels, width, scale, scores);
+        }
+        for (i, qs) in queries.chunks(super::QR_AVX2).enumerate() {
+            let scores = &mut scores[i * super::QR_AVX2 * width..];
+            match qs.len() {
+                1 => panel_scores_n::<1>(qs, panels, width, scale, scores),
+                2 => panel_scores_n::<2>(qs, panels, width, scale, scores),
+                3 => panel_scores_n::<3>(qs, panels, width, scale, scores),
+                4 => panel_scores_n::<4>(qs, panels, width, scale, scores),
+                5 => panel_scores_n::<5>(qs, panels, width, scale, scores),
+                _ => panel_scores_n::<6>(qs, panels, width, scale, scores),
+            }
         }
     }
 
@@ -744,13 +897,23 @@ mod x86 {
     ) {
         debug_assert!(v.len().is_multiple_of(hd) && v.len() / hd <= width);
         debug_assert!(w.len() >= out.len() * width && inv.len() == out.len());
-        match out.len() {
-            1 => weighted_sums_n::<1>(w, width, v, hd, inv, out),
-            2 => weighted_sums_n::<2>(w, width, v, hd, inv, out),
-            3 => weighted_sums_n::<3>(w, width, v, hd, inv, out),
-            4 => weighted_sums_n::<4>(w, width, v, hd, inv, out),
-            5 => weighted_sums_n::<5>(w, width, v, hd, inv, out),
-            _ => weighted_sums_n::<6>(w, width, v, hd, inv, out),
+        if wide() {
+            return zmm::weighted_sums(w, width, v, hd, inv, out);
+        }
+        for (i, (out, inv)) in out
+            .chunks(super::QR_AVX2)
+            .zip(inv.chunks(super::QR_AVX2))
+            .enumerate()
+        {
+            let w = &w[i * super::QR_AVX2 * width..];
+            match out.len() {
+                1 => weighted_sums_n::<1>(w, width, v, hd, inv, out),
+                2 => weighted_sums_n::<2>(w, width, v, hd, inv, out),
+                3 => weighted_sums_n::<3>(w, width, v, hd, inv, out),
+                4 => weighted_sums_n::<4>(w, width, v, hd, inv, out),
+                5 => weighted_sums_n::<5>(w, width, v, hd, inv, out),
+                _ => weighted_sums_n::<6>(w, width, v, hd, inv, out),
+            }
         }
     }
 
