@@ -13,7 +13,8 @@
 //! - scale is `d` (Q4_0, Q5_0, Q5_1, IQ4_NL) or `d * sc` with an integer sub-scale `sc` per 32
 //!   values (Q4_K, Q5_K, IQ4_XS) or per 16 (Q2_K, Q3_K, Q6_K);
 //! - centre is a constant subtracted in integers (8 for Q4_0, 16 for Q5_0, 4 for Q3_K, 32 for
-//!   Q6_K), so those dot products stay exact, as llama.cpp's;
+//!   Q6_K), so those dot products stay exact, as llama.cpp's (on VNNI, Q3_K, Q6_K and IQ4_XS
+//!   take signed codes against activations biased by 128 instead: [`Spec::biased`]);
 //! - min is `m` (Q5_1) or `-dmin * mn` with an integer sub-minimum (Q2_K, Q4_K, Q5_K);
 //! - IQ4_NL and IQ4_XS map the 4-bit code through their 16-entry table first.
 //!
