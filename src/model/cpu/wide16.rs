@@ -164,6 +164,20 @@ macro_rules! half_kernels {
 pub mod zmm {
     use std::arch::x86_64::*;
 
+    /// One column of two groups: 8 values at p0 and 8 at p1, widened to 16 f32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    unsafe fn widen2<const BF: bool>(p0: *const u16, p1: *const u16) -> __m512 {
+        let lo = _mm_loadu_si128(p0 as *const __m128i);
+        let hi = _mm_loadu_si128(p1 as *const __m128i);
+        let raw = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi);
+        if BF {
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
+        } else {
+            _mm512_cvtph_ps(raw)
+        }
+    }
+
     /// N tokens at x (rows of k values) against groups w0 (outputs 0..8) and w1 (8..16),
     /// written to out + i * stride, the first `real` outputs.
     ///
@@ -186,16 +200,7 @@ pub mod zmm {
         let mut acc = [_mm512_setzero_ps(); N];
         let mut odd = [_mm512_setzero_ps(); N];
         let (p0, p1) = (w0.as_ptr(), w1.as_ptr());
-        let load = |c: usize| {
-            let lo = _mm_loadu_si128(p0.add(c * 8) as *const __m128i);
-            let hi = _mm_loadu_si128(p1.add(c * 8) as *const __m128i);
-            let raw = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi);
-            if BF {
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
-            } else {
-                _mm512_cvtph_ps(raw)
-            }
-        };
+        let load = |c: usize| widen2::<BF>(p0.add(c * 8), p1.add(c * 8));
         for c in (0..k).step_by(2) {
             if stream && c % 4 == 0 {
                 _mm_prefetch::<_MM_HINT_T0>(p0.wrapping_add(c * 8 + 1024) as *const i8);
@@ -238,16 +243,7 @@ pub mod zmm {
         let mut even = [[_mm512_setzero_ps(); 2]; N];
         let mut odd = [[_mm512_setzero_ps(); 2]; N];
         let p = w.map(|w| w.as_ptr());
-        let load = |h: usize, c: usize| {
-            let lo = _mm_loadu_si128(p[2 * h].add(c * 8) as *const __m128i);
-            let hi = _mm_loadu_si128(p[2 * h + 1].add(c * 8) as *const __m128i);
-            let raw = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi);
-            if BF {
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
-            } else {
-                _mm512_cvtph_ps(raw)
-            }
-        };
+        let load = |h: usize, c: usize| widen2::<BF>(p[2 * h].add(c * 8), p[2 * h + 1].add(c * 8));
         for c in (0..k).step_by(2) {
             if stream && c % 4 == 0 {
                 for q in p.iter().copied() {
