@@ -330,6 +330,20 @@ impl Spec {
         matches!(self.act, Act::Q8K) && matches!(self.min, Min::None)
     }
 
+    /// What a kernel's integer dot products must lose per unit of the activations' sum: the
+    /// centre; on VNNI (`vnni`) plus 128 for the IQ4 tables (taken as unsigned bytes, biased by
+    /// 128), or nothing for the `biased` types (signed codes). Const, so the kernels' branches
+    /// on it fold away; [`centre_of`] gives the same for the activations' sums.
+    pub const fn kernel_centre(&self, vnni: bool) -> i32 {
+        if vnni && self.biased() {
+            0
+        } else if vnni && matches!(self.bits, Bits::Lut) {
+            self.centre + 128
+        } else {
+            self.centre
+        }
+    }
+
     /// A super-block's header in a tile: the 8 rows' d, then their dm (f16 bits), or for the
     /// `biased` types their f32 `corr` (see [`super_corr`]).
     pub const fn hdr_bytes(&self) -> usize {
@@ -759,22 +773,18 @@ pub fn block_scales(spec: Spec, t: &Tile<'_>, b: usize) -> ([[f32; 8]; 2], [[f32
 /// takes them as unsigned bytes, biased by 128); none for the `biased` types on VNNI (signed
 /// codes). [`Acts`] holds the sums times this.
 pub fn centre_of(ty: QType, kernel: Kernel) -> i32 {
-    let spec = ty.spec();
-    if biased(ty, kernel) {
-        return 0;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if spec.bits == Bits::Lut && kernel == Kernel::Vnni {
-        return spec.centre + 128;
-    }
-    spec.centre
+    ty.spec().kernel_centre(is_vnni(kernel))
 }
 
 /// Whether the kernel takes `ty`'s activations biased by 128 ([`Spec::biased`], on VNNI).
 pub fn biased(ty: QType, kernel: Kernel) -> bool {
+    is_vnni(kernel) && ty.spec().biased()
+}
+
+fn is_vnni(kernel: Kernel) -> bool {
     #[cfg(target_arch = "x86_64")]
     if kernel == Kernel::Vnni {
-        return ty.spec().biased();
+        return true;
     }
     let _ = kernel;
     false

@@ -170,7 +170,7 @@ pub(crate) use block_scales;
 macro_rules! quant_kernels {
     (
         $name:ident, $features:literal, $dot_u:ident, $dot_lut:ident, $lut_xor:expr,
-        $lut_bias:expr, $bias:expr
+        $vnni:expr
     ) => {
         pub mod $name {
             use super::super::quants::{
@@ -199,16 +199,11 @@ macro_rules! quant_kernels {
                 let nb = w.buf.len() / sbb * spec.per_super;
                 let buf = w.buf.as_ptr();
                 let lut = spec.bits == Bits::Lut;
-                // Signed codes are biased on VNNI: the activation sums come times 128 more
-                // (`centre_of`).
-                // Signed codes against activations biased by 128 (`Spec::biased`): no centre,
-                // the table as it is; `corr` comes off once per super-block.
-                let biased = $bias && spec.biased();
-                let centre = if biased {
-                    0
-                } else {
-                    spec.centre + if lut { $lut_bias } else { 0 }
-                };
+                // What the integer sums lose (`Spec::kernel_centre`): on VNNI the IQ4 tables
+                // go in biased by 128, and the `biased` types signed against activations
+                // biased by 128 (the table as it is; `corr` comes off once per super-block).
+                let biased = $vnni && spec.biased();
+                let centre = spec.kernel_centre($vnni);
                 let mut table = [0i8; 32];
                 for (i, t) in table.iter_mut().enumerate() {
                     *t = IQ4_VALUES[i % 16] ^ if biased { 0 } else { $lut_xor };
@@ -349,13 +344,12 @@ macro_rules! quant_kernels {
     };
 }
 
-quant_kernels!(avx2, "avx2,fma,f16c", dot_u_avx2, dot_s_avx2, 0, 0, false);
+quant_kernels!(avx2, "avx2,fma,f16c", dot_u_avx2, dot_s_avx2, 0, false);
 quant_kernels!(
     vnni,
     "avx2,fma,f16c,avx512vnni,avx512vl",
     dot_u_vnni,
     dot_u_vnni,
     -128,
-    128,
     true
 );

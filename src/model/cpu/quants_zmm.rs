@@ -94,11 +94,7 @@ pub unsafe fn tile2<const TY: u8, const N: usize>(
     // Signed codes (the IQ4 tables) are biased by 128, as in the 256-bit VNNI kernel; the
     // `biased` types take signed codes against biased activations instead.
     let biased = spec.biased();
-    let centre = if biased {
-        0
-    } else {
-        spec.centre + if lut { 128 } else { 0 }
-    };
+    let centre = spec.kernel_centre(true);
     let mut table = [0i8; 64];
     for (i, t) in table.iter_mut().enumerate() {
         *t = IQ4_VALUES[i % 16] ^ if biased { 0 } else { -128 };
