@@ -1101,7 +1101,10 @@ fn dot_q8_0_q8_0_scalar(w: Row<'_>, a: Row<'_>) -> f32 {
 /// unsigned by signed bytes with maddubs + madd (two instructions), `vnni` with one dpbusd.
 #[cfg(target_arch = "x86_64")]
 macro_rules! x86_kernels {
-    ($name:ident, $features:literal, $dot_u4:ident, $prep_i8:ident, $dot_i8:ident, $bias:expr) => {
+    (
+        $name:ident, $features:literal, $dot_u4:ident, $prep_i8:ident, $dot_i8:ident, $bias:expr,
+        $avx2:expr
+    ) => {
         pub mod $name {
             use super::super::{ActChunk, Tile};
             use crate::model::cpu::q8::simd::{prefetch, store, widen};
@@ -1151,22 +1154,26 @@ macro_rules! x86_kernels {
                     let (sb, ob) = (a.scale.add(b * 8), a.offset.add(b * 8));
                     for (i, acc) in acc.iter_mut().enumerate() {
                         let q = qb.add(i * 32) as *const i32;
-                        // Two independent chains of multiply-adds.
-                        let mut s0 = _mm256_setzero_si256();
-                        let mut s1 = _mm256_setzero_si256();
-                        for g in (0..8).step_by(2) {
-                            s0 = super::$dot_u4(
-                                s0,
-                                wv[g],
-                                _mm256_set1_epi32(q.add(g).read_unaligned()),
-                            );
-                            s1 = super::$dot_u4(
-                                s1,
-                                wv[g + 1],
-                                _mm256_set1_epi32(q.add(g + 1).read_unaligned()),
-                            );
-                        }
-                        let s = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+                        let act = |g: usize| _mm256_set1_epi32(q.add(g).read_unaligned());
+                        let s = if $avx2 {
+                            // The 8 maddubs results added in 16 bits, then one madd: exact,
+                            // as a lane's sum is at most 8 * 2 * 15 * 127 = 30,480.
+                            let m = |g: usize| _mm256_maddubs_epi16(wv[g], act(g));
+                            let add = |x, y| _mm256_add_epi16(x, y);
+                            let p = add(add(m(0), m(1)), add(m(2), m(3)));
+                            let p = add(p, add(add(m(4), m(5)), add(m(6), m(7))));
+                            _mm256_madd_epi16(p, _mm256_set1_epi16(1))
+                        } else {
+                            // Two independent chains of multiply-adds.
+                            let mut s0 = _mm256_setzero_si256();
+                            let mut s1 = _mm256_setzero_si256();
+                            for g in (0..8).step_by(2) {
+                                s0 = super::$dot_u4(s0, wv[g], act(g));
+                                s1 = super::$dot_u4(s1, wv[g + 1], act(g + 1));
+                            }
+                            _mm256_add_epi32(s0, s1)
+                        };
+                        let s = _mm256_cvtepi32_ps(s);
                         let d = _mm256_mul_ps(dw, _mm256_set1_ps(*sb.add(i)));
                         *acc = _mm256_fmadd_ps(s, d, *acc);
                         *acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(*ob.add(i)), *acc);
@@ -1263,14 +1270,23 @@ mod x86 {
         _mm256_xor_si256(w, _mm256_set1_epi8(-128))
     }
 
-    x86_kernels!(avx2, "avx2,fma,f16c", dot_u4_avx2, keep_i8, dot_i8_avx2, 0);
+    x86_kernels!(
+        avx2,
+        "avx2,fma,f16c",
+        dot_u4_avx2,
+        keep_i8,
+        dot_i8_avx2,
+        0,
+        true
+    );
     x86_kernels!(
         vnni,
         "avx2,fma,f16c,avx512vnni,avx512vl",
         dot_u4_vnni,
         bias_i8,
         dot_i8_vnni,
-        128
+        128,
+        false
     );
 }
 

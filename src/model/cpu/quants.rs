@@ -321,6 +321,29 @@ impl Spec {
         matches!(self.min, Min::Own | Min::Sub | Min::Packed)
     }
 
+    /// How many AVX2 maddubs results may be added in 16-bit lanes before one madd widens
+    /// them, exactly. One result is, per lane, two codes times two activation bytes: at most
+    /// 2 * 127 * the largest code (activations lie within +-127), so 8 of 4-bit codes fit
+    /// (30,480), 4 of 5-bit, 2 of 6-bit, 1 of the IQ4 tables (signed, through the sign trick).
+    /// At most a half block's 4 registers for the types with sub-scales per 16 values, whose
+    /// halves' sums stay apart; else a block's 8.
+    pub const fn i16_span(&self) -> usize {
+        let max = match self.bits {
+            Bits::Two => 3,
+            Bits::Three => 7,
+            Bits::Four => 15,
+            Bits::Five => 31,
+            Bits::Six => 63,
+            Bits::Lut => 127,
+        };
+        let fit = i16::MAX as usize / (2 * 127 * max);
+        let mut span = if self.halves { 4 } else { 8 };
+        while span > fit {
+            span /= 2;
+        }
+        span
+    }
+
     /// The types whose sums meet one activation scale per super-block and have no minimum
     /// terms (Q3_K, Q6_K, IQ4_XS): on VNNI their codes go in signed (code - centre, or the
     /// IQ4 table's value) against activations biased by 128 (unsigned), so no integer sum of
@@ -1281,6 +1304,64 @@ pub(crate) mod tests {
             }
         }
         y
+    }
+
+    /// The integer sums at their largest: every code at its type's maximum (every byte 0xFF
+    /// but the f16 scales, which are 1) against activations all +127 or all -127, where a
+    /// kernel adding too many products in 16 bits (AVX2's maddubs results, `Spec::i16_span`)
+    /// would wrap by 65,536: every kernel gives the f64 reference's result, Q4_1 included.
+    #[test]
+    fn largest_codes_and_activations_stay_exact() {
+        use crate::model::cpu::matmul::CpuQWeight;
+        // Each type: ggml number, block bytes, values a block, offsets of its f16 fields.
+        let mut cases: Vec<(Option<QType>, u32, usize, usize, &[usize])> =
+            vec![(None, 3, 20, 32, &[0, 2])];
+        for ty in QType::ALL {
+            let spec = ty.spec();
+            let f16s: &[usize] = match ty {
+                QType::Q5_1 | QType::Q4K | QType::Q5K => &[0, 2],
+                QType::Q2K => &[80, 82],
+                QType::Q3K => &[108],
+                QType::Q6K => &[208],
+                _ => &[0],
+            };
+            cases.push((
+                Some(ty),
+                spec.ggml,
+                spec.block_bytes,
+                spec.per_super * QK,
+                f16s,
+            ));
+        }
+        let (t, n, k) = (9, 16, 512);
+        for (ty, ggml, bytes, per, f16s) in cases {
+            let mut blk = vec![0xFFu8; bytes];
+            for &at in f16s {
+                blk[at..at + 2].copy_from_slice(&f16::ONE.to_bits().to_le_bytes());
+            }
+            let raw = blk.repeat(n * k / per);
+            let row: Vec<f32> = match ty {
+                Some(ty) => reference_dequant(ty, &blk),
+                None => vec![16.0; 32], // Q4_1: d * 15 + m
+            }
+            .repeat(k / per);
+            for sign in [1f32, -1.0] {
+                let x = vec![sign; t * k];
+                let want: f64 = row.iter().map(|w| sign as f64 * *w as f64).sum();
+                let l1: f64 = row.iter().map(|w| w.abs() as f64).sum();
+                for kernel in crate::model::cpu::q8::test_kernels() {
+                    let lin = CpuQWeight::from_raw(ggml, &raw, n, k, kernel)
+                        .unwrap()
+                        .expect("a type gen runs");
+                    for (i, g) in lin.matmul(&x, t).into_iter().enumerate() {
+                        assert!(
+                            (g as f64 - want).abs() <= 2e-3 * l1,
+                            "ggml type {ggml} {kernel:?} sign {sign} output {i}: {g} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]
