@@ -333,10 +333,7 @@ impl CpuQWeight {
                 )
             }
             Layout::Quant(tiles) => {
-                let spec = tiles.ty.spec();
-                let centre = quants::centre_of(tiles.ty, self.kernel);
-                let bias = quants::biased(tiles.ty, self.kernel);
-                let act = quants::Acts::quantize(x, k, t, spec.act, self.kernel, centre, bias);
+                let act = quants::Acts::quantize(x, k, t, tiles.ty, self.kernel);
                 let stream = act.chunks <= STREAM_CHUNKS;
                 schedule(
                     t,
@@ -420,6 +417,11 @@ impl CpuQWeight {
                 } else {
                     2
                 },
+            },
+            Kernel::Avx2 if !half => Cut {
+                per_chunk: TOKENS,
+                per_call: 8,
+                span: 1,
             },
             _ => Cut {
                 per_chunk: TOKENS,
@@ -1365,12 +1367,14 @@ mod tests {
                     }
                     whole.push((kernel, parts));
                 }
-                // The biased types (Q3_K, Q6_K, IQ4_XS) take another route on VNNI (signed
-                // codes, biased activations: `Spec::biased`), the same integer sums scaled
-                // in another order: kernels_match_ggml_dequantization holds them to the
-                // scalar kernel's sums within float rounding.
-                let biased = quants::QType::from_ggml(id).is_some_and(|q| q.spec().biased());
-                for (kernel, parts) in whole[1..].iter().filter(|_| !biased) {
+                // The Q8_K types scale the same integer sums in another order on each: VNNI
+                // takes Q3_K, Q6_K and IQ4_XS another route (signed codes, biased
+                // activations: `Spec::biased`), AVX2 applies all their sub-scales in
+                // integers. kernels_match_ggml_dequantization holds them to the scalar
+                // kernel's sums within float rounding.
+                let q8k =
+                    quants::QType::from_ggml(id).is_some_and(|q| q.spec().act == quants::Act::Q8K);
+                for (kernel, parts) in whole[1..].iter().filter(|_| !q8k) {
                     assert_eq!(
                         parts, &whole[0].1,
                         "type {id}: {kernel:?} vs {:?} t={t}",

@@ -322,11 +322,13 @@ impl Spec {
     }
 
     /// How many AVX2 maddubs results may be added in 16-bit lanes before one madd widens
-    /// them, exactly. One result is, per lane, two codes times two activation bytes: at most
-    /// 2 * 127 * the largest code (activations lie within +-127), so 8 of 4-bit codes fit
+    /// them, exactly. One result is, per lane, two codes times two activation bytes (within
+    /// +-127). Without a centre the codes' largest value bounds it: 8 of 4-bit codes fit
     /// (30,480), 4 of 5-bit, 2 of 6-bit, 1 of the IQ4 tables (signed, through the sign trick).
-    /// At most a half block's 4 registers for the types with sub-scales per 16 values, whose
-    /// halves' sums stay apart; else a block's 8.
+    /// With one ([`Spec::i16_centred`]) the 16-bit adds may wrap: what must fit is the final
+    /// sum of (code - centre) times the activations, so 8 of Q5_0's and 4 of Q6_K's. At most a
+    /// half block's 4 registers for the types with sub-scales per 16 values, whose halves'
+    /// sums stay apart; else a block's 8.
     pub const fn i16_span(&self) -> usize {
         let max = match self.bits {
             Bits::Two => 3,
@@ -336,12 +338,37 @@ impl Spec {
             Bits::Six => 63,
             Bits::Lut => 127,
         };
-        let fit = i16::MAX as usize / (2 * 127 * max);
-        let mut span = if self.halves { 4 } else { 8 };
+        let max = if self.i16_centred() {
+            // |code - centre| (the centres are at least half the codes' range).
+            self.centre
+        } else {
+            max
+        };
+        let fit = i16::MAX as usize / (2 * 127 * max as usize);
+        let mut span = self.i16_group();
         while span > fit {
             span /= 2;
         }
         span
+    }
+
+    /// Registers whose sums stay together: a half block's 4 (sub-scales per 16 values) or a
+    /// block's 8.
+    pub const fn i16_group(&self) -> usize {
+        if self.halves {
+            4
+        } else {
+            8
+        }
+    }
+
+    /// Whether the AVX2 kernel takes the centre off in 16-bit lanes, before widening: the
+    /// types with a centre (Q4_0, Q5_0, Q3_K, Q6_K). Their 16-bit lanes then hold centred
+    /// sums, exact mod 2^16 however the adds wrap and exact outright since the centred sum
+    /// fits, so a half block's (or a block's) maddubs results all go into one madd. The
+    /// activations' integer sums come split as the lanes take them ([`Acts::quantize`]).
+    pub const fn i16_centred(&self) -> bool {
+        self.centre != 0 && !matches!(self.bits, Bits::Lut)
     }
 
     /// The types whose sums meet one activation scale per super-block and have no minimum
@@ -799,6 +826,36 @@ pub fn centre_of(ty: QType, kernel: Kernel) -> i32 {
     ty.spec().kernel_centre(is_vnni(kernel))
 }
 
+/// Whether `kernel` takes `ty`'s centre off in 16-bit lanes ([`Spec::i16_centred`], AVX2).
+pub fn packs_centre(ty: QType, kernel: Kernel) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx2 {
+        return ty.spec().i16_centred();
+    }
+    let _ = (ty, kernel);
+    false
+}
+
+/// A block's activation quants summed as an AVX2 maddubs lane pairs them, times `centre`:
+/// per 32-bit lane, the low 16 bits take positions 4j and 4j + 1, the high ones 4j + 2 and
+/// 4j + 3. For each half, then the whole block: `centre * low` in the low 16 bits and
+/// `centre * high` in the high ones (wrapped to 16 bits: the kernel subtracts them with
+/// wrapping 16-bit arithmetic).
+pub fn packed_sums(q: &[u8], centre: i32) -> [i32; 3] {
+    let part = |from: usize, to: usize, high: usize| -> i32 {
+        (from..to)
+            .filter(|p| (p % 4) / 2 == high)
+            .map(|p| q[p] as i8 as i32)
+            .sum()
+    };
+    let pack = |from, to| {
+        let lo = (centre * part(from, to, 0)) as u16 as u32;
+        let hi = (centre * part(from, to, 1)) as u16 as u32;
+        (lo | hi << 16) as i32
+    };
+    [pack(0, 16), pack(16, 32), pack(0, 32)]
+}
+
 /// Whether the kernel takes `ty`'s activations biased by 128 ([`Spec::biased`], on VNNI).
 pub fn biased(ty: QType, kernel: Kernel) -> bool {
     is_vnni(kernel) && ty.spec().biased()
@@ -839,17 +896,15 @@ pub struct ActChunk {
 }
 
 impl Acts {
-    /// T rows of K values, as `act` says; integer sums times `centre`; with `bias`, each quant
-    /// plus 128 (as an unsigned byte: see [`Spec::biased`]).
-    pub fn quantize(
-        x: &[f32],
-        k: usize,
-        t: usize,
-        act: Act,
-        kernel: Kernel,
-        centre: i32,
-        bias: bool,
-    ) -> Self {
+    /// T rows of K values for `kernel`'s product with weights of type `ty`: quantized as the
+    /// type's scheme says; integer sums times the kernel's centre ([`centre_of`]), or on AVX2
+    /// for the [`Spec::i16_centred`] types split as its 16-bit lanes take them ([`packed`]);
+    /// biased by 128 where [`biased`] says so.
+    pub fn quantize(x: &[f32], k: usize, t: usize, ty: QType, kernel: Kernel) -> Self {
+        let act = ty.spec().act;
+        let centre = centre_of(ty, kernel);
+        let bias = biased(ty, kernel);
+        let packed = packs_centre(ty, kernel);
         let nb = k / QK;
         let chunks = t.div_ceil(TOKENS);
         let slots = chunks * nb * TOKENS;
@@ -877,8 +932,13 @@ impl Acts {
                         out.iter_mut().for_each(|v| *v ^= 0x80);
                     }
                     d[at] = scale;
-                    for (o, s) in isum[at * 4..at * 4 + 3].iter_mut().zip(sums) {
-                        *o = centre * s;
+                    let isum = &mut isum[at * 4..at * 4 + 3];
+                    if packed {
+                        isum.copy_from_slice(&packed_sums(q, centre));
+                    } else {
+                        for (o, s) in isum.iter_mut().zip(sums) {
+                            *o = centre * s;
+                        }
                     }
                     asum[at * 4..at * 4 + 3].copy_from_slice(&f);
                 });
@@ -1306,58 +1366,70 @@ pub(crate) mod tests {
         y
     }
 
-    /// The integer sums at their largest: every code at its type's maximum (every byte 0xFF
-    /// but the f16 scales, which are 1) against activations all +127 or all -127, where a
-    /// kernel adding too many products in 16 bits (AVX2's maddubs results, `Spec::i16_span`)
-    /// would wrap by 65,536: every kernel gives the f64 reference's result, Q4_1 included.
+    /// The integer sums at their largest: every code at its type's maximum, then at its
+    /// minimum (code bytes 0xFF, then 0x00; sub-scale bytes 0xFF, f16 scales 1) against
+    /// activations all +127 or all -127, where a kernel adding too many products in 16 bits
+    /// (AVX2's maddubs results, `Spec::i16_span`) would wrap by 65,536, and a centred sum
+    /// (`Spec::i16_centred`) is farthest from zero: every kernel gives the f64 reference's
+    /// result, Q4_1 included.
     #[test]
-    fn largest_codes_and_activations_stay_exact() {
+    fn extreme_codes_and_activations_stay_exact() {
         use crate::model::cpu::matmul::CpuQWeight;
-        // Each type: ggml number, block bytes, values a block, offsets of its f16 fields.
-        let mut cases: Vec<(Option<QType>, u32, usize, usize, &[usize])> =
-            vec![(None, 3, 20, 32, &[0, 2])];
+        // Each type: ggml number, block bytes, values a block, offsets of its f16 fields, its
+        // sub-scale bytes.
+        type Case = (
+            Option<QType>,
+            u32,
+            usize,
+            usize,
+            &'static [usize],
+            Range<usize>,
+        );
+        use std::ops::Range;
+        let mut cases: Vec<Case> = vec![(None, 3, 20, 32, &[0, 2], 0..0)];
         for ty in QType::ALL {
             let spec = ty.spec();
-            let f16s: &[usize] = match ty {
-                QType::Q5_1 | QType::Q4K | QType::Q5K => &[0, 2],
-                QType::Q2K => &[80, 82],
-                QType::Q3K => &[108],
-                QType::Q6K => &[208],
-                _ => &[0],
+            let (f16s, scales): (&[usize], _) = match ty {
+                QType::Q5_1 => (&[0, 2], 0..0),
+                QType::Q4K | QType::Q5K => (&[0, 2], 4..16),
+                QType::Q2K => (&[80, 82], 0..16),
+                QType::Q3K => (&[108], 96..108),
+                QType::Q6K => (&[208], 192..208),
+                QType::Iq4Xs => (&[0], 2..8),
+                _ => (&[0], 0..0),
             };
-            cases.push((
-                Some(ty),
-                spec.ggml,
-                spec.block_bytes,
-                spec.per_super * QK,
-                f16s,
-            ));
+            let c = (Some(ty), spec.ggml, spec.block_bytes, spec.per_super * QK);
+            cases.push((c.0, c.1, c.2, c.3, f16s, scales));
         }
         let (t, n, k) = (9, 16, 512);
-        for (ty, ggml, bytes, per, f16s) in cases {
-            let mut blk = vec![0xFFu8; bytes];
-            for &at in f16s {
-                blk[at..at + 2].copy_from_slice(&f16::ONE.to_bits().to_le_bytes());
-            }
-            let raw = blk.repeat(n * k / per);
-            let row: Vec<f32> = match ty {
-                Some(ty) => reference_dequant(ty, &blk),
-                None => vec![16.0; 32], // Q4_1: d * 15 + m
-            }
-            .repeat(k / per);
-            for sign in [1f32, -1.0] {
-                let x = vec![sign; t * k];
-                let want: f64 = row.iter().map(|w| sign as f64 * *w as f64).sum();
-                let l1: f64 = row.iter().map(|w| w.abs() as f64).sum();
-                for kernel in crate::model::cpu::q8::test_kernels() {
-                    let lin = CpuQWeight::from_raw(ggml, &raw, n, k, kernel)
-                        .unwrap()
-                        .expect("a type gen runs");
-                    for (i, g) in lin.matmul(&x, t).into_iter().enumerate() {
-                        assert!(
-                            (g as f64 - want).abs() <= 2e-3 * l1,
-                            "ggml type {ggml} {kernel:?} sign {sign} output {i}: {g} vs {want}"
-                        );
+        for (ty, ggml, bytes, per, f16s, scales) in cases {
+            for fill in [0xFFu8, 0x00] {
+                let mut blk = vec![fill; bytes];
+                blk[scales.clone()].fill(0xFF);
+                for &at in f16s {
+                    blk[at..at + 2].copy_from_slice(&f16::ONE.to_bits().to_le_bytes());
+                }
+                let raw = blk.repeat(n * k / per);
+                let row: Vec<f32> = match ty {
+                    Some(ty) => reference_dequant(ty, &blk),
+                    // Q4_1: d * code + m.
+                    None => vec![if fill == 0 { 1.0 } else { 16.0 }; 32],
+                }
+                .repeat(k / per);
+                for sign in [1f32, -1.0] {
+                    let x = vec![sign; t * k];
+                    let want: f64 = row.iter().map(|w| sign as f64 * *w as f64).sum();
+                    let l1: f64 = row.iter().map(|w| w.abs() as f64).sum();
+                    for kernel in crate::model::cpu::q8::test_kernels() {
+                        let lin = CpuQWeight::from_raw(ggml, &raw, n, k, kernel)
+                            .unwrap()
+                            .expect("a type gen runs");
+                        for (i, g) in lin.matmul(&x, t).into_iter().enumerate() {
+                            assert!(
+                                (g as f64 - want).abs() <= 2e-3 * l1,
+                                "ggml type {ggml} {kernel:?} codes {fill:#x} sign {sign} output {i}: {g} vs {want}"
+                            );
+                        }
                     }
                 }
             }
@@ -1504,12 +1576,13 @@ pub(crate) mod tests {
                     outs.push(got);
                 }
                 // The SIMD kernels against the scalar one: the same integer sums, scaled in
-                // another order (or, for the biased types on VNNI, with the bias's sums taken
-                // off per super-block: terms up to 128 / |quant| times bigger).
+                // another order (for the biased types on VNNI with the bias's sums taken off
+                // per super-block: terms up to 128 / |quant| times bigger; for the Q8_K types
+                // on AVX2 sub-scaled in integers, one rounding a super-block).
                 for o in &outs[1..] {
                     for ((a, b), l1) in o.iter().zip(&outs[0]).zip(&l1s) {
                         // (Measured: at most 5e-8 of the magnitudes.)
-                        let tol = if spec.biased() { 1e-6 * l1 } else { 0.0 };
+                        let tol = if spec.act == Act::Q8K { 1e-6 * l1 } else { 0.0 };
                         assert!(
                             (a - b).abs() <= 1e-5 * (1.0 + b.abs()) + tol,
                             "{ty:?}: SIMD {a} vs scalar {b} (products' magnitudes {l1})"

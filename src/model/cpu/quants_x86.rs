@@ -203,7 +203,15 @@ macro_rules! quant_kernels {
                 // go in biased by 128, and the `biased` types signed against activations
                 // biased by 128 (the table as it is; `corr` comes off once per super-block).
                 let biased = $vnni && spec.biased();
-                let centre = spec.kernel_centre($vnni);
+                // AVX2 takes the centred types' centre off in 16 bits (`Spec::i16_centred`).
+                let centred = !$vnni && spec.i16_centred();
+                // AVX2 applies the Q8_K types' integer sub-scales in its madds.
+                let int_fold = !$vnni && spec.act == Act::Q8K;
+                let centre = if centred {
+                    0
+                } else {
+                    spec.kernel_centre($vnni)
+                };
                 let mut table = [0i8; 32];
                 for (i, t) in table.iter_mut().enumerate() {
                     *t = IQ4_VALUES[i % 16] ^ if biased { 0 } else { $lut_xor };
@@ -265,6 +273,23 @@ macro_rules! quant_kernels {
                     };
                     let (scale0, min0) = sub(0);
                     let (scale1, min1) = if spec.halves { sub(1) } else { (scale0, min0) };
+                    // AVX2's madds multiply by the integer sub-scales for the Q8_K types (each
+                    // row's, in both 16-bit halves of its lane), by one for the others.
+                    let ones = _mm256_set1_epi16(1);
+                    let sc16 = |h: usize| {
+                        let at = base.add(spec.plane_bytes() + h * 8) as *const __m128i;
+                        let mut raw = _mm_loadl_epi64(at);
+                        if spec.min == Min::Packed {
+                            raw = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+                        }
+                        _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(raw, raw))
+                    };
+                    let (mul0, mul1) = if int_fold {
+                        let m0 = sc16(0);
+                        (m0, if spec.halves { sc16(1) } else { m0 })
+                    } else {
+                        (ones, ones)
+                    };
                     let qb = a.qs.add(b * 256);
                     for (i, (acc, facc)) in acc.iter_mut().zip(facc.iter_mut()).enumerate() {
                         let slot = b * TOKENS + i;
@@ -272,20 +297,36 @@ macro_rules! quant_kernels {
                         let act = |g: usize| _mm256_set1_epi32(q.add(g).read_unaligned());
                         let mut s0 = _mm256_setzero_si256();
                         let mut s1 = _mm256_setzero_si256();
-                        if !$vnni && !lut {
+                        if !$vnni && (!lut || int_fold) {
                             // AVX2: the maddubs results of `span` registers added in 16 bits,
                             // then one madd (`Spec::i16_span`): the same sums, fewer
-                            // multiplies. A span of 8 leaves s1 zero.
+                            // multiplies. A span of 8 leaves s1 zero. The centred types take
+                            // their centre off first, in 16 bits, per half or block.
                             let span = spec.i16_span();
-                            let ones = _mm256_set1_epi16(1);
+                            debug_assert!(!centred || span == spec.i16_group());
+                            debug_assert!(!int_fold || span == spec.i16_group() || lut);
+                            let isum = a.isum.add((b * TOKENS + i) * 4);
+                            // IQ4_XS's signed table values through the sign trick.
+                            let m = |g: usize| {
+                                if lut {
+                                    let w = wv[g];
+                                    let a = _mm256_sign_epi8(act(g), w);
+                                    _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), a)
+                                } else {
+                                    _mm256_maddubs_epi16(wv[g], act(g))
+                                }
+                            };
                             let mut g = 0;
                             while g < 8 {
-                                let mut p = _mm256_maddubs_epi16(wv[g], act(g));
+                                let mut p = m(g);
                                 for j in 1..span {
-                                    let m = _mm256_maddubs_epi16(wv[g + j], act(g + j));
-                                    p = _mm256_add_epi16(p, m);
+                                    p = _mm256_add_epi16(p, m(g + j));
                                 }
-                                let s = _mm256_madd_epi16(p, ones);
+                                if centred {
+                                    let at = if span == 8 { 2 } else { g / 4 };
+                                    p = _mm256_sub_epi16(p, _mm256_set1_epi32(*isum.add(at)));
+                                }
+                                let s = _mm256_madd_epi16(p, if g < 4 { mul0 } else { mul1 });
                                 if g < 4 {
                                     s0 = _mm256_add_epi32(s0, s);
                                 } else {
@@ -308,6 +349,26 @@ macro_rules! quant_kernels {
                             }
                         }
                         let da = _mm256_set1_ps(*a.d.add(slot));
+                        if int_fold {
+                            // The sub-scaled sums gather in integers over the super-block
+                            // (in facc's bits), meeting d and the activation scale once.
+                            let isb = _mm256_castps_si256(*facc);
+                            let isb = _mm256_add_epi32(isb, _mm256_add_epi32(s0, s1));
+                            *facc = _mm256_castsi256_ps(isb);
+                            let asum = a.asum.add(slot * 4);
+                            if spec.min != Min::None && spec.halves {
+                                *acc = _mm256_fmadd_ps(min0, _mm256_set1_ps(*asum), *acc);
+                                *acc = _mm256_fmadd_ps(min1, _mm256_set1_ps(*asum.add(1)), *acc);
+                            } else if spec.min != Min::None {
+                                *acc = _mm256_fmadd_ps(min0, _mm256_set1_ps(*asum.add(2)), *acc);
+                            }
+                            if b % spec.per_super == spec.per_super - 1 {
+                                let f = _mm256_cvtepi32_ps(isb);
+                                *acc = _mm256_fmadd_ps(f, _mm256_mul_ps(dv, da), *acc);
+                                *facc = _mm256_setzero_ps();
+                            }
+                            continue;
+                        }
                         fold_sums!(
                             [
                                 _mm256_sub_epi32,
