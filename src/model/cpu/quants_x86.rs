@@ -273,23 +273,7 @@ macro_rules! quant_kernels {
                     };
                     let (scale0, min0) = sub(0);
                     let (scale1, min1) = if spec.halves { sub(1) } else { (scale0, min0) };
-                    // AVX2's madds multiply by the integer sub-scales for the Q8_K types (each
-                    // row's, in both 16-bit halves of its lane), by one for the others.
-                    let ones = _mm256_set1_epi16(1);
-                    let sc16 = |h: usize| {
-                        let at = base.add(spec.plane_bytes() + h * 8) as *const __m128i;
-                        let mut raw = _mm_loadl_epi64(at);
-                        if spec.min == Min::Packed {
-                            raw = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
-                        }
-                        _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(raw, raw))
-                    };
-                    let (mul0, mul1) = if int_fold {
-                        let m0 = sc16(0);
-                        (m0, if spec.halves { sc16(1) } else { m0 })
-                    } else {
-                        (ones, ones)
-                    };
+                    let (mul0, mul1) = madd_factors::<TY>(base, int_fold);
                     let qb = a.qs.add(b * 256);
                     for (i, (acc, facc)) in acc.iter_mut().zip(facc.iter_mut()).enumerate() {
                         let slot = b * TOKENS + i;
@@ -298,42 +282,9 @@ macro_rules! quant_kernels {
                         let mut s0 = _mm256_setzero_si256();
                         let mut s1 = _mm256_setzero_si256();
                         if !$vnni && (!lut || int_fold) {
-                            // AVX2: the maddubs results of `span` registers added in 16 bits,
-                            // then one madd (`Spec::i16_span`): the same sums, fewer
-                            // multiplies. A span of 8 leaves s1 zero. The centred types take
-                            // their centre off first, in 16 bits, per half or block.
-                            let span = spec.i16_span();
-                            debug_assert!(!centred || span == spec.i16_group());
-                            debug_assert!(!int_fold || span == spec.i16_group() || lut);
+                            // AVX2: sums in 16 bits, one madd a half or block (`sums16`).
                             let isum = a.isum.add((b * TOKENS + i) * 4);
-                            // IQ4_XS's signed table values through the sign trick.
-                            let m = |g: usize| {
-                                if lut {
-                                    let w = wv[g];
-                                    let a = _mm256_sign_epi8(act(g), w);
-                                    _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), a)
-                                } else {
-                                    _mm256_maddubs_epi16(wv[g], act(g))
-                                }
-                            };
-                            let mut g = 0;
-                            while g < 8 {
-                                let mut p = m(g);
-                                for j in 1..span {
-                                    p = _mm256_add_epi16(p, m(g + j));
-                                }
-                                if centred {
-                                    let at = if span == 8 { 2 } else { g / 4 };
-                                    p = _mm256_sub_epi16(p, _mm256_set1_epi32(*isum.add(at)));
-                                }
-                                let s = _mm256_madd_epi16(p, if g < 4 { mul0 } else { mul1 });
-                                if g < 4 {
-                                    s0 = _mm256_add_epi32(s0, s);
-                                } else {
-                                    s1 = _mm256_add_epi32(s1, s);
-                                }
-                                g += span;
-                            }
+                            (s0, s1) = sums16::<TY>(&wv, q, isum, (mul0, mul1), centred);
                         } else {
                             for g in 0..4 {
                                 if biased {
@@ -350,23 +301,9 @@ macro_rules! quant_kernels {
                         }
                         let da = _mm256_set1_ps(*a.d.add(slot));
                         if int_fold {
-                            // The sub-scaled sums gather in integers over the super-block
-                            // (in facc's bits), meeting d and the activation scale once.
-                            let isb = _mm256_castps_si256(*facc);
-                            let isb = _mm256_add_epi32(isb, _mm256_add_epi32(s0, s1));
-                            *facc = _mm256_castsi256_ps(isb);
-                            let asum = a.asum.add(slot * 4);
-                            if spec.min != Min::None && spec.halves {
-                                *acc = _mm256_fmadd_ps(min0, _mm256_set1_ps(*asum), *acc);
-                                *acc = _mm256_fmadd_ps(min1, _mm256_set1_ps(*asum.add(1)), *acc);
-                            } else if spec.min != Min::None {
-                                *acc = _mm256_fmadd_ps(min0, _mm256_set1_ps(*asum.add(2)), *acc);
-                            }
-                            if b % spec.per_super == spec.per_super - 1 {
-                                let f = _mm256_cvtepi32_ps(isb);
-                                *acc = _mm256_fmadd_ps(f, _mm256_mul_ps(dv, da), *acc);
-                                *facc = _mm256_setzero_ps();
-                            }
+                            let last = b % spec.per_super == spec.per_super - 1;
+                            let (mins, asum) = ((min0, min1), a.asum.add(slot * 4));
+                            gather::<TY>(acc, facc, (s0, s1), mins, asum, last, (dv, da));
                             continue;
                         }
                         fold_sums!(
@@ -402,6 +339,111 @@ macro_rules! quant_kernels {
                     }
                 }
                 store(&acc, out, stride, real);
+            }
+
+            /// AVX2's multipliers for a block's madds (halves 0 and 1): the Q8_K types'
+            /// integer sub-scales when `int_fold` (each row's, in both 16-bit halves of its
+            /// lane), else ones.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn madd_factors<const TY: u8>(
+                base: *const u8,
+                int_fold: bool,
+            ) -> (__m256i, __m256i) {
+                let spec = spec_of(TY);
+                if !int_fold {
+                    return (_mm256_set1_epi16(1), _mm256_set1_epi16(1));
+                }
+                let sc16 = |h: usize| {
+                    let at = base.add(spec.plane_bytes() + h * 8) as *const __m128i;
+                    let mut raw = _mm_loadl_epi64(at);
+                    if spec.min == Min::Packed {
+                        raw = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+                    }
+                    _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(raw, raw))
+                };
+                let m0 = sc16(0);
+                (m0, if spec.halves { sc16(1) } else { m0 })
+            }
+
+            /// One token's block sums (halves 0 and 1) on AVX2: the maddubs results of
+            /// `Spec::i16_span` registers added in 16 bits, then one madd by `mul` (the same
+            /// sums as a madd each, fewer multiplies; a span of 8 leaves the second zero). The
+            /// centred types take their centre off first, in 16 bits, per half or block
+            /// (`isum`: the packed sums of `quants::packed_sums`); IQ4_XS's signed table values
+            /// go through the sign trick.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn sums16<const TY: u8>(
+                wv: &[__m256i; 8],
+                q: *const i32,
+                isum: *const i32,
+                (mul0, mul1): (__m256i, __m256i),
+                centred: bool,
+            ) -> (__m256i, __m256i) {
+                let spec = spec_of(TY);
+                let span = spec.i16_span();
+                debug_assert!(!centred || span == spec.i16_group());
+                let act = |g: usize| _mm256_set1_epi32(q.add(g).read_unaligned());
+                let m = |g: usize| {
+                    if spec.bits == Bits::Lut {
+                        let w = wv[g];
+                        _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(act(g), w))
+                    } else {
+                        _mm256_maddubs_epi16(wv[g], act(g))
+                    }
+                };
+                let (mut s0, mut s1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                let mut g = 0;
+                while g < 8 {
+                    let mut p = m(g);
+                    for j in 1..span {
+                        p = _mm256_add_epi16(p, m(g + j));
+                    }
+                    if centred {
+                        let at = if span == 8 { 2 } else { g / 4 };
+                        p = _mm256_sub_epi16(p, _mm256_set1_epi32(*isum.add(at)));
+                    }
+                    let s = _mm256_madd_epi16(p, if g < 4 { mul0 } else { mul1 });
+                    if g < 4 {
+                        s0 = _mm256_add_epi32(s0, s);
+                    } else {
+                        s1 = _mm256_add_epi32(s1, s);
+                    }
+                    g += span;
+                }
+                (s0, s1)
+            }
+
+            /// AVX2, Q8_K types: a token's sub-scaled block sums gather in integers over the
+            /// super-block (in `facc`'s bits), meeting d and the activation scale once (at the
+            /// `last` block); the minimum terms go into `acc` per block, as `fold_sums` has them.
+            #[inline]
+            #[allow(clippy::too_many_arguments)]
+            #[target_feature(enable = $features)]
+            unsafe fn gather<const TY: u8>(
+                acc: &mut __m256,
+                facc: &mut __m256,
+                (s0, s1): (__m256i, __m256i),
+                (min0, min1): (__m256, __m256),
+                asum: *const f32,
+                last: bool,
+                (dv, da): (__m256, __m256),
+            ) {
+                let spec = spec_of(TY);
+                let isb = _mm256_add_epi32(_mm256_castps_si256(*facc), _mm256_add_epi32(s0, s1));
+                *facc = _mm256_castsi256_ps(isb);
+                if spec.min != Min::None && spec.halves {
+                    *acc = _mm256_fmadd_ps(min0, _mm256_set1_ps(*asum), *acc);
+                    *acc = _mm256_fmadd_ps(min1, _mm256_set1_ps(*asum.add(1)), *acc);
+                } else if spec.min != Min::None {
+                    *acc = _mm256_fmadd_ps(min0, _mm256_set1_ps(*asum.add(2)), *acc);
+                }
+                if last {
+                    let f = _mm256_cvtepi32_ps(isb);
+                    *acc = _mm256_fmadd_ps(f, _mm256_mul_ps(dv, da), *acc);
+                    *facc = _mm256_setzero_ps();
+                }
             }
 
             /// The 8 registers of block codes at `base` (see `unpack_codes`).
