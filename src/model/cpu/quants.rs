@@ -878,7 +878,8 @@ pub struct Acts {
     pub qs: Vec<u8>,
     pub d: Vec<f32>,
     /// 4 per slot: the sums of the halves and of the whole block, times the kernel's centre
-    /// (what its integer dot products must lose: see [`centre_of`]); unused.
+    /// (what its integer dot products must lose: see [`centre_of`]), or on AVX2 for the
+    /// [`Spec::i16_centred`] types the same split by lane halves ([`packed_sums`]); unused.
     pub isum: Vec<i32>,
     pub asum: Vec<f32>,
     pub nb: usize,
@@ -898,7 +899,7 @@ pub struct ActChunk {
 impl Acts {
     /// T rows of K values for `kernel`'s product with weights of type `ty`: quantized as the
     /// type's scheme says; integer sums times the kernel's centre ([`centre_of`]), or on AVX2
-    /// for the [`Spec::i16_centred`] types split as its 16-bit lanes take them ([`packed`]);
+    /// for the [`Spec::i16_centred`] types split as its 16-bit lanes take them ([`packed_sums`]);
     /// biased by 128 where [`biased`] says so.
     pub fn quantize(x: &[f32], k: usize, t: usize, ty: QType, kernel: Kernel) -> Self {
         let act = ty.spec().act;

@@ -33,10 +33,6 @@ macro_rules! fold_sums {
                 let f = $fma($cvt($s1), $scale1, f);
                 $acc = $fma(f, $da, $acc);
             }
-            if $spec.min != Min::None {
-                $acc = $fma($min0, $set1f(*asum), $acc);
-                $acc = $fma($min1, $set1f(*asum.add(1)), $acc);
-            }
         } else {
             let mut s = $add($s0, $s1);
             if $centre != 0 {
@@ -48,13 +44,29 @@ macro_rules! fold_sums {
                 let d = $mul($scale0, $da);
                 $acc = $fma($cvt(s), d, $acc);
             }
-            if $spec.min != Min::None {
-                $acc = $fma($min0, $set1f(*asum.add(2)), $acc);
+        }
+        $crate::model::cpu::quants_x86::min_terms!([$fma, $set1f], $spec, $acc, $min0, $min1, asum);
+    }};
+}
+pub(crate) use fold_sums;
+
+/// One token's minimum terms of a block into `$acc`: each half's (or the block's) minimum
+/// times the activations' scaled sum there (`$asum`: the slot's sums, halves then whole).
+/// Shared by `fold_sums` and AVX2's integer route (`gather`); the intrinsics come first
+/// ([fmadd, set1 (f32)]).
+macro_rules! min_terms {
+    ([$fma:path, $set1f:path], $spec:expr, $acc:expr, $min0:expr, $min1:expr, $asum:expr) => {{
+        if $spec.min != Min::None {
+            if $spec.halves {
+                $acc = $fma($min0, $set1f(*$asum), $acc);
+                $acc = $fma($min1, $set1f(*$asum.add(1)), $acc);
+            } else {
+                $acc = $fma($min0, $set1f(*$asum.add(2)), $acc);
             }
         }
     }};
 }
-pub(crate) use fold_sums;
+pub(crate) use min_terms;
 
 /// The 8 registers of one block's codes: register c holds codes 4c..4c+4 of each row (IQ4:
 /// their table values). `$load(offset)` reads the block's bytes at offset (one tile's 32, or
@@ -417,7 +429,7 @@ macro_rules! quant_kernels {
 
             /// AVX2, Q8_K types: a token's sub-scaled block sums gather in integers over the
             /// super-block (in `facc`'s bits), meeting d and the activation scale once (at the
-            /// `last` block); the minimum terms go into `acc` per block, as `fold_sums` has them.
+            /// `last` block); the minimum terms go into `acc` per block (`min_terms`).
             #[inline]
             #[allow(clippy::too_many_arguments)]
             #[target_feature(enable = $features)]
@@ -433,12 +445,14 @@ macro_rules! quant_kernels {
                 let spec = spec_of(TY);
                 let isb = _mm256_add_epi32(_mm256_castps_si256(*facc), _mm256_add_epi32(s0, s1));
                 *facc = _mm256_castsi256_ps(isb);
-                if spec.min != Min::None && spec.halves {
-                    *acc = _mm256_fmadd_ps(min0, _mm256_set1_ps(*asum), *acc);
-                    *acc = _mm256_fmadd_ps(min1, _mm256_set1_ps(*asum.add(1)), *acc);
-                } else if spec.min != Min::None {
-                    *acc = _mm256_fmadd_ps(min0, _mm256_set1_ps(*asum.add(2)), *acc);
-                }
+                super::min_terms!(
+                    [_mm256_fmadd_ps, _mm256_set1_ps],
+                    spec,
+                    *acc,
+                    min0,
+                    min1,
+                    asum
+                );
                 if last {
                     let f = _mm256_cvtepi32_ps(isb);
                     *acc = _mm256_fmadd_ps(f, _mm256_mul_ps(dv, da), *acc);
