@@ -397,8 +397,10 @@ impl CpuQWeight {
     /// kernels (`zmm`, `quants_zmm`, `wide16::zmm`), which come with the VNNI kernel choice,
     /// four for F16/BF16 there (`wide16::zmm::tile4`). Tokens a call: each unpacked weight
     /// block serves this many; VNNI comes with AVX-512VL's 32 vector registers, room for 8
-    /// accumulators beside the 8 unpacked weight registers (AVX2 has 16: 4), or for 6 tokens'
-    /// 4 sums in the F16/BF16 kernel (then 6 tokens a chunk, so that every call has 6).
+    /// accumulators beside the 8 unpacked weight registers, or for 6 tokens' 4 sums in the
+    /// F16/BF16 kernel (then 6 tokens a chunk, so that every call has 6). AVX2 has 16: 8
+    /// tokens a call still beat 4 with their spills (Q8_K types 5-10% at 512 tokens), and 6
+    /// tokens' even and odd sums fit beside F16/BF16's two widened columns (+8%).
     fn cut(&self) -> Cut {
         let half = matches!(self.layout, Layout::Half(_));
         match self.kernel {
@@ -418,7 +420,12 @@ impl CpuQWeight {
                     2
                 },
             },
-            Kernel::Avx2 if !half => Cut {
+            Kernel::Avx2 if half => Cut {
+                per_chunk: 6,
+                per_call: 6,
+                span: 1,
+            },
+            Kernel::Avx2 => Cut {
                 per_chunk: TOKENS,
                 per_call: 8,
                 span: 1,
