@@ -1,6 +1,7 @@
 """Record llama.cpp's greedy continuations of a few prompts as JSON lines, for tests/e2e*.rs.
 
-Usage: python record-llama-cpp-greedy.py MODEL.gguf OUT.jsonl
+Usage: python record-llama-cpp-greedy.py MODEL.gguf OUT.jsonl [PROMPTS.jsonl]
+(PROMPTS.jsonl: take the prompts of an earlier recording, in its order, instead of the list below)
 (with llama-cpp-python installed; the committed assets were made with 0.3.36 = llama.cpp 0c1e57098).
 
 Per prompt: the prompt's ids (BOS only if the model adds one; special tokens parsed), then 24
@@ -25,6 +26,9 @@ PROMPTS = [
 N = 24
 
 model, out = sys.argv[1], sys.argv[2]
+if len(sys.argv) > 3:
+    with open(sys.argv[3]) as f:
+        PROMPTS = [json.loads(line)["prompt"] for line in f if line.strip()]
 llm = llama_cpp.Llama(model_path=model, n_ctx=2048, n_batch=2048, n_threads=2, verbose=False)
 with open(out, "w") as f:
     for prompt in PROMPTS:

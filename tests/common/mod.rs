@@ -1,5 +1,6 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
+pub mod agreement;
 pub mod counting;
 
 use std::path::PathBuf;
