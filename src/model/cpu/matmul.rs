@@ -364,6 +364,11 @@ impl CpuQWeight {
             Layout::Half(tiles) => {
                 let stream = t.div_ceil(TOKENS) <= STREAM_CHUNKS;
                 let xs = SharedIn(x.as_ptr());
+                let product = if self.kernel == Kernel::Avx2 && t >= WIDEN_TOKENS {
+                    PRODUCTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                } else {
+                    0
+                };
                 schedule(
                     t,
                     k,
@@ -385,6 +390,7 @@ impl CpuQWeight {
                                 stride,
                                 real,
                                 stream,
+                                product,
                             )
                         }
                     },
@@ -400,7 +406,8 @@ impl CpuQWeight {
     /// accumulators beside the 8 unpacked weight registers, or for 6 tokens' 4 sums in the
     /// F16/BF16 kernel (then 6 tokens a chunk, so that every call has 6). AVX2 has 16: 8
     /// tokens a call still beat 4 with their spills (Q8_K types 5-10% at 512 tokens), and 6
-    /// tokens' even and odd sums fit beside F16/BF16's two widened columns (+8%).
+    /// tokens' even and odd sums fit beside F16/BF16's two widened columns (+8%). Tokens a
+    /// block: see `schedule`.
     fn cut(&self) -> Cut {
         let half = matches!(self.layout, Layout::Half(_));
         match self.kernel {
@@ -409,6 +416,7 @@ impl CpuQWeight {
                 per_chunk: 6,
                 per_call: 6,
                 span: 4,
+                block_kib: 48,
             },
             #[cfg(target_arch = "x86_64")]
             Kernel::Vnni => Cut {
@@ -419,21 +427,25 @@ impl CpuQWeight {
                 } else {
                     2
                 },
+                block_kib: 48,
             },
             Kernel::Avx2 if half => Cut {
                 per_chunk: 6,
                 per_call: 6,
                 span: 1,
+                block_kib: 192,
             },
             Kernel::Avx2 => Cut {
                 per_chunk: TOKENS,
                 per_call: 8,
                 span: 1,
+                block_kib: 48,
             },
             _ => Cut {
                 per_chunk: TOKENS,
                 per_call: 4,
                 span: 1,
+                block_kib: 48,
             },
         }
     }
@@ -507,6 +519,8 @@ struct Cut {
     per_call: usize,
     /// Most row groups a call: 1, 2 (the 512-bit kernels) or 4 (the 512-bit F16/BF16 one).
     span: usize,
+    /// Tokens a block (see `schedule`), as KiB of one-byte activations: k * tokens / 1024.
+    block_kib: usize,
 }
 
 /// Runs a tiled product: row groups split among the threads, each group through the tokens
@@ -528,6 +542,7 @@ fn schedule(
         per_chunk,
         per_call,
         span,
+        block_kib,
     } = cut;
     let chunks = t.div_ceil(per_chunk);
     // Written by the kernels before it is read: not zeroed first (that memset was 2-3% of a
@@ -547,12 +562,14 @@ fn schedule(
         .step_by(chunk)
         .map(|g| (g, (g + chunk).min(groups)))
         .collect();
-    // Many tokens (a prefill): the tokens go in blocks of about 48 KiB of quantized
-    // activations, each block through all of a task's row groups while it and the block's
-    // outputs sit in L2; otherwise a wide input (the down projection's, 1,536 values a token)
-    // streamed from L3 once per row group. (192 KiB measured 3-4% slower on a batch's
-    // prefill, 24 KiB the same as 48.)
-    let per_block = (48 * 1024 / (k * per_chunk)).max(1);
+    // Many tokens (a prefill): the tokens go in blocks of about `block_kib` KiB of quantized
+    // activations (48), each block through all of a task's row groups while it and the
+    // block's outputs sit in L2; otherwise a wide input (the down projection's, 1,536 values
+    // a token) streamed from L3 once per row group. (192 KiB measured 3-4% slower on a
+    // batch's prefill, 24 KiB the same as 48.) The AVX2 F16/BF16 kernel widens each group to
+    // f32 once per block and thread (`WIDENED`): there 192 (f32 activations, so 768 KiB of
+    // them) beat 48 by 4-6% on a 1,000-token prefill, 96 to 384 all alike.
+    let per_block = (block_kib * 1024 / (k * per_chunk)).max(1);
     group_ranges.into_par_iter().for_each(|(g0, g1)| {
         for c_start in (0..chunks).step_by(per_block) {
             let mut g = g0;
@@ -604,7 +621,26 @@ impl SharedIn {
     }
 }
 
-/// One call of an F16/BF16 kernel ([`super::wide16`]).
+/// Tokens from which the AVX2 F16/BF16 kernel reads its row groups widened to f32 once per
+/// thread and run of calls on the group (`WIDENED`), instead of widening every column in every
+/// call: on a CPU with one conversion every 2 cycles (Zen 1's cvtph2ps) the widening took a
+/// fifth of a prefill call's time (one thread, 512 tokens: 11.3 GMAC/s with it, 14.4 with
+/// weights already f32). The widening is exact and the products and their order are the same,
+/// so the bits are too.
+const WIDEN_TOKENS: usize = 24;
+
+/// Ids of the products that widen, so a thread's widened group is never taken for another
+/// product's (0: none).
+static PRODUCTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+thread_local! {
+    /// The last row group this thread widened: (product, group, its k * 8 values).
+    static WIDENED: std::cell::RefCell<(u64, usize, Vec<f32>)> =
+        const { std::cell::RefCell::new((0, 0, Vec::new())) };
+}
+
+/// One call of an F16/BF16 kernel ([`super::wide16`]); with `product` (not 0) the group is
+/// widened to f32 once per run of calls on this thread (see `WIDEN_TOKENS`).
 ///
 /// # Safety
 /// x holds n rows of k values; w is a group's k * 8 values; out is valid for the writes.
@@ -621,8 +657,25 @@ unsafe fn half_dot(
     stride: usize,
     real: usize,
     stream: bool,
+    product: u64,
 ) {
     let (ty, w) = (tiles.ty, tiles.tile(g));
+    #[cfg(target_arch = "x86_64")]
+    if product != 0 && kernel == Kernel::Avx2 {
+        debug_assert_eq!(groups, 1);
+        return WIDENED.with(|cell| {
+            let (id, group, wide) = &mut *cell.borrow_mut();
+            if (*id, *group) != (product, g) {
+                wide.resize(w.len(), 0.0);
+                match ty {
+                    Half::F16 => half_kernels::avx2::widen_group::<false>(w, wide),
+                    Half::Bf16 => half_kernels::avx2::widen_group::<true>(w, wide),
+                }
+                (*id, *group) = (product, g);
+            }
+            with_tokens!(n, N => half_kernels::avx2::tile_f32::<N>(wide, x, k, out, stride, real))
+        });
+    }
     macro_rules! by_n {
         ($m:ident, $bf:literal) => {
             with_tokens!(n, N => half_kernels::$m::tile::<$bf, N>(w, x, k, out, stride, real, stream))

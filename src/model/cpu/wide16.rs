@@ -6,8 +6,9 @@
 //! Layout: rows in groups of 8; within a group, column by column, the 8 rows' values side by
 //! side (16 bytes), so one load and one widening give a column of 8 rows in the 8 lanes of a
 //! register, and a multiply-add with one activation broadcast to every lane adds that column's
-//! products to 8 rows' sums: no horizontal sums. Up to 8 tokens (4 on AVX2) share each widened
-//! column.
+//! products to 8 rows' sums: no horizontal sums. Up to 6 tokens share each widened column. For
+//! a prefill on AVX2, a group is widened to f32 once per block of tokens (`tile_f32`, see
+//! matmul.rs's `WIDEN_TOKENS`), not in every call.
 
 use half::{bf16, f16};
 
@@ -125,36 +126,85 @@ macro_rules! half_kernels {
                 stream: bool,
             ) {
                 debug_assert!(w.len() >= k * 8 && k % 2 == 0);
-                // Two partial sums per token (even and odd columns): two independent chains of
-                // multiply-adds, so a one-token call is not bound by their latency.
-                let mut acc = [_mm256_setzero_ps(); N];
-                let mut odd = [_mm256_setzero_ps(); N];
                 let p = w.as_ptr();
-                let load = |c: usize| {
-                    let raw = _mm_loadu_si128(p.add(c * 8) as *const __m128i);
-                    if BF {
-                        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))
-                    } else {
-                        _mm256_cvtph_ps(raw)
-                    }
-                };
-                for c in (0..k).step_by(2) {
-                    if stream && c % 4 == 0 {
-                        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(c * 8 + 1024) as *const i8);
-                    }
-                    let (w0, w1) = (load(c), load(c + 1));
-                    for i in 0..N {
-                        acc[i] = _mm256_fmadd_ps(w0, _mm256_set1_ps(*x.add(i * k + c)), acc[i]);
-                        odd[i] = _mm256_fmadd_ps(w1, _mm256_set1_ps(*x.add(i * k + c + 1)), odd[i]);
-                    }
+                let load = |c: usize| widen8::<BF>(p.add(c * 8));
+                columns!(N, load, p, x, k, out, stride, real, stream);
+            }
+
+            /// As [`tile`], on a group already widened to f32 (k * 8 values, the same layout):
+            /// the same products in the same order, so the same bits.
+            ///
+            /// # Safety
+            /// As for [`tile`], with w of k * 8 values.
+            #[target_feature(enable = $features)]
+            pub unsafe fn tile_f32<const N: usize>(
+                w: &[f32],
+                x: *const f32,
+                k: usize,
+                out: *mut f32,
+                stride: usize,
+                real: usize,
+            ) {
+                debug_assert!(w.len() >= k * 8 && k % 2 == 0);
+                let p = w.as_ptr();
+                let load = |c: usize| _mm256_loadu_ps(p.add(c * 8));
+                columns!(N, load, p, x, k, out, stride, real, false);
+            }
+
+            /// A group's k * 8 values widened to f32 into `out`, in place.
+            ///
+            /// # Safety
+            /// The CPU must support the features; out holds at least w.len() values.
+            #[target_feature(enable = $features)]
+            pub unsafe fn widen_group<const BF: bool>(w: &[u16], out: &mut [f32]) {
+                debug_assert!(out.len() >= w.len() && w.len() % 8 == 0);
+                for c in 0..w.len() / 8 {
+                    _mm256_storeu_ps(
+                        out.as_mut_ptr().add(c * 8),
+                        widen8::<BF>(w.as_ptr().add(c * 8)),
+                    );
                 }
-                for i in 0..N {
-                    acc[i] = _mm256_add_ps(acc[i], odd[i]);
+            }
+
+            /// One column of a group: 8 values widened to 8 f32 lanes.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn widen8<const BF: bool>(p: *const u16) -> __m256 {
+                let raw = _mm_loadu_si128(p as *const __m128i);
+                if BF {
+                    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))
+                } else {
+                    _mm256_cvtph_ps(raw)
                 }
-                store(&acc, out, stride, real);
             }
         }
     };
+}
+
+/// The column loop of the 256-bit kernels: `$load(c)` gives column c of the group (8 rows
+/// as f32 lanes), multiplied with N tokens' activations at $x (rows of $k values).
+#[cfg(target_arch = "x86_64")]
+macro_rules! columns {
+    ($n:ident, $load:ident, $p:ident, $x:ident, $k:ident, $out:ident, $stride:ident, $real:ident, $stream:expr) => {{
+        // Two partial sums per token (even and odd columns): two independent chains of
+        // multiply-adds, so a one-token call is not bound by their latency.
+        let mut acc = [_mm256_setzero_ps(); $n];
+        let mut odd = [_mm256_setzero_ps(); $n];
+        for c in (0..$k).step_by(2) {
+            if $stream && c % 4 == 0 {
+                _mm_prefetch::<_MM_HINT_T0>($p.wrapping_add(c * 8 + 1024) as *const i8);
+            }
+            let (w0, w1) = ($load(c), $load(c + 1));
+            for i in 0..$n {
+                acc[i] = _mm256_fmadd_ps(w0, _mm256_set1_ps(*$x.add(i * $k + c)), acc[i]);
+                odd[i] = _mm256_fmadd_ps(w1, _mm256_set1_ps(*$x.add(i * $k + c + 1)), odd[i]);
+            }
+        }
+        for i in 0..$n {
+            acc[i] = _mm256_add_ps(acc[i], odd[i]);
+        }
+        store(&acc, $out, $stride, $real);
+    }};
 }
 
 /// Two neighbouring groups (16 rows) per call on 512-bit registers: each lane does what the
@@ -288,13 +338,23 @@ mod tests {
     use super::*;
     use crate::model::cpu::matmul::{test_data, CpuQWeight};
 
-    /// Every kernel against f64 sums of the widened weights, ragged rows, 1 to 17 tokens; SIMD
-    /// and scalar within float rounding; a token alone or with others: the same bits.
+    /// Every kernel against f64 sums of the widened weights, ragged rows, 1 to 53 tokens (from
+    /// 24 the AVX2 kernel reads groups widened once per block of tokens; 53 tokens of 4,096
+    /// values are two blocks); SIMD and scalar: the same bits; a token alone or with others:
+    /// the same bits.
     #[test]
     fn half_kernels_match_the_widened_product() {
         let kernels = crate::model::cpu::q8::test_kernels();
         for (ty, id) in [(Half::F16, 1u32), (Half::Bf16, 30)] {
-            for &(t, n, k) in &[(1, 13, 64), (3, 37, 96), (17, 9, 160), (8, 24, 32)] {
+            let shapes = [
+                (1, 13, 64),
+                (3, 37, 96),
+                (17, 9, 160),
+                (8, 24, 32),
+                (40, 37, 96),
+                (53, 19, 4096),
+            ];
+            for &(t, n, k) in &shapes {
                 let w = test_data(n * k, 3 + n as u64);
                 let raw: Vec<u8> = w
                     .iter()
