@@ -102,7 +102,7 @@ pub fn teacher_forced_agreement(
 }
 
 /// The default model requantized by llama.cpp 0c1e57098's llama-quantize (`--allow-requantize
-/// SRC DST TYPE 2`, as ../shared/bench/quant-files does), built once by `.ci/llama-server
+/// SRC DST TYPE 2`, as the team's quant-files script does), built once by `.ci/llama-server
 /// llama-quantize` beside the remote tests' server and kept in the same cache. The result must
 /// be the file the references were recorded on, byte for byte (`sha256`): llama-quantize is
 /// deterministic, so another hash means another tool or source, and the test says so.
