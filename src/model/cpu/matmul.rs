@@ -364,7 +364,10 @@ impl CpuQWeight {
             Layout::Half(tiles) => {
                 let stream = t.div_ceil(TOKENS) <= STREAM_CHUNKS;
                 let xs = SharedIn(x.as_ptr());
+                let mut cut = self.cut();
                 let product = if self.kernel == Kernel::Avx2 && t >= WIDEN_TOKENS {
+                    cut.span = WIDE_SPAN;
+                    cut.per_call = WIDE_TOKENS;
                     PRODUCTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
                 } else {
                     0
@@ -374,7 +377,7 @@ impl CpuQWeight {
                     k,
                     widths,
                     tiles.groups,
-                    self.cut(),
+                    cut,
                     |g, groups, token, n, out, stride, real| {
                         // SAFETY: tokens token..token + n are rows of x; `schedule` promises out.
                         unsafe {
@@ -625,9 +628,16 @@ impl SharedIn {
 /// thread and run of calls on the group (`WIDENED`), instead of widening every column in every
 /// call: on a CPU with one conversion every 2 cycles (Zen 1's cvtph2ps) the widening took a
 /// fifth of a prefill call's time (one thread, 512 tokens: 11.3 GMAC/s with it, 14.4 with
-/// weights already f32). The widening is exact and the products and their order are the same,
-/// so the bits are too.
+/// weights already f32). Widened, two groups go together (`tile2_f32`: one activation broadcast
+/// for 16 rows, the weights read from L1 into the multiply-adds; 18.5-19.8 GMAC/s). The
+/// widening is exact and each row's products and their order are the same, so the bits are too.
 const WIDEN_TOKENS: usize = 24;
+
+/// Row groups a call and tokens a call of the widened AVX2 F16/BF16 kernels: 2 x 3 tokens'
+/// even and odd sums are 12 of AVX2's 16 registers (4 tokens, 16 sums, spill: 12.4-13.9 GMAC/s
+/// against 17.8-18.2 in the same minutes).
+const WIDE_SPAN: usize = 2;
+const WIDE_TOKENS: usize = 3;
 
 /// Ids of the products that widen, so a thread's widened group is never taken for another
 /// product's (0: none).
@@ -662,18 +672,27 @@ unsafe fn half_dot(
     let (ty, w) = (tiles.ty, tiles.tile(g));
     #[cfg(target_arch = "x86_64")]
     if product != 0 && kernel == Kernel::Avx2 {
-        debug_assert_eq!(groups, 1);
         return WIDENED.with(|cell| {
             let (id, group, wide) = &mut *cell.borrow_mut();
+            let len = w.len();
             if (*id, *group) != (product, g) {
-                wide.resize(w.len(), 0.0);
-                match ty {
-                    Half::F16 => half_kernels::avx2::widen_group::<false>(w, wide),
-                    Half::Bf16 => half_kernels::avx2::widen_group::<true>(w, wide),
+                wide.resize(len * WIDE_SPAN, 0.0);
+                for j in 0..groups {
+                    let (src, dst) = (tiles.tile(g + j), &mut wide[j * len..(j + 1) * len]);
+                    match ty {
+                        Half::F16 => half_kernels::avx2::widen_group::<false>(src, dst),
+                        Half::Bf16 => half_kernels::avx2::widen_group::<true>(src, dst),
+                    }
                 }
                 (*id, *group) = (product, g);
             }
-            with_tokens!(n, N => half_kernels::avx2::tile_f32::<N>(wide, x, k, out, stride, real))
+            let (w0, w1) = wide.split_at(len);
+            match groups {
+                1 => with_tokens!(n, N => half_kernels::avx2::tile_f32::<N>(w0, x, k, out, stride, real)),
+                _ => with_tokens!(n, N => {
+                    half_kernels::avx2::tile2_f32::<N>(w0, w1, x, k, out, stride, real)
+                }),
+            }
         });
     }
     macro_rules! by_n {

@@ -151,6 +151,49 @@ macro_rules! half_kernels {
                 columns!(N, load, p, x, k, out, stride, real, false);
             }
 
+            /// As [`tile_f32`] for two neighbouring groups (w0 and w1, k * 8 values each; rows
+            /// 0..8 and 8..16 of out, the first `real` > 8 of them): each activation broadcast
+            /// serves both, the weights come from memory into the multiply-adds. Every row's
+            /// sums are the ones `tile_f32` makes, in the same order: the same bits.
+            ///
+            /// # Safety
+            /// As for [`tile_f32`], out valid for `real` values a token.
+            #[target_feature(enable = $features)]
+            pub unsafe fn tile2_f32<const N: usize>(
+                w0: &[f32],
+                w1: &[f32],
+                x: *const f32,
+                k: usize,
+                out: *mut f32,
+                stride: usize,
+                real: usize,
+            ) {
+                debug_assert!(w0.len() >= k * 8 && w1.len() >= k * 8 && k % 2 == 0);
+                debug_assert!(real > 8 && real <= 16);
+                let (p0, p1) = (w0.as_ptr(), w1.as_ptr());
+                let mut acc = [[_mm256_setzero_ps(); N]; 2];
+                let mut odd = [[_mm256_setzero_ps(); N]; 2];
+                for c in (0..k).step_by(2) {
+                    for i in 0..N {
+                        let b0 = _mm256_set1_ps(*x.add(i * k + c));
+                        let b1 = _mm256_set1_ps(*x.add(i * k + c + 1));
+                        acc[0][i] = _mm256_fmadd_ps(_mm256_loadu_ps(p0.add(c * 8)), b0, acc[0][i]);
+                        acc[1][i] = _mm256_fmadd_ps(_mm256_loadu_ps(p1.add(c * 8)), b0, acc[1][i]);
+                        odd[0][i] =
+                            _mm256_fmadd_ps(_mm256_loadu_ps(p0.add(c * 8 + 8)), b1, odd[0][i]);
+                        odd[1][i] =
+                            _mm256_fmadd_ps(_mm256_loadu_ps(p1.add(c * 8 + 8)), b1, odd[1][i]);
+                    }
+                }
+                for h in 0..2 {
+                    for i in 0..N {
+                        acc[h][i] = _mm256_add_ps(acc[h][i], odd[h][i]);
+                    }
+                }
+                store(&acc[0], out, stride, 8);
+                store(&acc[1], out.add(8), stride, real - 8);
+            }
+
             /// A group's k * 8 values widened to f32 into `out`, in place.
             ///
             /// # Safety
@@ -339,9 +382,9 @@ mod tests {
     use crate::model::cpu::matmul::{test_data, CpuQWeight};
 
     /// Every kernel against f64 sums of the widened weights, ragged rows, 1 to 53 tokens (from
-    /// 24 the AVX2 kernel reads groups widened once per block of tokens; 53 tokens of 4,096
-    /// values are two blocks); SIMD and scalar: the same bits; a token alone or with others:
-    /// the same bits.
+    /// 24 the AVX2 kernel reads groups widened once per block of tokens, two groups a call
+    /// where they pair, the second one ragged for 13 rows; 53 tokens of 4,096 values are two
+    /// blocks); SIMD and scalar: the same bits; a token alone or with others: the same bits.
     #[test]
     fn half_kernels_match_the_widened_product() {
         let kernels = crate::model::cpu::q8::test_kernels();
@@ -352,6 +395,7 @@ mod tests {
                 (17, 9, 160),
                 (8, 24, 32),
                 (40, 37, 96),
+                (30, 13, 64),
                 (53, 19, 4096),
             ];
             for &(t, n, k) in &shapes {
