@@ -44,11 +44,11 @@ mod x86 {
         best
     }
 
-    /// Seconds per instruction (or pair) of a body (see `body!`) run as 12 independent chains,
-    /// on ymm0..ymm11, with ymm15 as the other operand (whatever it holds) and the word at
-    /// [rsp - 64] as memory operand (only read).
+    /// Seconds per instruction (or pair) of a body (see `body!`: one or two mnemonics) run as
+    /// 12 independent chains, on ymm0..ymm11, with ymm15 as the other operand (whatever it
+    /// holds) and the word at [rsp - 64] as memory operand (only read).
     macro_rules! timed {
-        ($body:tt) => {{
+        ($($m:tt),+) => {{
             let mut best = f64::MAX;
             for _ in 0..5 {
                 let start = Instant::now();
@@ -58,12 +58,10 @@ mod x86 {
                     unsafe {
                         asm!(
                             concat!(
-                                timed!(@r $body, "0"), timed!(@r $body, "1"),
-                                timed!(@r $body, "2"), timed!(@r $body, "3"),
-                                timed!(@r $body, "4"), timed!(@r $body, "5"),
-                                timed!(@r $body, "6"), timed!(@r $body, "7"),
-                                timed!(@r $body, "8"), timed!(@r $body, "9"),
-                                timed!(@r $body, "10"), timed!(@r $body, "11"),
+                                $(body!($m, "0"), body!($m, "1"), body!($m, "2"),)+
+                                $(body!($m, "3"), body!($m, "4"), body!($m, "5"),)+
+                                $(body!($m, "6"), body!($m, "7"), body!($m, "8"),)+
+                                $(body!($m, "9"), body!($m, "10"), body!($m, "11"),)+
                             ),
                             out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
                             out("ymm4") _, out("ymm5") _, out("ymm6") _, out("ymm7") _,
@@ -76,55 +74,22 @@ mod x86 {
             }
             best
         }};
-        (@r $body:tt, $r:tt) => {
-            body!($body, $r)
-        };
     }
 
-    /// A body's instructions on chain register ymm<r> (asm! takes only literals, so each
-    /// body is spelt out here).
+    /// One instruction on chain register ymm<r>: `m ymm<r>, ymm<r>, ymm15`, or the operands
+    /// the few other forms take (asm! takes only literals, so the text is built here).
     macro_rules! body {
-        ("maddubs", $r:tt) => {
-            concat!("vpmaddubsw ymm", $r, ", ymm", $r, ", ymm15\n")
-        };
-        ("madd", $r:tt) => {
-            concat!("vpmaddwd ymm", $r, ", ymm", $r, ", ymm15\n")
-        };
-        ("paddw", $r:tt) => {
-            concat!("vpaddw ymm", $r, ", ymm", $r, ", ymm15\n")
-        };
-        ("pand", $r:tt) => {
-            concat!("vpand ymm", $r, ", ymm", $r, ", ymm15\n")
-        };
-        ("psignb", $r:tt) => {
-            concat!("vpsignb ymm", $r, ", ymm", $r, ", ymm15\n")
-        };
-        ("psrlw", $r:tt) => {
+        ("vpsrlw", $r:tt) => {
             concat!("vpsrlw ymm", $r, ", ymm", $r, ", 4\n")
         };
-        ("fma", $r:tt) => {
+        ("vfmadd231ps", $r:tt) => {
             concat!("vfmadd231ps ymm", $r, ", ymm15, ymm15\n")
         };
-        ("broadcast", $r:tt) => {
+        ("vpbroadcastd", $r:tt) => {
             concat!("vpbroadcastd ymm", $r, ", dword ptr [rsp - 64]\n")
         };
-        ("maddubs+madd", $r:tt) => {
-            concat!(body!("maddubs", $r), body!("madd", $r))
-        };
-        ("maddubs+paddw", $r:tt) => {
-            concat!(body!("maddubs", $r), body!("paddw", $r))
-        };
-        ("maddubs+psignb", $r:tt) => {
-            concat!(body!("maddubs", $r), body!("psignb", $r))
-        };
-        ("maddubs+psrlw", $r:tt) => {
-            concat!(body!("maddubs", $r), body!("psrlw", $r))
-        };
-        ("maddubs+fma", $r:tt) => {
-            concat!(body!("maddubs", $r), body!("fma", $r))
-        };
-        ("maddubs+broadcast", $r:tt) => {
-            concat!(body!("maddubs", $r), body!("broadcast", $r))
+        ($m:tt, $r:tt) => {
+            concat!($m, " ymm", $r, ", ymm", $r, ", ymm15\n")
         };
     }
 
@@ -141,20 +106,26 @@ mod x86 {
             (name.to_string(), time() / period)
         };
         let rows = [
-            row("vpmaddubsw", &|| timed!("maddubs")),
-            row("vpmaddwd", &|| timed!("madd")),
-            row("vpaddw", &|| timed!("paddw")),
-            row("vpand", &|| timed!("pand")),
-            row("vpsignb", &|| timed!("psignb")),
-            row("vpsrlw (immediate)", &|| timed!("psrlw")),
-            row("vfmadd231ps", &|| timed!("fma")),
-            row("vpbroadcastd from memory", &|| timed!("broadcast")),
-            row("vpmaddubsw + vpmaddwd", &|| timed!("maddubs+madd")),
-            row("vpmaddubsw + vpaddw", &|| timed!("maddubs+paddw")),
-            row("vpmaddubsw + vpsignb", &|| timed!("maddubs+psignb")),
-            row("vpmaddubsw + vpsrlw", &|| timed!("maddubs+psrlw")),
-            row("vpmaddubsw + vfmadd231ps", &|| timed!("maddubs+fma")),
-            row("vpmaddubsw + vpbroadcastd", &|| timed!("maddubs+broadcast")),
+            row("vpmaddubsw", &|| timed!("vpmaddubsw")),
+            row("vpmaddwd", &|| timed!("vpmaddwd")),
+            row("vpaddw", &|| timed!("vpaddw")),
+            row("vpand", &|| timed!("vpand")),
+            row("vpsignb", &|| timed!("vpsignb")),
+            row("vpsrlw (immediate)", &|| timed!("vpsrlw")),
+            row("vfmadd231ps", &|| timed!("vfmadd231ps")),
+            row("vpbroadcastd from memory", &|| timed!("vpbroadcastd")),
+            row("vpmaddubsw + vpmaddwd", &|| {
+                timed!("vpmaddubsw", "vpmaddwd")
+            }),
+            row("vpmaddubsw + vpaddw", &|| timed!("vpmaddubsw", "vpaddw")),
+            row("vpmaddubsw + vpsignb", &|| timed!("vpmaddubsw", "vpsignb")),
+            row("vpmaddubsw + vpsrlw", &|| timed!("vpmaddubsw", "vpsrlw")),
+            row("vpmaddubsw + vfmadd231ps", &|| {
+                timed!("vpmaddubsw", "vfmadd231ps")
+            }),
+            row("vpmaddubsw + vpbroadcastd", &|| {
+                timed!("vpmaddubsw", "vpbroadcastd")
+            }),
         ];
         let ghz = |p: f64| 1e-9 / p;
         let (lo, hi) = periods.iter().fold((f64::MAX, 0f64), |(lo, hi), &p| {
