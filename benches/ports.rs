@@ -20,12 +20,22 @@ mod x86 {
 
     const ROUNDS: u64 = 1_000_000;
 
-    /// Seconds a core takes for one dependent integer add: the clock period.
-    fn clock() -> f64 {
+    /// Seconds per instruction of `run` (ROUNDS rounds of 12 instructions or pairs): the best
+    /// of 5 runs.
+    fn per_instruction(run: impl Fn()) -> f64 {
         let mut best = f64::MAX;
         for _ in 0..5 {
-            let mut x = 0u64;
             let start = Instant::now();
+            run();
+            best = best.min(start.elapsed().as_secs_f64() / (12 * ROUNDS) as f64);
+        }
+        best
+    }
+
+    /// Seconds a core takes for one dependent integer add: the clock period.
+    fn clock() -> f64 {
+        per_instruction(|| {
+            let mut x = 0u64;
             for _ in 0..ROUNDS {
                 // SAFETY: register arithmetic only.
                 unsafe {
@@ -39,19 +49,15 @@ mod x86 {
                 };
             }
             std::hint::black_box(x);
-            best = best.min(start.elapsed().as_secs_f64() / (12 * ROUNDS) as f64);
-        }
-        best
+        })
     }
 
     /// Seconds per instruction (or pair) of a body (see `body!`: one or two mnemonics) run as
     /// 12 independent chains, on ymm0..ymm11, with ymm15 as the other operand (whatever it
     /// holds) and the word at [rsp - 64] as memory operand (only read).
     macro_rules! timed {
-        ($($m:tt),+) => {{
-            let mut best = f64::MAX;
-            for _ in 0..5 {
-                let start = Instant::now();
+        ($($m:tt),+) => {
+            per_instruction(|| {
                 for _ in 0..ROUNDS {
                     // SAFETY: AVX2/FMA register arithmetic (checked by the caller) and reads of
                     // the stack below rsp, which is mapped; every register used is clobbered.
@@ -70,10 +76,8 @@ mod x86 {
                         )
                     };
                 }
-                best = best.min(start.elapsed().as_secs_f64() / (12 * ROUNDS) as f64);
-            }
-            best
-        }};
+            })
+        };
     }
 
     /// One instruction on chain register ymm<r>: `m ymm<r>, ymm<r>, ymm15`, or the operands
@@ -101,7 +105,7 @@ mod x86 {
         // The clock is measured again beside each row: this machine's speed drifts.
         let mut periods = Vec::new();
         let mut row = |name: &str, time: &dyn Fn() -> f64| {
-            let period = clock().min(clock());
+            let period = clock();
             periods.push(period);
             (name.to_string(), time() / period)
         };
