@@ -75,7 +75,9 @@ impl Spec {
                 s.tied = true;
                 s.theta = 1_000_000.0;
                 s.window = Some(4);
-                s.qpas = 12.0; // not hd: the scale must come from query_pre_attn_scalar
+                // llama.cpp (and so gen) scales Gemma 3's scores by 1/sqrt(hd), whatever
+                // query_pre_attn_scalar says; a checkpoint whose scalar differs is refused.
+                s.qpas = 16.0;
             }
         }
         s
@@ -467,6 +469,7 @@ fn write_gguf(s: &Spec, w: &Weights, path: &Path) {
         (format!("{a}.attention.head_count"), u(s.heads)),
         (format!("{a}.attention.head_count_kv"), u(s.kv)),
         (format!("{a}.attention.key_length"), u(s.hd)),
+        (format!("{a}.attention.value_length"), u(s.hd)),
         (format!("{a}.context_length"), u(64)),
         (
             format!("{a}.attention.layer_norm_rms_epsilon"),
@@ -478,11 +481,6 @@ fn write_gguf(s: &Spec, w: &Weights, path: &Path) {
         md.push((
             format!("{a}.attention.sliding_window"),
             u(s.window.unwrap()),
-        ));
-        // llama.cpp derives Gemma 3's attention scale from hd; this model's differs.
-        md.push((
-            format!("{a}.attention.scale"),
-            V::F32(1.0 / (s.qpas as f32).sqrt()),
         ));
     }
     let md_refs: Vec<(&str, &V)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();

@@ -193,6 +193,7 @@ fn write_model(
         ("qwen2.attention.head_count", u(HEADS)),
         ("qwen2.attention.head_count_kv", u(KV)),
         ("qwen2.attention.key_length", u(HD)),
+        ("qwen2.attention.value_length", u(HD)),
         ("qwen2.context_length", u(64)),
         ("qwen2.attention.layer_norm_rms_epsilon", Meta::F32(1e-6)),
         ("qwen2.rope.freq_base", Meta::F32(10_000.0)),

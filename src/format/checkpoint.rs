@@ -22,7 +22,7 @@ use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 
 /// Hugging Face architectures gen runs, with their `model_type` and the family (a name from
-/// [`super::SUPPORTED_ARCHS`]) whose forward pass runs them.
+/// `model::arch::ARCHS`) whose forward pass runs them.
 pub const SUPPORTED_HF_ARCHS: &[(&str, &str, &str)] = &[
     ("LlamaForCausalLM", "llama", "llama"),
     ("MistralForCausalLM", "mistral", "llama"),
@@ -246,6 +246,16 @@ impl Checkpoint {
             Store::Gguf { content, .. } => content.tensor_infos.contains_key(name),
             Store::Safetensors(st) => st.names.contains_key(name),
         }
+    }
+
+    /// The GGUF names of every tensor the checkpoint holds, sorted.
+    pub fn tensor_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = match &self.store {
+            Store::Gguf { content, .. } => content.tensor_infos.keys().cloned().collect(),
+            Store::Safetensors(st) => st.names.keys().cloned().collect(),
+        };
+        names.sort();
+        names
     }
 
     /// Values in all of the checkpoint's tensors (weights of every type counted alike).
@@ -515,8 +525,6 @@ pub struct HfConfig {
     pub sliding_window: Option<usize>,
     /// Rope base of Gemma 3's local layers (`rope_local_base_freq`).
     pub rope_local_base: Option<f64>,
-    /// Factor on q·k (Gemma 3: `query_pre_attn_scalar`^-1/2).
-    pub attention_scale: Option<f64>,
 }
 
 impl HfConfig {
@@ -630,6 +638,21 @@ impl HfConfig {
                         bail!("sliding_window_pattern {p} is not supported (gen runs 6)");
                     }
                 }
+                // llama.cpp scales Gemma 3's scores by 1/sqrt(head_dim) (by 1/sqrt(d / heads)
+                // for the 62-layer 27B), as gemma_pytorch does, not by the config's scalar.
+                let heads = need("num_attention_heads")?;
+                let width = match num_hidden_layers {
+                    62 => need("hidden_size")? / heads,
+                    _ => uint("head_dim")?.unwrap_or(need("hidden_size")? / heads),
+                };
+                if let Some(q) = v.get("query_pre_attn_scalar").filter(|q| !q.is_null()) {
+                    if q.as_f64() != Some(width as f64) {
+                        bail!(
+                            "query_pre_attn_scalar {q} is not {width}, the width llama.cpp and gen \
+                             scale Gemma 3's attention by"
+                        );
+                    }
+                }
             }
             _ => sliding_window = window,
         }
@@ -656,16 +679,10 @@ impl HfConfig {
             rope_local_base: gemma
                 .then(|| float("rope_local_base_freq", 10_000.0))
                 .transpose()?,
-            attention_scale: v
-                .get("query_pre_attn_scalar")
-                .filter(|_| gemma)
-                .map(|_| float("query_pre_attn_scalar", 1.0).map(|q| 1.0 / q.sqrt()))
-                .transpose()?,
         })
     }
 
-    /// The GGUF metadata a GGUF converted from this checkpoint would carry (plus, for Gemma 3,
-    /// `rope.freq_base_swa` and `attention.scale`, which llama.cpp hard-codes).
+    /// The GGUF metadata a GGUF converted from this checkpoint would carry.
     pub fn gguf_metadata(&self, name: &str) -> HashMap<String, gguf_file::Value> {
         use gguf_file::Value as V;
         let a = self.family;
@@ -699,15 +716,13 @@ impl HfConfig {
         ]);
         if let Some(hd) = self.head_dim {
             md.insert(format!("{a}.attention.key_length"), u(hd));
+            md.insert(format!("{a}.attention.value_length"), u(hd));
         }
         if let Some(w) = self.sliding_window {
             md.insert(format!("{a}.attention.sliding_window"), u(w));
         }
         if let Some(base) = self.rope_local_base {
             md.insert(format!("{a}.rope.freq_base_swa"), V::F32(base as f32));
-        }
-        if let Some(scale) = self.attention_scale {
-            md.insert(format!("{a}.attention.scale"), V::F32(scale as f32));
         }
         md
     }
@@ -932,7 +947,7 @@ mod tests {
         assert_eq!(cfg.eos_token_ids, [2]);
         assert!(cfg.tie_word_embeddings);
         let md = cfg.gguf_metadata("smol");
-        let llama = crate::model::config::DecoderConfig::from_gguf(&md, "llama").unwrap();
+        let llama = crate::model::arch::from_gguf(&md, "llama").unwrap();
         assert_eq!(
             (
                 llama.n_layer,
@@ -944,8 +959,8 @@ mod tests {
             (30, 576, 9, 3, 64)
         );
         assert_eq!(llama.context_len, 8192);
-        assert_eq!(llama.rope_base, 100_000.0);
-        assert!((llama.rms_eps - 1e-5).abs() < 1e-12);
+        assert_eq!(llama.ropes[0].base, 100_000.0);
+        assert!((llama.norm_eps - 1e-5).abs() < 1e-12);
 
         // Defaults: kv heads = heads, untied, theta 10000; a head_dim and eos list are read.
         let cfg = HfConfig::parse(&with("num_key_value_heads", "<absent>")).unwrap();
@@ -958,7 +973,7 @@ mod tests {
         assert_eq!(cfg.eos_token_ids, [128001, 128008]);
         let cfg = HfConfig::parse(&with("head_dim", "128")).unwrap();
         let md = cfg.gguf_metadata("x");
-        let llama = crate::model::config::DecoderConfig::from_gguf(&md, "llama").unwrap();
+        let llama = crate::model::arch::from_gguf(&md, "llama").unwrap();
         assert_eq!(llama.head_dim, 128);
         let cfg = HfConfig::parse(&with("sliding_window", "4096")).unwrap();
         assert_eq!(cfg.context_length, 4096);
@@ -1114,15 +1129,18 @@ mod tests {
         assert_eq!(cfg.family, "gemma3");
         assert!(cfg.tie_word_embeddings, "Gemma ties by default");
         let md = cfg.gguf_metadata("g");
-        let dc = crate::model::config::DecoderConfig::from_gguf(&md, "gemma3").unwrap();
+        let dc = crate::model::arch::from_gguf(&md, "gemma3").unwrap();
         assert_eq!((dc.head_dim, dc.context_len), (256, 32768));
         assert_eq!(dc.layer_window(0), Some(512));
         assert_eq!(dc.layer_window(5), None);
         assert_eq!(
-            (dc.layer_rope_base(0), dc.layer_rope_base(5)),
+            (
+                dc.layer_rope(0).unwrap().base,
+                dc.layer_rope(5).unwrap().base
+            ),
             (10_000.0, 1e6)
         );
-        assert!((dc.attn_scale - 1.0 / 16.0).abs() < 1e-9);
+        assert!((dc.attn.scale - 1.0 / 16.0).abs() < 1e-9);
 
         let mut v: Value = serde_json::from_str(text).unwrap();
         v["final_logit_softcapping"] = 30.0.into();

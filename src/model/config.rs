@@ -1,344 +1,401 @@
-//! What sets the families gen runs apart, as data: llama (Llama 2/3, SmolLM2, TinyLlama,
-//! Mistral), Qwen2/2.5, Qwen3, Phi-3 and Gemma 3 share one forward pass; [`Family`] and
-//! [`DecoderConfig`] (read from the GGUF metadata) say what differs: the rotary pairing, biases
-//! on q/k/v, RMS norms of each head's q and k, norms after attention and after the FFN (Gemma's
-//! "sandwich"), the FFN activation, a scale on the embeddings, the attention scale, and
-//! per-layer sliding windows and rope bases.
+//! What a decoder computes, as plain data: the hyper-parameters every architecture shares, and
+//! the few choices that set one apart (norms, rotary embeddings per layer, attention scaling and
+//! soft-capping, the FFN's shape and activation, parallel or sequential blocks, scales on the
+//! residual and the logits, sliding windows) plus which tensors a file may hold
+//! ([`TensorRules`]). [`super::arch`] fills it in, one architecture at a time, from a file's
+//! metadata read as llama.cpp reads it ([`Keys`]); the weights loader and both backends only
+//! read it.
 
 use std::collections::HashMap;
 
 use anyhow::{bail, Context, Result};
-use candle_core::quantized::gguf_file;
+use candle_core::quantized::gguf_file::Value;
 
-/// Families gen can run, by GGUF `general.architecture` (see [`Family`]).
-pub const SUPPORTED_ARCHS: &[&str] = &["llama", "qwen2", "qwen3", "phi3", "gemma3"];
+pub use super::rope::{RopeCfg, RopePairs};
 
-/// A model family: its GGUF `general.architecture` and the operations that set it apart.
+/// How a norm normalises: llama.cpp's LLM_NORM_RMS or LLM_NORM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Family {
-    Llama,
-    Qwen2,
-    Qwen3,
-    Phi3,
-    Gemma3,
+pub enum NormKind {
+    /// x / sqrt(mean(x²) + eps)
+    Rms,
+    /// (x - mean) / sqrt(var + eps)
+    Layer,
 }
 
-/// How rotary embeddings pair a head's dimensions.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Rope {
-    /// Neighbours (2i, 2i + 1): llama.cpp's NORM, for llama GGUFs, whose converter permutes the
-    /// q/k rows (and so does gen's safetensors loader, see `checkpoint`).
-    Interleaved,
-    /// The two halves of a head (i, i + hd/2): llama.cpp's NEOX, Hugging Face's rotate-half.
-    Halves,
-}
-
-/// The FFN's gate activation.
+/// The FFN's activation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activation {
     Silu,
     /// GELU, tanh approximation (Hugging Face's `gelu_pytorch_tanh`, ggml's `gelu`).
     GeluTanh,
+    /// relu(x)² (Arcee, Nemotron, Jais 2).
+    ReluSquared,
 }
 
-impl Family {
-    pub const ALL: [Family; 5] = [
-        Family::Llama,
-        Family::Qwen2,
-        Family::Qwen3,
-        Family::Phi3,
-        Family::Gemma3,
-    ];
+/// How q and k are normalised before (or after) rope.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    None,
+    /// Each head over its hd values, weights of hd (Qwen3, Gemma 3); `after_rope` for
+    /// Hunyuan and Maincoder.
+    Heads {
+        after_rope: bool,
+    },
+    /// The whole projection (h*hd or kv*hd) at once (OLMo 2).
+    Whole,
+}
 
-    /// The GGUF `general.architecture` of the family.
-    pub fn arch(self) -> &'static str {
-        match self {
-            Family::Llama => "llama",
-            Family::Qwen2 => "qwen2",
-            Family::Qwen3 => "qwen3",
-            Family::Phi3 => "phi3",
-            Family::Gemma3 => "gemma3",
-        }
-    }
+/// Whether a tensor may, must or must not be in the file, and whether it is used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Need {
+    /// Not read: a file holding it is refused.
+    Absent,
+    /// Read and used when present.
+    Optional,
+    /// Must be present.
+    Required,
+    /// Read by llama.cpp but never used by its graph: accepted and ignored alike.
+    Ignored,
+}
 
-    pub fn from_arch(arch: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|f| f.arch() == arch)
-    }
-
-    pub fn rope(self) -> Rope {
-        match self {
-            Family::Llama => Rope::Interleaved,
-            Family::Qwen2 | Family::Qwen3 | Family::Phi3 | Family::Gemma3 => Rope::Halves,
-        }
-    }
-
-    pub fn activation(self) -> Activation {
-        match self {
-            Family::Gemma3 => Activation::GeluTanh,
-            _ => Activation::Silu,
-        }
-    }
-
-    /// q and k projections carry biases (Qwen2).
-    pub fn qkv_bias(self) -> bool {
-        self == Family::Qwen2
-    }
-
-    /// Each head's q and k go through an RMS norm over hd before rope (Qwen3, Gemma 3).
-    pub fn qk_norm(self) -> bool {
-        matches!(self, Family::Qwen3 | Family::Gemma3)
-    }
-
-    /// Attention's and the FFN's outputs are normed before the residual add (Gemma 3).
-    pub fn sandwich_norms(self) -> bool {
-        self == Family::Gemma3
-    }
-
-    /// Embeddings are multiplied by sqrt(d) (Gemma).
-    pub fn scales_embeddings(self) -> bool {
-        self == Family::Gemma3
+impl Need {
+    pub fn allowed(self) -> bool {
+        self != Need::Absent
     }
 }
 
-/// Hyper-parameters read from the GGUF metadata.
+/// A norm's tensors: none (no norm at that place), a norm without weights, or weights (and
+/// maybe a bias).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormRule {
+    None,
+    Plain,
+    Weighted { bias: Need },
+}
+
+/// Where the output layer's matrix comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Output {
+    /// `output.weight`, or the embedding matrix when the file has none.
+    TiedIfAbsent,
+    /// Always the embedding matrix (`output.weight` is refused).
+    Tied,
+    /// `output.weight` must be present.
+    Own,
+}
+
+/// Per-layer rope frequency factors a file may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeFactors {
+    None,
+    /// `rope_freqs.weight` (Llama 3), used when present.
+    Freqs,
+    /// `rope_freqs.weight` accepted but not used (Refact).
+    FreqsIgnored,
+    /// `rope_factors_long.weight` / `rope_factors_short.weight` (long-rope: Phi-3.5/4).
+    LongShort,
+}
+
+/// Which tensors an architecture reads, as llama.cpp's loader for it creates them. A file
+/// holding any other tensor is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorRules {
+    pub attn_norm: NormRule,
+    pub post_attn_norm: NormRule,
+    pub ffn_norm: NormRule,
+    pub post_ffn_norm: NormRule,
+    pub output_norm: NormRule,
+    /// Biases of q, k and v (of the fused `attn_qkv`, or one each): llama.cpp reads q/k/v as
+    /// three matrices or one fused matrix, whichever the file holds.
+    pub qkv_bias: Need,
+    /// `attn_q_norm` / `attn_k_norm`, read as [`Attn::qk_norm`] says.
+    pub qk_norm: Need,
+    pub wo_bias: Need,
+    /// `ffn_gate`; absent where the FFN is not gated, or gate and up are one matrix.
+    pub ffn_gate: Need,
+    /// `ffn_up` holds gate and up, gate first (Phi-3, GLM-4).
+    pub fused_gate_up: bool,
+    pub ffn_bias: Need,
+    /// Whether the FFN's per-tensor `.scale` factors are applied (llama.cpp applies them for
+    /// llama, qwen3, mistral3, cohere2 and a few more; the others ignore them).
+    pub ffn_scales: bool,
+    pub output: Output,
+    pub output_bias: Need,
+    pub rope_factors: RopeFactors,
+    /// Other tensors llama.cpp reads but does not use for text generation (a reranker's
+    /// head, an embedding model's projections).
+    pub ignored: &'static [&'static str],
+}
+
+impl TensorRules {
+    /// llama.cpp's llama: RMS norms with weights, q/k/v (fused or not, biases optional), an
+    /// optional output bias on attention, a gated FFN with optional biases.
+    pub const LLAMA: TensorRules = TensorRules {
+        attn_norm: NormRule::Weighted { bias: Need::Absent },
+        post_attn_norm: NormRule::None,
+        ffn_norm: NormRule::Weighted { bias: Need::Absent },
+        post_ffn_norm: NormRule::None,
+        output_norm: NormRule::Weighted { bias: Need::Absent },
+        qkv_bias: Need::Optional,
+        qk_norm: Need::Absent,
+        wo_bias: Need::Optional,
+        ffn_gate: Need::Required,
+        fused_gate_up: false,
+        ffn_bias: Need::Optional,
+        ffn_scales: true,
+        output: Output::TiedIfAbsent,
+        output_bias: Need::Absent,
+        rope_factors: RopeFactors::Freqs,
+        ignored: &[],
+    };
+
+    /// The common core of llama-like loaders: q/k/v (biases optional), no other biases, no
+    /// rope factors, FFN scales not applied.
+    pub const PLAIN: TensorRules = TensorRules {
+        wo_bias: Need::Absent,
+        ffn_bias: Need::Absent,
+        ffn_scales: false,
+        rope_factors: RopeFactors::None,
+        ..TensorRules::LLAMA
+    };
+}
+
+/// Attention's arithmetic beyond q·k and softmax.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Attn {
+    /// Factor on q·k (llama.cpp's kq_scale, or the factor some families put on q instead).
+    pub scale: f32,
+    /// Scores become c·tanh(s / c) after scaling (Gemma 2).
+    pub softcap: Option<f32>,
+    /// q, k and v are clamped to [-c, c] after their biases (OLMo).
+    pub clamp: Option<f32>,
+    pub qk_norm: QkNorm,
+    /// Mistral 3's temperature: q *= 1 + scale·ln(1 + floor((pos + offset) / floor_scale)).
+    pub temperature: Option<(f32, f32, f32)>,
+}
+
+/// One layer's attention: the window its queries see and its rotary embedding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerPlan {
+    /// A query attends to itself and the `window - 1` tokens before it; None: everything.
+    pub window: Option<usize>,
+    /// Index into [`DecoderConfig::ropes`]; None: no rotary embedding on this layer.
+    pub rope: Option<usize>,
+}
+
+/// Hyper-parameters and graph choices of a decoder, read from a file's metadata.
 #[derive(Debug, Clone)]
 pub struct DecoderConfig {
-    pub family: Family,
+    /// GGUF `general.architecture`.
+    pub arch: String,
     pub n_layer: usize,
     pub d_model: usize,
     pub n_head: usize,
     pub n_kv_head: usize,
     pub head_dim: usize,
-    pub rms_eps: f32,
-    /// Rope base of layers that attend to the whole context.
-    pub rope_base: f32,
-    /// Rope base of sliding-window layers (Gemma 3's local layers: 10,000).
-    pub rope_base_local: f32,
-    /// A sliding-window layer's query attends to itself and the `window - 1` tokens before it.
-    pub sliding_window: Option<usize>,
-    /// With a window: in each run of `swa_pattern` layers the last one is global, the others
-    /// local (Gemma 3: 6); 1 puts the window on every layer.
-    pub swa_pattern: usize,
-    /// Factor on q·k before the softmax.
-    pub attn_scale: f64,
     pub context_len: usize,
+    pub norm: NormKind,
+    pub norm_eps: f32,
+    /// Embeddings are multiplied by this (Gemma: sqrt(d); Granite: embedding_scale).
+    pub embed_scale: Option<f32>,
+    pub attn: Attn,
+    /// `x + attn(n) + ffn(n)` from one normalised input (Phi-2, Cohere), else sequential.
+    pub parallel: bool,
+    /// Whether the FFN has a gate (act(gate)·up) or not (act(up)).
+    pub gated: bool,
+    pub activation: Activation,
+    /// Attention's and the FFN's outputs are multiplied by this before their residual adds.
+    pub residual_scale: Option<f32>,
+    /// Logits are multiplied by this (Cohere; Granite's 1/logit_scale).
+    pub logit_scale: Option<f32>,
+    /// Logits become c·tanh(l / c) (Gemma 2).
+    pub final_softcap: Option<f32>,
+    pub layers: Vec<LayerPlan>,
+    pub ropes: Vec<RopeCfg>,
+    pub rope_pairs: RopePairs,
+    pub tensors: TensorRules,
 }
 
-/// Gemma 3's local layers use this rope base whatever the file says (as llama.cpp does).
-const GEMMA3_LOCAL_ROPE_BASE: f32 = 10_000.0;
-/// Gemma 3: five local layers, then one global.
-const GEMMA3_SWA_PATTERN: usize = 6;
-
 impl DecoderConfig {
-    pub fn from_gguf(md: &HashMap<String, gguf_file::Value>, arch: &str) -> Result<Self> {
-        let family = Family::from_arch(arch).with_context(|| {
-            format!(
-                "architecture {arch:?} is not supported (supported: {})",
-                SUPPORTED_ARCHS.join(", ")
-            )
-        })?;
-        let get_u = |key: &str| -> Result<usize> {
-            let full = format!("{arch}.{key}");
-            let v = md
-                .get(&full)
-                .with_context(|| format!("metadata key {full} is missing"))?;
-            let n = match v {
-                gguf_file::Value::U32(n) => *n as u64,
-                gguf_file::Value::I32(n) if *n >= 0 => *n as u64,
-                gguf_file::Value::U64(n) => *n,
-                gguf_file::Value::I64(n) if *n >= 0 => *n as u64,
-                other => {
-                    bail!("metadata key {full} should be a non-negative integer, found {other:?}")
+    /// The sliding window of layer `l`, or `None` where it attends to the whole context.
+    pub fn layer_window(&self, l: usize) -> Option<usize> {
+        self.layers[l].window
+    }
+
+    /// The rotary embedding of layer `l`, if it has one.
+    pub fn layer_rope(&self, l: usize) -> Option<&RopeCfg> {
+        self.layers[l].rope.map(|r| &self.ropes[r])
+    }
+}
+
+/// A file's metadata as one architecture reads it: `name` in calls means `ARCH.name`.
+/// Lenient in integer and float widths (llama.cpp wants exactly u32 / f32, and refuses the
+/// rest), strict in meaning: a value that is there but unusable is an error naming the key.
+pub struct Keys<'a> {
+    md: &'a HashMap<String, Value>,
+    pub arch: &'a str,
+}
+
+impl<'a> Keys<'a> {
+    pub fn new(md: &'a HashMap<String, Value>, arch: &'a str) -> Self {
+        Self { md, arch }
+    }
+
+    fn full(&self, key: &str) -> String {
+        format!("{}.{key}", self.arch)
+    }
+
+    pub fn get(&self, key: &str) -> Option<&'a Value> {
+        self.md.get(&self.full(key))
+    }
+
+    /// A key without the architecture prefix (`general.name`, Apertus's `xielu.*`).
+    pub fn get_global(&self, key: &str) -> Option<&'a Value> {
+        self.md.get(key)
+    }
+
+    fn as_u64(&self, key: &str, v: &Value) -> Result<u64> {
+        Ok(match v {
+            Value::U8(n) => *n as u64,
+            Value::U16(n) => *n as u64,
+            Value::U32(n) => *n as u64,
+            Value::U64(n) => *n,
+            Value::I8(n) if *n >= 0 => *n as u64,
+            Value::I16(n) if *n >= 0 => *n as u64,
+            Value::I32(n) if *n >= 0 => *n as u64,
+            Value::I64(n) if *n >= 0 => *n as u64,
+            // A per-layer array whose layers all agree is that value (llama.cpp's saver
+            // collapses uniform arrays; a converter may not).
+            Value::Array(a) if !a.is_empty() => {
+                let first = self.as_u64(key, &a[0])?;
+                for x in &a[1..] {
+                    if self.as_u64(key, x)? != first {
+                        bail!(
+                            "{} differs between layers: gen runs only models whose layers are alike",
+                            self.full(key)
+                        );
+                    }
                 }
-            };
-            usize::try_from(n).with_context(|| format!("metadata key {full} is too large"))
-        };
-        let get_f = |key: &str| -> Option<f32> {
-            md.get(&format!("{arch}.{key}"))
-                .and_then(|v| v.to_f32().ok())
-        };
-        let n_layer = get_u("block_count")?;
-        let d_model = get_u("embedding_length")?;
-        let n_head = get_u("attention.head_count")?;
-        let n_kv_head = get_u("attention.head_count_kv").unwrap_or(n_head);
-        let context_len = get_u("context_length")?;
-        if n_head == 0 || n_kv_head == 0 || d_model == 0 || n_layer == 0 || context_len == 0 {
-            bail!("metadata gives a zero size (layers {n_layer}, width {d_model}, heads {n_head}/{n_kv_head}, context {context_len})");
-        }
-        if n_head % n_kv_head != 0 {
-            bail!("{arch}.attention.head_count ({n_head}) is not a multiple of head_count_kv ({n_kv_head})");
-        }
-        let head_dim = match get_u("attention.key_length") {
-            Ok(k) => k,
-            Err(_) => {
-                if d_model % n_head != 0 {
-                    bail!("{arch}.embedding_length ({d_model}) is not a multiple of head_count ({n_head})");
-                }
-                d_model / n_head
+                first
             }
-        };
-        if head_dim == 0 || head_dim % 2 != 0 {
-            bail!("head width {head_dim} must be even and non-zero for rotary embeddings");
-        }
-        if let Ok(v) = get_u("attention.value_length") {
-            if v != head_dim {
-                bail!("{arch}.attention.value_length {v} differs from key_length {head_dim}; gen needs them equal");
-            }
-        }
-        // What gen does not implement is refused rather than run wrongly.
-        if let Ok(rot) = get_u("rope.dimension_count") {
-            if rot != head_dim {
-                bail!("{arch}.rope.dimension_count {rot} is not the head width {head_dim}: partial rotary embeddings are not supported");
-            }
-        }
-        if let Some(kind) = md
-            .get(&format!("{arch}.rope.scaling.type"))
-            .and_then(|v| v.to_string().ok())
-        {
-            if kind != "none" {
-                bail!("{arch}.rope.scaling.type is {kind:?}: scaled rotary embeddings are not supported yet");
-            }
-        }
-        for key in ["final_logit_softcapping", "attn_logit_softcapping"] {
-            if get_f(key).is_some_and(|c| c > 0.0) {
-                bail!("{arch}.{key} is set: logit soft-capping is not supported");
-            }
-        }
-        let rope_base = get_f("rope.freq_base").unwrap_or(10_000.0);
-        let window = get_u("attention.sliding_window").ok().filter(|&w| w > 0);
-        let (sliding_window, swa_pattern, rope_base_local) = match family {
-            Family::Gemma3 => (
-                window,
-                GEMMA3_SWA_PATTERN,
-                get_f("rope.freq_base_swa").unwrap_or(GEMMA3_LOCAL_ROPE_BASE),
+            other => bail!(
+                "metadata key {} should be a non-negative integer, found {}",
+                self.full(key),
+                short(other)
             ),
-            Family::Phi3 => (window, 1, rope_base),
-            // llama-family GGUFs (Mistral 7B v0.1 among them) are run without a window, as
-            // llama.cpp does; Qwen2/3 GGUFs carry none.
-            Family::Llama | Family::Qwen2 | Family::Qwen3 => (None, 1, rope_base),
-        };
-        let attn_scale = match get_f("attention.scale") {
-            Some(s) if s > 0.0 => s as f64,
-            // Gemma 3 27B scales by d / h rather than hd (llama.cpp; gemma_pytorch's config).
-            _ if family == Family::Gemma3 && n_layer == 62 => {
-                1.0 / ((d_model / n_head) as f64).sqrt()
-            }
-            _ => 1.0 / (head_dim as f64).sqrt(),
-        };
-        Ok(Self {
-            family,
-            n_layer,
-            d_model,
-            n_head,
-            n_kv_head,
-            head_dim,
-            rms_eps: get_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
-            rope_base,
-            rope_base_local,
-            sliding_window,
-            swa_pattern,
-            attn_scale,
-            context_len,
         })
     }
 
-    /// The sliding window of layer `l`, or `None` where it attends to the whole context.
-    pub fn layer_window(&self, l: usize) -> Option<usize> {
-        let w = self.sliding_window?;
-        let p = self.swa_pattern;
-        (p <= 1 || l % p < p - 1).then_some(w)
+    /// An integer key, if present.
+    pub fn usize_opt(&self, key: &str) -> Result<Option<usize>> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        let n = self.as_u64(key, v)?;
+        usize::try_from(n)
+            .map(Some)
+            .with_context(|| format!("metadata key {} is too large", self.full(key)))
     }
 
-    pub fn layer_rope_base(&self, l: usize) -> f32 {
-        match self.layer_window(l) {
-            Some(_) => self.rope_base_local,
-            None => self.rope_base,
+    pub fn usize(&self, key: &str) -> Result<usize> {
+        self.usize_opt(key)?
+            .with_context(|| format!("metadata key {} is missing", self.full(key)))
+    }
+
+    pub fn usize_or(&self, key: &str, default: usize) -> Result<usize> {
+        Ok(self.usize_opt(key)?.unwrap_or(default))
+    }
+
+    /// A float key, if present (a per-layer array whose layers agree counts as one value).
+    pub fn f32_opt(&self, key: &str) -> Result<Option<f32>> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        let f = match v {
+            Value::Array(a) if !a.is_empty() => {
+                let vals: Vec<f32> = a.iter().filter_map(|x| x.to_f32().ok()).collect();
+                if vals.len() != a.len() || vals.iter().any(|x| *x != vals[0]) {
+                    bail!(
+                        "{} differs between layers: gen runs only models whose layers are alike",
+                        self.full(key)
+                    );
+                }
+                vals[0]
+            }
+            Value::F32(f) => *f,
+            Value::F64(f) => *f as f32,
+            other => bail!(
+                "metadata key {} should be a number, found {}",
+                self.full(key),
+                short(other)
+            ),
+        };
+        if !f.is_finite() {
+            bail!("metadata key {} is {f}", self.full(key));
         }
+        Ok(Some(f))
+    }
+
+    pub fn f32(&self, key: &str) -> Result<f32> {
+        self.f32_opt(key)?
+            .with_context(|| format!("metadata key {} is missing", self.full(key)))
+    }
+
+    pub fn f32_or(&self, key: &str, default: f32) -> Result<f32> {
+        Ok(self.f32_opt(key)?.unwrap_or(default))
+    }
+
+    pub fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(other) => bail!(
+                "metadata key {} should be true or false, found {}",
+                self.full(key),
+                short(other)
+            ),
+        }
+    }
+
+    pub fn string_opt(&self, key: &str) -> Result<Option<&'a str>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.as_str())),
+            Some(other) => bail!(
+                "metadata key {} should be a string, found {}",
+                self.full(key),
+                short(other)
+            ),
+        }
+    }
+
+    /// A per-layer flag array (u32/i32/bool; 1 or true: set), or None when absent or a scalar.
+    pub fn layer_flags(&self, key: &str, n_layer: usize) -> Result<Option<Vec<bool>>> {
+        let Some(Value::Array(a)) = self.get(key) else {
+            return Ok(None);
+        };
+        if a.len() != n_layer {
+            bail!(
+                "metadata key {} has {} entries for {n_layer} layers",
+                self.full(key),
+                a.len()
+            );
+        }
+        a.iter()
+            .map(|v| match v {
+                Value::Bool(b) => Ok(*b),
+                other => Ok(self.as_u64(key, other)? != 0),
+            })
+            .collect::<Result<Vec<bool>>>()
+            .map(Some)
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn md(arch: &str, extra: &[(&str, gguf_file::Value)]) -> HashMap<String, gguf_file::Value> {
-        use gguf_file::Value::U32;
-        let mut md: HashMap<String, gguf_file::Value> = [
-            ("block_count", U32(12)),
-            ("embedding_length", U32(64)),
-            ("attention.head_count", U32(4)),
-            ("context_length", U32(128)),
-        ]
-        .into_iter()
-        .map(|(k, v)| (format!("{arch}.{k}"), v))
-        .collect();
-        for (k, v) in extra {
-            md.insert(format!("{arch}.{k}"), v.clone());
-        }
-        md
-    }
-
-    #[test]
-    fn gemma3_layers_are_five_local_then_one_global() {
-        use gguf_file::Value::{F32, U32};
-        let cfg = DecoderConfig::from_gguf(
-            &md(
-                "gemma3",
-                &[
-                    ("attention.sliding_window", U32(8)),
-                    ("rope.freq_base", F32(1e6)),
-                ],
-            ),
-            "gemma3",
-        )
-        .unwrap();
-        let global: Vec<usize> = (0..12).filter(|&l| cfg.layer_window(l).is_none()).collect();
-        assert_eq!(global, [5, 11]);
-        assert_eq!(cfg.layer_window(0), Some(8));
-        assert_eq!(cfg.layer_rope_base(4), 10_000.0);
-        assert_eq!(cfg.layer_rope_base(5), 1e6);
-        assert_eq!(cfg.attn_scale, 1.0 / 4.0); // hd = 64 / 4 = 16
-
-        // llama never gets a window; phi3 gets one on every layer.
-        let llama = DecoderConfig::from_gguf(
-            &md("llama", &[("attention.sliding_window", U32(8))]),
-            "llama",
-        )
-        .unwrap();
-        assert!((0..12).all(|l| llama.layer_window(l).is_none()));
-        let phi =
-            DecoderConfig::from_gguf(&md("phi3", &[("attention.sliding_window", U32(8))]), "phi3")
-                .unwrap();
-        assert!((0..12).all(|l| phi.layer_window(l) == Some(8)));
-    }
-
-    #[test]
-    fn unimplemented_options_are_refused() {
-        use gguf_file::Value::{String as S, F32, U32};
-        for (arch, extra, expect) in [
-            (
-                "llama",
-                ("rope.scaling.type", S("yarn".into())),
-                "rope.scaling.type",
-            ),
-            ("phi3", ("rope.dimension_count", U32(8)), "partial rotary"),
-            (
-                "gemma3",
-                ("final_logit_softcapping", F32(30.0)),
-                "soft-capping",
-            ),
-        ] {
-            let err = DecoderConfig::from_gguf(&md(arch, &[(extra.0, extra.1)]), arch)
-                .unwrap_err()
-                .to_string();
-            assert!(err.contains(expect), "{arch}: {err}");
-        }
-        let err = DecoderConfig::from_gguf(&md("gpt2", &[]), "gpt2")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("\"gpt2\" is not supported") && err.contains("gemma3"),
-            "{err}"
-        );
+/// A value in a message: short, whatever it holds.
+fn short(v: &Value) -> String {
+    let s = format!("{v:?}");
+    match s.char_indices().nth(60) {
+        Some((at, _)) => format!("{}...", &s[..at]),
+        None => s,
     }
 }

@@ -15,7 +15,7 @@
 //! heads, kv = key/value heads, hd = head width, V = vocabulary.
 
 use anyhow::{bail, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 
 use super::config::DecoderConfig;
 use super::cpu::CpuBackend;
@@ -50,10 +50,7 @@ impl Decoder {
     /// GEN_ATTENTION=candle asks for the device path there (gathered keys, candle's matrix
     /// products, an f32 cache), so tests can check what a GPU runs.
     pub fn from_checkpoint(ckpt: &Checkpoint, device: &Device) -> Result<Self> {
-        let cfg = DecoderConfig::from_gguf(&ckpt.metadata, &ckpt.arch)?;
-        if ckpt.has_tensor("rope_factors_long.weight") || ckpt.has_tensor("rope_freqs.weight") {
-            bail!("the model has rope scaling factors (a long-context variant): not supported yet");
-        }
+        let cfg = super::arch::from_gguf(&ckpt.metadata, &ckpt.arch)?;
         let host_kernels =
             device.is_cpu() && std::env::var("GEN_ATTENTION").map_or(true, |v| v != "candle");
         // Our CPU kernels on the CPU; off it (or running its path on the CPU), as the size says.
@@ -69,7 +66,7 @@ impl Decoder {
             Backend::Device(DeviceBackend::new(device, &cfg))
         };
         let info = ModelInfo {
-            arch: cfg.family.arch().into(),
+            arch: cfg.arch.clone(),
             name: ckpt.name.clone(),
             context_len: cfg.context_len,
             vocab_size: weights.vocab_size,
@@ -101,8 +98,7 @@ impl Decoder {
         for step in batch {
             self.kv.advance(step.seq, step.tokens.len());
         }
-        let last = candle_nn::ops::rms_norm(&last, &w.out_norm, cfg.rms_eps)?;
-        let logits = w.output.forward(&last)?.to_dtype(DType::F32)?;
+        let logits = super::layer::logits(&last, w, cfg)?;
         profile.mark(last.device(), "norm, logits");
         Ok(logits)
     }

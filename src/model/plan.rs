@@ -149,26 +149,6 @@ impl<'a> PassPlan<'a> {
             })
             .collect()
     }
-
-    /// cos and sin of the rotation angles of each token's position for a rope `base` over
-    /// heads of `head_dim`: N * hd/2 values each, token by token. Computed per pass rather
-    /// than tabled for the whole context, whose length comes from the file and may be huge.
-    pub fn rope_angles(&self, head_dim: usize, base: f32) -> (Vec<f32>, Vec<f32>) {
-        let half = head_dim / 2;
-        let inv_freq: Vec<f32> = (0..half)
-            .map(|i| 1.0 / base.powf((2 * i) as f32 / head_dim as f32))
-            .collect();
-        let mut cos = Vec::with_capacity(self.positions.len() * half);
-        let mut sin = Vec::with_capacity(self.positions.len() * half);
-        for &p in &self.positions {
-            for f in &inv_freq {
-                let a = p as f32 * f;
-                cos.push(a.cos());
-                sin.push(a.sin());
-            }
-        }
-        (cos, sin)
-    }
 }
 
 #[cfg(test)]
@@ -237,25 +217,5 @@ mod tests {
             plan.steps.iter().map(|s| s.at).collect::<Vec<_>>(),
             [0, 1, 2]
         );
-    }
-
-    /// The angles are those of rope's definition: position p, pair i turns by
-    /// p / base^(2i / hd).
-    #[test]
-    fn rope_angles_follow_positions() {
-        let mut kv = PagedKv::new(1);
-        let s = kv.new_sequence();
-        assert!(kv.reserve(s, 3));
-        let batch = [SeqStep::prefill(s, &[1, 2, 3], 0)];
-        let plan = PassPlan::new(&kv, &batch, &[None]);
-        let (cos, sin) = plan.rope_angles(4, 100.0);
-        assert_eq!(cos.len(), 6);
-        for (t, p) in [0f32, 1.0, 2.0].iter().enumerate() {
-            for i in 0..2 {
-                let a = p / 100f32.powf(2.0 * i as f32 / 4.0);
-                assert!((cos[t * 2 + i] - a.cos()).abs() < 1e-6);
-                assert!((sin[t * 2 + i] - a.sin()).abs() < 1e-6);
-            }
-        }
     }
 }

@@ -1,43 +1,96 @@
-//! A decoder's weights, read from a checkpoint and checked against its configuration: the
-//! embedding matrix, each layer's norms and projections, the final norm and the output layer,
-//! and which layers share a sliding window or a rope base. Both backends read them; neither
-//! owns them.
+//! A decoder's weights, read from a checkpoint as its [`TensorRules`] say and checked against
+//! its configuration: the embedding matrix, each layer's norms, projections, biases and
+//! per-tensor scales, the final norm and the output layer, the rope frequency factors. Every
+//! tensor of the file is accounted for: used, ignored where llama.cpp ignores it, or the file
+//! is refused naming it. Both backends read the result; neither owns it.
+
+use std::cell::RefCell;
+use std::collections::BTreeSet;
 
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 
-use super::config::{DecoderConfig, Family};
+use super::config::{DecoderConfig, Need, NormRule, Output, QkNorm, RopeFactors};
 use super::cpu::matmul::{CpuQWeight, Kernel};
 use super::qlinear::{DeviceWeights, Projections, QLinear};
 use crate::format::checkpoint::Checkpoint;
 
+/// A norm's weight and bias (either may be absent: then that part is skipped).
+pub struct Norm {
+    pub weight: Option<Tensor>, // (len)
+    pub bias: Option<Tensor>,   // (len)
+}
+
+/// What follows one output of a product: a per-tensor scale and a bias, in llama.cpp's order
+/// for that place (attention: scale, then bias; the FFN: bias, then scale).
+#[derive(Default)]
+pub struct Affine {
+    pub scale: Option<f32>,
+    pub bias: Option<Tensor>,
+    pub bias_first: bool,
+}
+
+impl Affine {
+    pub fn is_identity(&self) -> bool {
+        self.scale.is_none() && self.bias.is_none()
+    }
+
+    /// y (N, width) through the scale and the bias.
+    pub fn apply(&self, y: Tensor) -> Result<Tensor> {
+        let scale = |y: Tensor| -> Result<Tensor> {
+            Ok(match self.scale {
+                Some(s) => (y * s as f64)?,
+                None => y,
+            })
+        };
+        let bias = |y: Tensor| -> Result<Tensor> {
+            Ok(match &self.bias {
+                Some(b) => y.broadcast_add(b)?,
+                None => y,
+            })
+        };
+        if self.bias_first {
+            scale(bias(y)?)
+        } else {
+            bias(scale(y)?)
+        }
+    }
+}
+
 pub struct Layer {
-    pub attn_norm: Tensor, // (d)
+    pub attn_norm: Option<Norm>,
     /// q (h*hd, d), k (kv*hd, d), v (kv*hd, d): three matrices, or one of (h+2kv)*hd rows.
     pub qkv: Projections,
-    pub qkv_bias: Option<[Tensor; 3]>, // (h*hd), (kv*hd), (kv*hd)
-    pub qk_norm: Option<(Tensor, Tensor)>, // (hd), (hd)
-    pub wo: QLinear,                   // (d, h*hd)
-    pub post_attn_norm: Option<Tensor>, // (d)
-    pub ffn_norm: Tensor,              // (d)
-    pub gate_up: Projections,          // gate (ff, d), up (ff, d); or one of 2ff rows
-    pub w_down: QLinear,               // (d, ff)
-    pub post_ffn_norm: Option<Tensor>, // (d)
-    /// Index into [`Weights::windows`] (the pass plan's key ranges) and into
-    /// [`Weights::rope_bases`].
+    pub qkv_post: [Affine; 3],
+    /// q's and k's norm weights: (hd) each per head, or the whole projection's.
+    pub qk_norm: Option<(Norm, Norm)>,
+    pub wo: QLinear, // (d, h*hd)
+    pub wo_post: Affine,
+    pub post_attn_norm: Option<Norm>,
+    pub ffn_norm: Option<Norm>,
+    /// gate (ff, d) and up (ff, d), or one of 2ff rows, or up alone (an FFN without a gate).
+    pub gate_up: Projections,
+    pub gate_up_post: Vec<Affine>,
+    pub w_down: QLinear, // (d, ff)
+    pub down_post: Affine,
+    pub post_ffn_norm: Option<Norm>,
+    /// Index into [`Weights::windows`] (the pass plan's key ranges).
     pub view: usize,
-    pub rope: usize,
 }
 
 pub struct Weights {
     pub embedding: Embedding,
     pub layers: Vec<Layer>,
-    pub out_norm: Tensor, // (d)
-    pub output: QLinear,  // (V, d)
-    /// Distinct sliding windows (`None`: whole context) and rope bases among the layers.
+    pub out_norm: Option<Norm>,
+    pub output: QLinear, // (V, d)
+    pub output_bias: Option<Tensor>,
+    /// Distinct sliding windows (`None`: whole context) among the layers.
     pub windows: Vec<Option<usize>>,
-    pub rope_bases: Vec<f32>,
+    /// `rope_freqs`, and long-rope's long and short factors (n_rot / 2 each).
+    pub rope_freqs: Option<Vec<f32>>,
+    pub rope_long: Option<Vec<f32>>,
+    pub rope_short: Option<Vec<f32>>,
     pub vocab_size: usize,
 }
 
@@ -51,15 +104,22 @@ pub enum Embedding {
     Output,
 }
 
-/// Reads a checkpoint's tensors onto one device, quantized weights kept as `kind` says.
+/// Reads a checkpoint's tensors onto one device, quantized weights kept as `kind` says, and
+/// remembers which it read.
 struct Reader<'a> {
     ckpt: &'a Checkpoint,
     device: &'a Device,
     kind: DeviceWeights,
+    read: RefCell<BTreeSet<String>>,
 }
 
 impl Reader<'_> {
+    fn has(&self, n: &str) -> bool {
+        self.ckpt.has_tensor(n)
+    }
+
     fn tensor(&self, n: &str) -> Result<QTensor> {
+        self.read.borrow_mut().insert(n.to_string());
         self.ckpt
             .tensor(n, self.device)
             .with_context(|| format!("reading tensor {n}"))
@@ -68,10 +128,48 @@ impl Reader<'_> {
     /// A norm's weight or a bias: `len` values, widened.
     fn vector(&self, n: &str, len: usize) -> Result<Tensor> {
         let t = self.tensor(n)?.dequantize(self.device)?;
-        if t.dims() != [len] {
+        if t.elem_count() != len || t.dims().iter().filter(|&&d| d != 1).count() > 1 {
             bail!("{n} has shape {:?}, expected [{len}]", t.dims());
         }
-        Ok(t)
+        Ok(t.reshape(len)?)
+    }
+
+    /// A vector that `need` says may, must or must not be there (Ignored: read, not used).
+    fn vector_if(&self, n: &str, len: usize, need: Need) -> Result<Option<Tensor>> {
+        match need {
+            Need::Absent => Ok(None),
+            Need::Required => self.vector(n, len).map(Some),
+            Need::Optional => self.has(n).then(|| self.vector(n, len)).transpose(),
+            Need::Ignored => {
+                self.read.borrow_mut().insert(n.to_string());
+                Ok(None)
+            }
+        }
+    }
+
+    /// The values of a small tensor (rope factors), on the host.
+    fn values(&self, n: &str, len: usize) -> Result<Option<Vec<f32>>> {
+        if !self.has(n) {
+            return Ok(None);
+        }
+        let t = self.tensor(n)?.dequantize(&Device::Cpu)?.flatten_all()?;
+        let v: Vec<f32> = t.to_vec1()?;
+        if v.len() < len {
+            bail!("{n} holds {} values, expected {len}", v.len());
+        }
+        Ok(Some(v))
+    }
+
+    /// A per-tensor scale (`blk.N.attn_q.scale` for `blk.N.attn_q.weight`: one value), when
+    /// the file has one; `used` false: read and ignored, as llama.cpp does for the FFN of most
+    /// families.
+    fn scale(&self, base: &str, used: bool) -> Result<Option<f32>> {
+        let n = format!("{base}.scale");
+        if !self.has(&n) {
+            return Ok(None);
+        }
+        let v = self.vector(&n, 1)?.to_vec1::<f32>()?[0];
+        Ok(used.then_some(v))
     }
 
     /// The matrix `n` of `rows` (any, if None) by `cols`, and its row count.
@@ -80,6 +178,7 @@ impl Reader<'_> {
         // CPU; widened elsewhere.
         if self.device.is_cpu() && self.kind == DeviceWeights::Quantized {
             if let Some((ggml, r, c, raw)) = self.ckpt.own_matrix(n)? {
+                self.read.borrow_mut().insert(n.to_string());
                 if rows.is_some_and(|want| want != r) || c != cols {
                     bail!(
                         "{n} has shape [{r}, {c}], expected [{}, {cols}]",
@@ -101,6 +200,21 @@ impl Reader<'_> {
         }
         Ok((QLinear::for_device(q, self.device, self.kind)?, dims[0]))
     }
+
+    /// A norm as `rule` says: None where the architecture has no norm there.
+    fn norm(&self, prefix: &str, len: usize, rule: NormRule) -> Result<Option<Norm>> {
+        match rule {
+            NormRule::None => Ok(None),
+            NormRule::Plain => Ok(Some(Norm {
+                weight: None,
+                bias: None,
+            })),
+            NormRule::Weighted { bias } => Ok(Some(Norm {
+                weight: Some(self.vector(&format!("{prefix}.weight"), len)?),
+                bias: self.vector_if(&format!("{prefix}.bias"), len, bias)?,
+            })),
+        }
+    }
 }
 
 impl Weights {
@@ -111,11 +225,21 @@ impl Weights {
         device: &Device,
         kind: DeviceWeights,
     ) -> Result<Self> {
-        let r = Reader { ckpt, device, kind };
+        let r = Reader {
+            ckpt,
+            device,
+            kind,
+            read: RefCell::new(BTreeSet::new()),
+        };
+        let rules = &cfg.tensors;
+        let tied = match rules.output {
+            Output::Tied => true,
+            Output::TiedIfAbsent => !ckpt.has_tensor("output.weight"),
+            Output::Own => false,
+        };
         // Tied embeddings (SmolLM2, Gemma, small Qwens): the output layer is the embedding
         // matrix. On gen's CPU kernels it is read once, as the output layer, and lookups widen
         // its rows; otherwise the embedding is a table of its own.
-        let tied = !ckpt.has_tensor("output.weight");
         let (embedding, tied_output) = match tied {
             true if device.is_cpu() && kind == DeviceWeights::Quantized => {
                 match r.matrix("token_embd.weight", None, cfg.d_model) {
@@ -139,14 +263,12 @@ impl Weights {
             );
         }
         let mut windows: Vec<Option<usize>> = Vec::new();
-        let mut rope_bases: Vec<f32> = Vec::new();
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let view = index_of(&mut windows, cfg.layer_window(i));
-            let rope = index_of(&mut rope_bases, cfg.layer_rope_base(i));
-            layers.push(load_layer(&r, cfg, i, view, rope)?);
+            layers.push(load_layer(&r, cfg, i, view)?);
         }
-        let out_norm = r.vector("output_norm.weight", cfg.d_model)?;
+        let out_norm = r.norm("output_norm", cfg.d_model, rules.output_norm)?;
         let output = match tied_output {
             Some(out) => out,
             None => {
@@ -158,15 +280,35 @@ impl Weights {
                 r.matrix(name, Some(vocab_size), cfg.d_model)?.0
             }
         };
-        Ok(Self {
+        let output_bias = r.vector_if("output.bias", vocab_size, rules.output_bias)?;
+        let half = cfg.ropes.iter().map(|c| c.n_rot / 2).max().unwrap_or(0);
+        let (rope_freqs, rope_long, rope_short) = match rules.rope_factors {
+            RopeFactors::None => (None, None, None),
+            RopeFactors::FreqsIgnored => {
+                r.vector_if("rope_freqs.weight", half, Need::Ignored)?;
+                (None, None, None)
+            }
+            RopeFactors::Freqs => (r.values("rope_freqs.weight", half)?, None, None),
+            RopeFactors::LongShort => (
+                None,
+                r.values("rope_factors_long.weight", half)?,
+                r.values("rope_factors_short.weight", half)?,
+            ),
+        };
+        let w = Self {
             embedding,
             layers,
             out_norm,
             output,
+            output_bias,
             windows,
-            rope_bases,
+            rope_freqs,
+            rope_long,
+            rope_short,
             vocab_size,
-        })
+        };
+        check_all_read(ckpt, cfg, &r.read.borrow())?;
+        Ok(w)
     }
 
     /// The embeddings of a pass's tokens, scaled where the family says: (N, d).
@@ -186,100 +328,212 @@ impl Weights {
             }
             (Embedding::Output, _) => unreachable!("tied to an output layer on gen's kernels"),
         };
-        if cfg.family.scales_embeddings() {
-            x = (x * (cfg.d_model as f32).sqrt() as f64)?;
+        if let Some(s) = cfg.embed_scale {
+            x = (x * s as f64)?;
         }
         Ok(x)
     }
+
+    /// The frequency factors rotary embedding `rope` divides by, if any (llama.cpp's
+    /// `get_rope_factors`: `rope_freqs` first, else long-rope's long or short ones).
+    pub fn rope_factors(&self, rope: &super::rope::RopeCfg) -> Option<&[f32]> {
+        use super::rope::Factors;
+        match rope.factors {
+            Factors::None => None,
+            Factors::Long => self.rope_freqs.as_ref().or(self.rope_long.as_ref()),
+            Factors::Short => self.rope_freqs.as_ref().or(self.rope_short.as_ref()),
+        }
+        .map(Vec::as_slice)
+    }
 }
 
-/// Layer `i`'s weights (`view` and `rope`: its window's and rope base's index).
-fn load_layer(
+/// Layer `i`'s weights (`view`: its window's index).
+fn load_layer(r: &Reader<'_>, cfg: &DecoderConfig, i: usize, view: usize) -> Result<Layer> {
+    let rules = &cfg.tensors;
+    let p = format!("blk.{i}");
+    let name = |n: &str| format!("{p}.{n}");
+    let mm = |n: &str, rows: Option<usize>, cols: usize| r.matrix(&name(n), rows, cols);
+    let (d, h, kv, hd) = (cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.head_dim);
+    let widths = [h * hd, kv * hd, kv * hd];
+    let attn_scale = |n: &str| r.scale(&name(n), true);
+    let (qkv, qkv_post) = if r.has(&name("attn_qkv.weight")) {
+        let (w, _) = mm("attn_qkv.weight", Some(widths.iter().sum()), d)?;
+        let scale = attn_scale("attn_qkv")?;
+        let bias = match r.vector_if(&name("attn_qkv.bias"), widths.iter().sum(), rules.qkv_bias)? {
+            Some(b) => {
+                let (q, k) = (
+                    b.narrow(0, 0, widths[0])?,
+                    b.narrow(0, widths[0], widths[1])?,
+                );
+                let v = b.narrow(0, widths[0] + widths[1], widths[2])?;
+                [Some(q), Some(k), Some(v)]
+            }
+            None => qkv_biases(r, &name, &widths, rules.qkv_bias)?,
+        };
+        let post = bias.map(|bias| Affine {
+            scale,
+            bias,
+            bias_first: false,
+        });
+        let fused = Projections::Fused {
+            linear: w,
+            widths: widths.to_vec(),
+        };
+        (fused, post)
+    } else {
+        let mut parts = Vec::new();
+        let mut scales = Vec::new();
+        for (n, rows) in ["attn_q", "attn_k", "attn_v"].iter().zip(widths) {
+            parts.push(mm(&format!("{n}.weight"), Some(rows), d)?.0);
+            scales.push(attn_scale(n)?);
+        }
+        let biases = qkv_biases(r, &name, &widths, rules.qkv_bias)?;
+        let mut post = biases.into_iter().zip(scales).map(|(bias, scale)| Affine {
+            scale,
+            bias,
+            bias_first: false,
+        });
+        let post = [(); 3].map(|_| post.next().expect("three parts"));
+        (Projections::new(parts), post)
+    };
+    let qk_norm = match (rules.qk_norm, cfg.attn.qk_norm) {
+        (Need::Absent, _) | (_, QkNorm::None) => None,
+        (need, kind) => {
+            let (ql, kl) = match kind {
+                QkNorm::Whole => (h * hd, kv * hd),
+                _ => (hd, hd),
+            };
+            let q = r.vector_if(&name("attn_q_norm.weight"), ql, need)?;
+            let k = r.vector_if(&name("attn_k_norm.weight"), kl, need)?;
+            match (q, k) {
+                (Some(q), Some(k)) => Some((norm_of(q), norm_of(k))),
+                (None, None) => None,
+                _ => bail!("{p} has one of attn_q_norm and attn_k_norm without the other"),
+            }
+        }
+    };
+    let (wo, _) = mm("attn_output.weight", Some(d), h * hd)?;
+    let wo_post = Affine {
+        scale: attn_scale("attn_output")?,
+        bias: r.vector_if(&name("attn_output.bias"), d, rules.wo_bias)?,
+        bias_first: false,
+    };
+    let (gate_up, gate_up_post, ff) = load_ffn_in(r, cfg, &p)?;
+    let (w_down, _) = mm("ffn_down.weight", Some(d), ff)?;
+    let down_post = Affine {
+        scale: r.scale(&name("ffn_down"), rules.ffn_scales)?,
+        bias: r.vector_if(&name("ffn_down.bias"), d, rules.ffn_bias)?,
+        bias_first: true,
+    };
+    Ok(Layer {
+        attn_norm: r.norm(&name("attn_norm"), d, rules.attn_norm)?,
+        qkv,
+        qkv_post,
+        qk_norm,
+        wo,
+        wo_post,
+        post_attn_norm: r.norm(&name("post_attention_norm"), d, rules.post_attn_norm)?,
+        ffn_norm: r.norm(&name("ffn_norm"), d, rules.ffn_norm)?,
+        gate_up,
+        gate_up_post,
+        w_down,
+        down_post,
+        post_ffn_norm: r.norm(&name("post_ffw_norm"), d, rules.post_ffn_norm)?,
+        view,
+    })
+}
+
+/// The FFN's input side: gate and up (or up alone, or one matrix holding both), what follows
+/// each, and the FFN's width.
+fn load_ffn_in(
     r: &Reader<'_>,
     cfg: &DecoderConfig,
-    i: usize,
-    view: usize,
-    rope: usize,
-) -> Result<Layer> {
-    let family = cfg.family;
-    let p = format!("blk.{i}");
-    let mm = |n: &str, rows: Option<usize>, cols: usize| {
-        r.matrix(&format!("{p}.{n}.weight"), rows, cols)
-    };
-    let has = |n: &str| r.ckpt.has_tensor(&format!("{p}.{n}.weight"));
-    let (d, h, kv, hd) = (cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.head_dim);
-    let qkv = if has("attn_qkv") {
-        let (w, _) = mm("attn_qkv", Some((h + 2 * kv) * hd), d)?;
-        Projections::Fused {
-            linear: w,
-            widths: vec![h * hd, kv * hd, kv * hd],
-        }
-    } else {
-        let (wq, _) = mm("attn_q", Some(h * hd), d)?;
-        let (wk, _) = mm("attn_k", Some(kv * hd), d)?;
-        let (wv, _) = mm("attn_v", Some(kv * hd), d)?;
-        Projections::new(vec![wq, wk, wv])
-    };
-    let qkv_bias = family
-        .qkv_bias()
-        .then(|| -> Result<[Tensor; 3]> {
-            Ok([
-                r.vector(&format!("{p}.attn_q.bias"), h * hd)?,
-                r.vector(&format!("{p}.attn_k.bias"), kv * hd)?,
-                r.vector(&format!("{p}.attn_v.bias"), kv * hd)?,
-            ])
+    p: &str,
+) -> Result<(Projections, Vec<Affine>, usize)> {
+    let rules = &cfg.tensors;
+    let d = cfg.d_model;
+    let name = |n: &str| format!("{p}.{n}");
+    let post = |n: &str, len: usize| -> Result<Affine> {
+        Ok(Affine {
+            scale: r.scale(&name(n), rules.ffn_scales)?,
+            bias: r.vector_if(&name(&format!("{n}.bias")), len, rules.ffn_bias)?,
+            bias_first: true,
         })
-        .transpose()?;
-    let qk_norm = family
-        .qk_norm()
-        .then(|| -> Result<(Tensor, Tensor)> {
-            Ok((
-                r.vector(&format!("{p}.attn_q_norm.weight"), hd)?,
-                r.vector(&format!("{p}.attn_k_norm.weight"), hd)?,
-            ))
-        })
-        .transpose()?;
-    let (wo, _) = mm("attn_output", Some(d), h * hd)?;
-    // Phi-3 keeps gate and up in one matrix, gate first.
-    let (gate_up, ff) = if has("ffn_gate") {
-        let (w_gate, ff) = mm("ffn_gate", None, d)?;
-        let (w_up, _) = mm("ffn_up", Some(ff), d)?;
-        (Projections::new(vec![w_gate, w_up]), ff)
-    } else if family == Family::Phi3 {
-        let (w, rows) = mm("ffn_up", None, d)?;
+    };
+    if rules.fused_gate_up {
+        let (w, rows) = r.matrix(&name("ffn_up.weight"), None, d)?;
         if rows % 2 != 0 {
             bail!("{p}.ffn_up.weight holds gate and up, but has an odd number of rows ({rows})");
         }
         let ff = rows / 2;
+        let up = post("ffn_up", rows)?;
+        if !up.is_identity() {
+            bail!("{p}.ffn_up holds gate and up: a scale or bias on it is not supported");
+        }
         let fused = Projections::Fused {
             linear: w,
             widths: vec![ff, ff],
         };
-        (fused, ff)
-    } else {
-        bail!("tensor {p}.ffn_gate.weight is missing");
-    };
-    let (w_down, _) = mm("ffn_down", Some(d), ff)?;
-    let sandwich = |n: &str| -> Result<Option<Tensor>> {
-        family
-            .sandwich_norms()
-            .then(|| r.vector(&format!("{p}.{n}.weight"), d))
-            .transpose()
-    };
-    Ok(Layer {
-        attn_norm: r.vector(&format!("{p}.attn_norm.weight"), d)?,
-        qkv,
-        qkv_bias,
-        qk_norm,
-        wo,
-        post_attn_norm: sandwich("post_attention_norm")?,
-        ffn_norm: r.vector(&format!("{p}.ffn_norm.weight"), d)?,
-        gate_up,
-        w_down,
-        post_ffn_norm: sandwich("post_ffw_norm")?,
-        view,
-        rope,
-    })
+        return Ok((fused, vec![Affine::default(), Affine::default()], ff));
+    }
+    let (w_up, ff) = r.matrix(&name("ffn_up.weight"), None, d)?;
+    let up = post("ffn_up", ff)?;
+    match rules.ffn_gate {
+        Need::Required => {
+            let (w_gate, _) = r.matrix(&name("ffn_gate.weight"), Some(ff), d)?;
+            let gate = post("ffn_gate", ff)?;
+            Ok((Projections::new(vec![w_gate, w_up]), vec![gate, up], ff))
+        }
+        _ => Ok((Projections::Separate(vec![w_up]), vec![up], ff)),
+    }
+}
+
+/// q/k/v's biases, one per part (as many as the file has, where `need` allows them).
+fn qkv_biases(
+    r: &Reader<'_>,
+    name: &dyn Fn(&str) -> String,
+    widths: &[usize; 3],
+    need: Need,
+) -> Result<[Option<Tensor>; 3]> {
+    let mut out = [None, None, None];
+    for ((slot, n), &w) in out
+        .iter_mut()
+        .zip(["attn_q", "attn_k", "attn_v"])
+        .zip(widths)
+    {
+        *slot = r.vector_if(&name(&format!("{n}.bias")), w, need)?;
+    }
+    Ok(out)
+}
+
+fn norm_of(weight: Tensor) -> Norm {
+    Norm {
+        weight: Some(weight),
+        bias: None,
+    }
+}
+
+/// Every tensor of the file must have been read, be one llama.cpp reads and ignores for this
+/// architecture, or the file is refused: a tensor gen does not use may change what the model
+/// computes.
+fn check_all_read(ckpt: &Checkpoint, cfg: &DecoderConfig, read: &BTreeSet<String>) -> Result<()> {
+    for n in ckpt.tensor_names() {
+        if read.contains(&n) || cfg.tensors.ignored.contains(&n.as_str()) {
+            continue;
+        }
+        // llama.cpp loads `.input_scale` factors for every projection and uses none of them.
+        if let Some(of) = n.strip_suffix(".input_scale") {
+            if read.contains(&format!("{of}.weight")) {
+                continue;
+            }
+        }
+        bail!(
+            "tensor {n} is not one a {} model holds as llama.cpp reads it: refusing the file \
+             rather than running it without",
+            cfg.arch
+        );
+    }
+    Ok(())
 }
 
 /// The index of `v` in `list`, added if new.

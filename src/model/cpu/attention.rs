@@ -40,10 +40,38 @@ pub fn paged_decode_attention(
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
-    scale: f32,
+    scale: impl Into<Scoring>,
 ) -> Vec<f32> {
-    let args = (block, heads, kv_heads, head_dim, scale);
+    let args = (block, heads, kv_heads, head_dim, scale.into());
     decode_with(steps, k_pool, v_pool, args, avx2_available())
+}
+
+/// How a query's scores are formed: scale·(q·k), then, with a soft cap c, c·tanh(s / c)
+/// (Gemma 2), before the softmax.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scoring {
+    pub scale: f32,
+    pub softcap: Option<f32>,
+}
+
+impl From<f32> for Scoring {
+    fn from(scale: f32) -> Self {
+        Self {
+            scale,
+            softcap: None,
+        }
+    }
+}
+
+impl Scoring {
+    /// The soft cap over a row of scaled scores, where there is one.
+    fn cap(&self, row: &mut [f32]) {
+        if let Some(c) = self.softcap {
+            for s in row {
+                *s = c * (*s / c).tanh();
+            }
+        }
+    }
 }
 
 /// `paged_decode_attention` with the SIMD choice made by the caller (tests run both).
@@ -51,7 +79,7 @@ fn decode_with(
     steps: &[PagedQuery<'_>],
     k_pool: &[f16],
     v_pool: &[f16],
-    (block, heads, kv_heads, head_dim, scale): (usize, usize, usize, usize, f32),
+    (block, heads, kv_heads, head_dim, scale): (usize, usize, usize, usize, Scoring),
     avx2: bool,
 ) -> Vec<f32> {
     debug_assert!(kv_heads > 0 && heads.is_multiple_of(kv_heads));
@@ -119,7 +147,7 @@ struct Group<'a> {
     /// Blocks in the pool, and the kv head the group reads.
     pool_blocks: usize,
     j: usize,
-    scale: f32,
+    scale: Scoring,
 }
 
 impl Group<'_> {
@@ -168,12 +196,13 @@ impl Group<'_> {
             for (base, n) in self.runs() {
                 for r in 0..n {
                     let at = base + r * hd;
-                    scores.push(dot_f16(q, &k_pool[at..at + hd]) * self.scale);
+                    scores.push(dot_f16(q, &k_pool[at..at + hd]) * self.scale.scale);
                 }
             }
             if scores.is_empty() {
                 continue;
             }
+            self.scale.cap(&mut scores);
             let inv = 1.0 / softmax_unnormalised(&mut scores, false);
             let mut p = 0;
             for (base, n) in self.runs() {
@@ -218,15 +247,16 @@ impl Group<'_> {
                 let s = &mut scores[q0 * n..(q0 + c) * n];
                 // <queries, key rows per step>
                 match c {
-                    1 => x86::block_scores::<1, 4>(q, keys, self.scale, s, p),
-                    2 => x86::block_scores::<2, 4>(q, keys, self.scale, s, p),
-                    3 => x86::block_scores::<3, 2>(q, keys, self.scale, s, p),
-                    4 => x86::block_scores::<4, 2>(q, keys, self.scale, s, p),
+                    1 => x86::block_scores::<1, 4>(q, keys, self.scale.scale, s, p),
+                    2 => x86::block_scores::<2, 4>(q, keys, self.scale.scale, s, p),
+                    3 => x86::block_scores::<3, 2>(q, keys, self.scale.scale, s, p),
+                    4 => x86::block_scores::<4, 2>(q, keys, self.scale.scale, s, p),
                     _ => unreachable!("chunks of at most MAX_GROUP = 4 queries"),
                 }
             }
         }
         for (inv, row) in inv.iter_mut().zip(scores.chunks_exact_mut(n)) {
+            self.scale.cap(row);
             *inv = 1.0 / x86::softmax_unnormalised(row);
         }
         for (p, vals) in self.prefetched(v_pool) {
@@ -291,9 +321,9 @@ pub fn causal_prefill_attention(
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
-    scale: f32,
+    scale: impl Into<Scoring>,
 ) -> Vec<f32> {
-    let args = (block, heads, kv_heads, head_dim, scale);
+    let args = (block, heads, kv_heads, head_dim, scale.into());
     prefill_with(
         q,
         blocks,
@@ -313,10 +343,11 @@ fn prefill_with(
     (pos, t, window): (usize, usize, Option<usize>),
     k_pool: &[f16],
     v_pool: &[f16],
-    (block, heads, kv_heads, head_dim, scale): (usize, usize, usize, usize, f32),
+    (block, heads, kv_heads, head_dim, scoring): (usize, usize, usize, usize, Scoring),
     avx2: bool,
 ) -> Vec<f32> {
     use half::slice::HalfFloatSliceExt;
+    let scale = scoring.scale;
     let hd = head_dim;
     let l = pos + t;
     let g = heads / kv_heads;
@@ -414,6 +445,7 @@ fn prefill_with(
                     let tt = (c0 + qq) / g;
                     let row = &mut rows[qq * width..(qq + 1) * width];
                     let (a, b) = (first(tt) - k0, seen(tt) - k0);
+                    scoring.cap(&mut row[a..b]);
                     inv[c0 + qq] = 1.0 / softmax_unnormalised(&mut row[a..b], avx2);
                     row[..a].fill(0.0);
                     row[b..].fill(0.0);
@@ -1085,7 +1117,7 @@ mod tests {
                 },
             ];
             for avx2 in [false, avx2_available()] {
-                let got = decode_with(&steps, &kp, &vp, (block, h, kv, hd, scale), avx2);
+                let got = decode_with(&steps, &kp, &vp, (block, h, kv, hd, scale.into()), avx2);
                 let want1 = reference(&q1, &k, &v, h, kv, l, l, hd, scale);
                 let want2 = reference(&q2, &k, &v, h, kv, l, l.div_ceil(2), hd, scale);
                 for (a, b) in got.iter().zip(want1.iter().chain(&want2)) {
@@ -1136,7 +1168,7 @@ mod tests {
                     .collect()
             };
             for avx2 in [false, avx2_available()] {
-                let args = (block, h, kv, hd, scale);
+                let args = (block, h, kv, hd, scale.into());
                 let got = prefill_with(&q, &blocks, (pos, t, window), &kp, &vp, args, avx2);
                 for tt in 0..t {
                     let to = pos + tt + 1;
@@ -1196,7 +1228,7 @@ mod tests {
                         .collect()
                 };
                 for avx2 in [false, avx2_available()] {
-                    let got = decode_with(&steps, &kp, &vp, (block, h, kv, hd, scale), avx2);
+                    let got = decode_with(&steps, &kp, &vp, (block, h, kv, hd, scale.into()), avx2);
                     for (i, (&(len, from), q)) in spans.iter().zip(&qs).enumerate() {
                         let (ks, vs) = (span(&k, from, len), span(&v, from, len));
                         let n = len - from;

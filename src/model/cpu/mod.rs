@@ -2,13 +2,10 @@
 //! ([`matmul`]), attention reading the f16 paged cache in place ([`attention`], [`kv_store`]),
 //! and fused element-wise steps ([`ops`]: rope in the token-major layout, each residual add with
 //! the norm after it, silu(gate) * up). Activations stay token-major, (N, heads, hd), from the
-//! projections through the cache to attention's output.
-//!
-//! A layer, top to bottom: q/k/v projections (one fused matrix where the weights allow), biases,
-//! per-head q/k norms, rope, the cache write, attention (every one-token step of the pass in one
-//! call of the decode kernel; each prompt chunk through the causal prefill kernel), the output
-//! projection, the residual add fused with the FFN's norm, gate/up, the activation, the down
-//! projection, and the residual add fused with the next layer's attention norm.
+//! projections through the cache to attention's output. The layer itself is
+//! [`super::layer`]'s, shared with the device backend; this backend brings its rope, its
+//! attention (every one-token step of the pass in one call of the decode kernel; each prompt
+//! chunk through the causal prefill kernel) and its fused steps.
 
 pub mod attention;
 pub mod kv_store;
@@ -25,12 +22,14 @@ pub mod wide16;
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 
+use self::attention::Scoring;
 use self::kv_store::HostKv;
-use super::config::{Activation, DecoderConfig, Rope};
+use super::config::{Activation, DecoderConfig, RopePairs};
 use super::kv_cache::BLOCK_SIZE;
+use super::layer::LayerOps;
 use super::plan::{DecodeQuery, PassPlan, StepPlan};
 use super::profile::Profile;
-use super::weights::{Layer, Weights};
+use super::weights::Weights;
 use super::StepKind;
 
 pub struct CpuBackend {
@@ -40,10 +39,13 @@ pub struct CpuBackend {
 /// What the CPU's layers need of a pass beyond its plan, prepared once.
 struct CpuPass<'p, 'a> {
     plan: &'p PassPlan<'a>,
-    /// Per rope base: cos and sin, (N, hd/2) each.
+    cfg: &'p DecoderConfig,
+    store: &'p mut HostKv,
+    /// Per rotary embedding of the configuration: cos and sin, (N, n_rot/2) each.
     ropes: Vec<(Vec<f32>, Vec<f32>)>,
     /// The decode steps' tokens, for the decode kernel.
     decode: Vec<DecodeQuery<'a>>,
+    device: Device,
 }
 
 impl CpuBackend {
@@ -80,114 +82,76 @@ impl CpuBackend {
         cfg: &DecoderConfig,
         profile: &mut Profile,
     ) -> Result<Tensor> {
-        let dev = &Device::Cpu;
-        let pass = CpuPass {
+        let mut pass = CpuPass {
             plan,
-            ropes: w
-                .rope_bases
+            cfg,
+            store: &mut self.store,
+            ropes: cfg
+                .ropes
                 .iter()
-                .map(|&base| plan.rope_angles(cfg.head_dim, base))
+                .map(|r| r.angles(&plan.positions, w.rope_factors(r)))
                 .collect(),
             decode: plan.decode_queries(),
+            device: Device::Cpu,
         };
-        let mut x = w.embed(&plan.ids, cfg, dev)?;
-        let last_rows = plan.logit_rows();
-        profile.mark(dev, "prepare, embed");
-        // Each residual add comes with the norm that follows it (one fused pass): the input of
-        // the next layer's attention, normalised, waits here.
-        let mut normed: Option<Tensor> = None;
-        for (l, layer) in w.layers.iter().enumerate() {
-            let xn = match normed.take() {
-                Some(xn) => xn,
-                None => candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?,
-            };
-            let y = self.attention(l, layer, &xn, &pass, cfg, profile)?;
-            let mut o = layer.wo.forward(&y)?;
-            if let Some(w) = &layer.post_attn_norm {
-                o = candle_nn::ops::rms_norm(&o, w, cfg.rms_eps)?;
-            }
-            let xn;
-            (x, xn) = ops::add_rms_norm(&x, &o, &layer.ffn_norm, cfg.rms_eps)?;
-            profile.mark(dev, "attn out, add, norm");
-            let [gate, up]: [Tensor; 2] = layer
-                .gate_up
-                .forward(&xn)?
-                .try_into()
-                .expect("two projections");
-            profile.mark(dev, "gate/up");
-            let act = match cfg.family.activation() {
-                Activation::Silu => ops::silu_mul(&gate, &up)?,
-                Activation::GeluTanh => ops::gelu_mul(&gate, &up)?,
-            };
-            profile.mark(dev, "activation");
-            let mut o = layer.w_down.forward(&act)?;
-            if let Some(w) = &layer.post_ffn_norm {
-                o = candle_nn::ops::rms_norm(&o, w, cfg.rms_eps)?;
-            }
-            match w.layers.get(l + 1) {
-                Some(next) => {
-                    let xn;
-                    (x, xn) = ops::add_rms_norm(&x, &o, &next.attn_norm, cfg.rms_eps)?;
-                    normed = Some(xn);
-                }
-                None => x = (x + o)?,
-            }
-            profile.mark(dev, "down, add, norm");
-        }
-        Ok(match last_rows {
-            Some(rows) => x.index_select(&Tensor::new(rows.as_slice(), dev)?, 0)?,
-            None => x,
-        })
+        super::layer::run(&mut pass, plan, w, cfg, profile)
+    }
+}
+
+impl LayerOps for CpuPass<'_, '_> {
+    fn device(&self) -> &Device {
+        &self.device
     }
 
-    /// Layer `l`'s attention block up to the output projection: q/k/v, rope, the cache
-    /// write, attention. xn: (N, d) normalised. Returns (N, h*hd).
-    fn attention(
+    fn rope(&self, x: &Tensor, rope: usize) -> Result<Tensor> {
+        let (cos, sin) = &self.ropes[rope];
+        ops::rope(x, cos, sin, self.cfg.rope_pairs == RopePairs::Norm)
+    }
+
+    fn add_rms_norm(
+        &self,
+        x: &Tensor,
+        o: &Tensor,
+        w: &Tensor,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor)> {
+        ops::add_rms_norm(x, o, w, eps)
+    }
+
+    fn gated(&self, gate: &Tensor, up: &Tensor, act: Activation) -> Result<Tensor> {
+        match act {
+            Activation::Silu => ops::silu_mul(gate, up),
+            Activation::GeluTanh => ops::gelu_mul(gate, up),
+            other => Ok((super::layer::activation(gate, other)? * up)?),
+        }
+    }
+
+    /// The cache write, then attention: every one-token step of the pass in one call of the
+    /// decode kernel, each prompt chunk through the prefill kernel.
+    fn attend(
         &mut self,
         l: usize,
-        layer: &Layer,
-        xn: &Tensor,
-        pass: &CpuPass<'_, '_>,
-        cfg: &DecoderConfig,
+        view: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
         profile: &mut Profile,
     ) -> Result<Tensor> {
         let dev = &Device::Cpu;
-        let plan = pass.plan;
-        let (n, h, kv, hd) = (plan.tokens(), cfg.n_head, cfg.n_kv_head, cfg.head_dim);
-        let [mut q, mut k, mut v]: [Tensor; 3] = layer
-            .qkv
-            .forward(xn)?
-            .try_into()
-            .expect("three projections");
-        if let Some([bq, bk, bv]) = &layer.qkv_bias {
-            q = q.broadcast_add(bq)?;
-            k = k.broadcast_add(bk)?;
-            v = v.broadcast_add(bv)?;
-        }
-        profile.mark(dev, "q/k/v");
-        // Token-major all the way: (N, heads, hd) is what the projections give and what the
-        // attention kernels and the cache take.
-        let (mut q, mut k) = (q.reshape((n, h, hd))?, k.reshape((n, kv, hd))?);
-        if let Some((qn, kn)) = &layer.qk_norm {
-            q = candle_nn::ops::rms_norm(&q, qn, cfg.rms_eps)?;
-            k = candle_nn::ops::rms_norm(&k, kn, cfg.rms_eps)?;
-        }
-        let (cos, sin) = &pass.ropes[layer.rope];
-        let interleaved = matches!(cfg.family.rope(), Rope::Interleaved);
-        let q = ops::rope(&q, cos, sin, interleaved)?;
-        let k = ops::rope(&k, cos, sin, interleaved)?.reshape((n, kv * hd))?;
-        profile.mark(dev, "rope");
-        self.store.write(l, &k, &v, &plan.slots)?;
+        let (plan, cfg) = (self.plan, self.cfg);
+        let n = plan.tokens();
+        self.store.write(l, k, v, &plan.slots)?;
         profile.mark(dev, "kv write");
-
         let (k_pool, v_pool) = self.store.layer(l);
-        let scale = cfg.attn_scale as f32;
-        let view = layer.view;
-        let decoded = (!pass.decode.is_empty())
-            .then(|| decode_attention(&q, k_pool, v_pool, &pass.decode, view, cfg, scale))
+        let scoring = Scoring {
+            scale: cfg.attn.scale,
+            softcap: cfg.attn.softcap,
+        };
+        let decoded = (!self.decode.is_empty())
+            .then(|| decode_attention(q, k_pool, v_pool, &self.decode, view, cfg, scoring))
             .transpose()?;
         let y = match decoded {
-            Some(y) if pass.decode.len() == n => y, // every token: (N, h*hd)
+            Some(y) if self.decode.len() == n => y, // every token: (N, h*hd)
             _ => {
                 // Steps in order: prompt chunks through the prefill kernel, decode steps from
                 // the decode kernel's rows.
@@ -201,7 +165,7 @@ impl CpuBackend {
                     } else {
                         let window = plan.windows[view];
                         parts.push(prefill_attention(
-                            &q, step, window, k_pool, v_pool, cfg, scale,
+                            q, step, window, k_pool, v_pool, cfg, scoring,
                         )?);
                     }
                 }
@@ -228,7 +192,7 @@ fn prefill_attention(
     k: &[half::f16],
     v: &[half::f16],
     cfg: &DecoderConfig,
-    scale: f32,
+    scale: Scoring,
 ) -> Result<Tensor> {
     let width = cfg.n_head * cfg.head_dim;
     let t = step.len;
@@ -260,7 +224,7 @@ fn decode_attention(
     queries: &[DecodeQuery<'_>],
     view: usize,
     cfg: &DecoderConfig,
-    scale: f32,
+    scale: Scoring,
 ) -> Result<Tensor> {
     let width = cfg.n_head * cfg.head_dim;
     let y = ops::with_f32(q, |q| {

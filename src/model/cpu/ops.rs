@@ -60,13 +60,14 @@ fn gated_mul(gate: &Tensor, up: &Tensor, gelu: bool) -> Result<Tensor> {
 }
 
 /// Rotary position embedding of x: (N, heads, hd), token n rotated by its row of cos and sin
-/// (N, hd / 2 each). `interleaved`: pairs (2i, 2i + 1) (GGUF llama layout); otherwise pairs
-/// (i, i + hd/2). The same products and sums as candle's rope and rope_i, in the token-major
-/// layout the projections produce, so no transposes are needed around it.
+/// (N, n_rot / 2 each); each head's first n_rot values turn, the rest pass through.
+/// `interleaved`: pairs (2i, 2i + 1) (GGUF llama layout); otherwise pairs (i, i + n_rot/2).
+/// The same products and sums as candle's rope and rope_i, in the token-major layout the
+/// projections produce, so no transposes are needed around it.
 pub fn rope(x: &Tensor, cos: &[f32], sin: &[f32], interleaved: bool) -> Result<Tensor> {
     let (n, heads, hd) = x.dims3()?;
-    let half = hd / 2;
-    if hd % 2 != 0 || cos.len() != n * half || sin.len() != n * half {
+    let half = cos.len() / n.max(1);
+    if 2 * half > hd || cos.len() != n * half || sin.len() != n * half {
         bail!(
             "rope: x {:?} against tables of {} and {}",
             x.dims(),

@@ -19,7 +19,11 @@ pub enum KernelMode {
 impl KernelMode {
     pub fn for_device(device: &Device, cfg: &DecoderConfig) -> Self {
         #[cfg(feature = "cuda")]
-        if device.is_cuda() && super::cuda::supported(cfg.n_head, cfg.n_kv_head, cfg.head_dim) {
+        // gen's CUDA attention knows no soft cap: Gemma 2 takes candle's path.
+        if device.is_cuda()
+            && cfg.attn.softcap.is_none()
+            && super::cuda::supported(cfg.n_head, cfg.n_kv_head, cfg.head_dim)
+        {
             return match std::env::var(super::cuda::ENV).as_deref() {
                 Ok("1") => KernelMode::On,
                 Ok("check") => KernelMode::Check,

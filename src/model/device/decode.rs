@@ -81,6 +81,7 @@ impl DeviceDecode {
         v_pool: &Tensor,
         cfg: &DecoderConfig,
         scale: f64,
+        softcap: Option<f64>,
         check: &KernelCheck,
     ) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
@@ -94,7 +95,7 @@ impl DeviceDecode {
                 scale as f32,
             )?;
             if let Some(g) = &self.gathered {
-                let want = g.attend(q, k_pool, v_pool, cfg, scale, self.steps)?;
+                let want = g.attend(q, k_pool, v_pool, cfg, (scale, softcap), self.steps)?;
                 check.attention(&y, &want)?;
             }
             return Ok(y);
@@ -103,7 +104,7 @@ impl DeviceDecode {
         self.gathered
             .as_ref()
             .context("one-token steps with neither kernel nor gathered keys")?
-            .attend(q, k_pool, v_pool, cfg, scale, self.steps)
+            .attend(q, k_pool, v_pool, cfg, (scale, softcap), self.steps)
     }
 }
 
@@ -143,7 +144,7 @@ impl Gathered {
         k_pool: &Tensor,
         v_pool: &Tensor,
         cfg: &DecoderConfig,
-        scale: f64,
+        (scale, softcap): (f64, Option<f64>),
         b: usize,
     ) -> Result<Tensor> {
         let (h, kv, hd) = (cfg.n_head, cfg.n_kv_head, cfg.head_dim);
@@ -161,6 +162,7 @@ impl Gathered {
             .index_select(&self.rows, 0)?
             .reshape((b * kv, l, hd))?;
         let att = (q.matmul(&keys.t()?)? * scale)?; // (B * kv, g, L)
+        let att = super::softcapped(att, softcap)?;
         let att = match &self.mask {
             Some(m) => att
                 .reshape((b, kv * g, l))?

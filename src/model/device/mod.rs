@@ -8,10 +8,10 @@
 //! rope tables, the rows that get logits) is uploaded before the layers queue any work: a copy
 //! from ordinary host memory may wait for the device to finish what is queued.
 //!
-//! A layer, top to bottom: q/k/v, biases, per-head q/k norms, rope, the cache write, attention
-//! (the one-token steps of the pass together, [`decode::DeviceDecode`]; each prompt chunk
-//! against its gathered keys with a mask), the output projection, the residual add, the FFN's
-//! norm, gate/up, the activation, the down projection, the residual add.
+//! The layer itself is [`super::layer`]'s, shared with the CPU backend; this backend brings its
+//! rope (candle's, heads-first) and its attention: the cache write, then the one-token steps
+//! of the pass together ([`decode::DeviceDecode`]) and each prompt chunk against its gathered
+//! keys with a mask.
 
 pub mod check;
 #[cfg(feature = "cuda")]
@@ -25,10 +25,11 @@ use candle_core::{Device, Tensor};
 use self::check::{KernelCheck, KernelMode};
 use self::decode::{attention_mask, DeviceDecode, DeviceStep};
 use self::kv_store::{DeviceKv, WritePlan};
-use super::config::{Activation, DecoderConfig, Rope};
+use super::config::{DecoderConfig, RopePairs};
+use super::layer::LayerOps;
 use super::plan::PassPlan;
 use super::profile::Profile;
-use super::weights::{Layer, Weights};
+use super::weights::Weights;
 
 pub struct DeviceBackend {
     device: Device,
@@ -67,9 +68,11 @@ struct View {
 /// What the layers need of a pass beyond its plan, prepared (and uploaded) once.
 struct DevicePass<'p, 'a> {
     plan: &'p PassPlan<'a>,
+    cfg: &'p DecoderConfig,
+    backend: &'p mut DeviceBackend,
     views: Vec<View>,
     write: WritePlan,
-    /// Per rope base: cos and sin, (N, hd/2) each.
+    /// Per rotary embedding of the configuration: cos and sin, (N, n_rot/2) each.
     ropes: Vec<(Tensor, Tensor)>,
 }
 
@@ -141,62 +144,27 @@ impl DeviceBackend {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let ropes = w
-            .rope_bases
+        let ropes = cfg
+            .ropes
             .iter()
-            .map(|&base| {
-                let (cos, sin) = plan.rope_angles(cfg.head_dim, base);
-                let shape = (plan.tokens(), cfg.head_dim / 2);
+            .map(|r| {
+                let (cos, sin) = r.angles(&plan.positions, w.rope_factors(r));
+                let shape = (plan.tokens(), r.n_rot / 2);
                 Ok((
                     Tensor::from_vec(cos, shape, &dev)?,
                     Tensor::from_vec(sin, shape, &dev)?,
                 ))
             })
             .collect::<Result<Vec<_>>>()?;
-        let pass = DevicePass {
+        let mut pass = DevicePass {
             plan,
+            cfg,
+            backend: self,
             views,
             write,
             ropes,
         };
-        let mut x = w.embed(&plan.ids, cfg, &dev)?;
-        let last_rows = plan
-            .logit_rows()
-            .map(|rows| Tensor::new(rows.as_slice(), &dev))
-            .transpose()?;
-        profile.mark(&dev, "prepare, embed");
-        for (l, layer) in w.layers.iter().enumerate() {
-            let xn = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?;
-            let y = self.attention(l, layer, &xn, &pass, cfg, profile)?;
-            let mut o = layer.wo.forward(&y)?;
-            if let Some(w) = &layer.post_attn_norm {
-                o = candle_nn::ops::rms_norm(&o, w, cfg.rms_eps)?;
-            }
-            x = (x + o)?;
-            let xn = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, cfg.rms_eps)?;
-            profile.mark(&dev, "attn out, add, norm");
-            let [gate, up]: [Tensor; 2] = layer
-                .gate_up
-                .forward(&xn)?
-                .try_into()
-                .expect("two projections");
-            profile.mark(&dev, "gate/up");
-            let act = match cfg.family.activation() {
-                Activation::Silu => (candle_nn::ops::silu(&gate)? * up)?,
-                Activation::GeluTanh => (gate.gelu()? * up)?,
-            };
-            profile.mark(&dev, "activation");
-            let mut o = layer.w_down.forward(&act)?;
-            if let Some(w) = &layer.post_ffn_norm {
-                o = candle_nn::ops::rms_norm(&o, w, cfg.rms_eps)?;
-            }
-            x = (x + o)?;
-            profile.mark(&dev, "down, add, norm");
-        }
-        Ok(match &last_rows {
-            Some(rows) => x.index_select(rows, 0)?,
-            None => x,
-        })
+        super::layer::run(&mut pass, plan, w, cfg, profile)
     }
 
     /// How each step of the pass reaches its keys under window `v`: prompt chunks get the
@@ -246,67 +214,60 @@ impl DeviceBackend {
             .transpose()?;
         Ok((keys, decode))
     }
+}
 
-    /// Layer `l`'s attention block up to the output projection: q/k/v, rope, the cache write,
-    /// attention. xn: (N, d) normalised. Returns (N, h*hd).
-    fn attention(
+impl LayerOps for DevicePass<'_, '_> {
+    fn device(&self) -> &Device {
+        &self.backend.device
+    }
+
+    /// candle's rope, heads-first, on each head's first n_rot values.
+    fn rope(&self, x: &Tensor, rope: usize) -> Result<Tensor> {
+        let (cos, sin) = &self.ropes[rope];
+        let (n, heads, hd) = x.dims3()?;
+        let n_rot = 2 * cos.dim(1)?;
+        let turned = x
+            .narrow(2, 0, n_rot)?
+            .transpose(0, 1)?
+            .contiguous()?
+            .unsqueeze(0)?; // (1, heads, N, n_rot)
+        let turned = match self.cfg.rope_pairs {
+            RopePairs::Norm => candle_nn::rotary_emb::rope_i(&turned, cos, sin)?,
+            RopePairs::Neox => candle_nn::rotary_emb::rope(&turned, cos, sin)?,
+        };
+        let turned = turned.squeeze(0)?.transpose(0, 1)?; // (N, heads, n_rot)
+        let y = match n_rot < hd {
+            true => Tensor::cat(&[&turned, &x.narrow(2, n_rot, hd - n_rot)?], 2)?,
+            false => turned,
+        };
+        Ok(y.contiguous()?.reshape((n, heads, hd))?)
+    }
+
+    /// The cache write, then attention over the gathered keys.
+    fn attend(
         &mut self,
         l: usize,
-        layer: &Layer,
-        xn: &Tensor,
-        pass: &DevicePass<'_, '_>,
-        cfg: &DecoderConfig,
+        view: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
         profile: &mut Profile,
     ) -> Result<Tensor> {
-        let dev = self.device.clone();
-        let plan = pass.plan;
-        let (n, h, kv, hd) = (plan.tokens(), cfg.n_head, cfg.n_kv_head, cfg.head_dim);
+        let b = &mut *self.backend;
+        let dev = b.device.clone();
+        let (plan, cfg) = (self.plan, self.cfg);
+        let (h, kv, hd) = (cfg.n_head, cfg.n_kv_head, cfg.head_dim);
         let g = h / kv;
-        let [mut q, mut k, mut v]: [Tensor; 3] = layer
-            .qkv
-            .forward(xn)?
-            .try_into()
-            .expect("three projections");
-        if let Some([bq, bk, bv]) = &layer.qkv_bias {
-            q = q.broadcast_add(bq)?;
-            k = k.broadcast_add(bk)?;
-            v = v.broadcast_add(bv)?;
-        }
-        profile.mark(&dev, "q/k/v");
-        let heads_first = |t: Tensor, heads: usize| -> Result<Tensor> {
-            Ok(t.reshape((n, heads, hd))?
-                .transpose(0, 1)?
-                .contiguous()?
-                .unsqueeze(0)?)
-        };
-        let (mut q, mut k) = (heads_first(q, h)?, heads_first(k, kv)?); // (1, h|kv, N, hd)
-        if let Some((qn, kn)) = &layer.qk_norm {
-            q = candle_nn::ops::rms_norm(&q, qn, cfg.rms_eps)?;
-            k = candle_nn::ops::rms_norm(&k, kn, cfg.rms_eps)?;
-        }
-        let (cos, sin) = &pass.ropes[layer.rope];
-        let (q, k) = match cfg.family.rope() {
-            Rope::Interleaved => (
-                candle_nn::rotary_emb::rope_i(&q, cos, sin)?,
-                candle_nn::rotary_emb::rope_i(&k, cos, sin)?,
-            ),
-            Rope::Halves => (
-                candle_nn::rotary_emb::rope(&q, cos, sin)?,
-                candle_nn::rotary_emb::rope(&k, cos, sin)?,
-            ),
-        };
-        let q = q.squeeze(0)?.transpose(0, 1)?.contiguous()?; // (N, h, hd)
-        let k = k.squeeze(0)?.transpose(0, 1)?.reshape((n, kv * hd))?; // (N, kv*hd)
-        profile.mark(&dev, "rope");
-        self.store.write(l, &k, &v, &pass.write, &self.check)?;
+        b.store.write(l, k, v, &self.write, &b.check)?;
         profile.mark(&dev, "kv write");
 
-        let view = &pass.views[layer.view];
-        let scale = cfg.attn_scale;
+        let view = &self.views[view];
+        let scale = cfg.attn.scale as f64;
+        let softcap = cfg.attn.softcap.map(|c| c as f64);
         let batched = match &view.decode {
             Some(d) => {
-                let (k_pool, v_pool) = self.store.layer(l);
-                Some(d.attend(&q, k_pool, v_pool, cfg, scale, &self.check)?)
+                let (k_pool, v_pool) = b.store.layer(l);
+                Some(d.attend(q, k_pool, v_pool, cfg, scale, softcap, &b.check)?)
             }
             None => None,
         };
@@ -322,7 +283,7 @@ impl DeviceBackend {
                     };
                     let t = step.len;
                     let (keys, values) =
-                        self.store
+                        b.store
                             .gather(l, &chunk.rows, Some(&chunk.on_device), &dev)?; // (kv, L, hd)
                                                                                     // Heads sharing a kv head sit next to each other: fold them into the row
                                                                                     // axis so the cache is used as is, never repeated.
@@ -332,6 +293,7 @@ impl DeviceBackend {
                         .contiguous()?
                         .reshape((kv, g * t, hd))?;
                     let att = (qs.matmul(&keys.t()?)? * scale)?; // (kv, g*T, L)
+                    let att = softcapped(att, softcap)?;
                     let att = att.broadcast_add(&chunk.mask)?;
                     let att = candle_nn::ops::softmax_last_dim(&att)?;
                     let y = att.matmul(&values)?; // (kv, g*T, hd)
@@ -353,6 +315,14 @@ impl DeviceBackend {
         profile.mark(&dev, "attention");
         Ok(y)
     }
+}
+
+/// Scores through Gemma 2's soft cap, c·tanh(s / c), where there is one.
+pub(crate) fn softcapped(att: Tensor, softcap: Option<f64>) -> Result<Tensor> {
+    Ok(match softcap {
+        Some(c) => ((att / c)?.tanh()? * c)?,
+        None => att,
+    })
 }
 
 /// Passes mixing batched one-token steps with prompt chunks: where each step's rows sit in

@@ -1,0 +1,163 @@
+//! Llama and the architectures llama.cpp builds as Llama with small changes: Mistral 3,
+//! Granite, MiniCPM, SmolLM3, Arcee, EXAONE, InternLM2, XVERSE, Maincoder, Nanbeige.
+
+use anyhow::{bail, Result};
+
+use super::{Common, Scaling};
+use crate::model::config::{
+    Activation, DecoderConfig, Keys, Need, NormKind, QkNorm, RopeFactors, RopePairs, TensorRules,
+};
+
+/// llama.cpp's tensors for a llama: rope factors long and short for long-rope files,
+/// `rope_freqs` otherwise.
+fn llama_tensors(c: &Common) -> TensorRules {
+    TensorRules {
+        rope_factors: match c.scaling {
+            Scaling::LongRope => RopeFactors::LongShort,
+            _ => RopeFactors::Freqs,
+        },
+        ..TensorRules::LLAMA
+    }
+}
+
+/// Llama 2 and 3 (3.1, 3.2 and 3.3 with their `rope_freqs`), TinyLlama, SmolLM2, Mistral 7B,
+/// the DeepSeek-R1 Llama distills.
+pub fn llama(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    c.whole_heads_rotate()?;
+    c.decoder(k, NormKind::Rms, RopePairs::Norm, llama_tensors(&c))
+}
+
+/// Ministral 3 / Devstral Small 2 (dense): Llama with YaRN's beta range and log multiplier
+/// read from the file, and an attention temperature that grows with the position.
+pub fn mistral3(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let beta = (
+        k.f32_or("rope.scaling.yarn_beta_fast", 32.0)?,
+        k.f32_or("rope.scaling.yarn_beta_slow", 1.0)?,
+    );
+    let log_mul = k.f32_or("rope.scaling.yarn_log_multiplier", 0.0)?;
+    let temperature = k.f32_or("attention.temperature_scale", 0.0)?;
+    let mut d = c.decoder(k, NormKind::Rms, RopePairs::Norm, llama_tensors(&c))?;
+    d.ropes[0] = c.rope(beta, log_mul);
+    if temperature != 0.0 {
+        d.attn.temperature = Some((temperature, c.n_ctx_orig as f32, 0.0));
+    }
+    Ok(d)
+}
+
+/// IBM Granite 3 (dense): scales on the embeddings, the residual branches, attention and
+/// (dividing) the logits; rope only where `rope.scaling.finetuned` is not false.
+pub fn granite(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let logit_scale = k.f32("logit_scale")?;
+    let mut d = granite_like(k, &c, logit_scale)?;
+    if let Some(s) = k.f32_opt("residual_scale")?.filter(|&s| s != 0.0) {
+        d.residual_scale = Some(s);
+    }
+    if let Some(s) = k.f32_opt("embedding_scale")?.filter(|&s| s != 0.0) {
+        d.embed_scale = Some(s);
+    }
+    if let Some(s) = k.f32_opt("attention.scale")?.filter(|&s| s != 0.0) {
+        d.attn.scale = s;
+    }
+    if !k.bool_or("rope.scaling.finetuned", true)? {
+        for l in &mut d.layers {
+            l.rope = None;
+        }
+    }
+    Ok(d)
+}
+
+/// MiniCPM: Granite's graph with MiniCPM's defaults for its scales.
+pub fn minicpm(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let logit_scale = k.f32_or("logit_scale", 256.0 / c.d_model as f32)?;
+    let mut d = granite_like(k, &c, logit_scale)?;
+    d.embed_scale = Some(k.f32_or("embedding_scale", 12.0)?);
+    d.residual_scale = Some(k.f32_or("residual_scale", 1.4 / (c.n_layer as f32).sqrt())?);
+    Ok(d)
+}
+
+fn granite_like(k: &Keys, c: &Common, logit_scale: f32) -> Result<DecoderConfig> {
+    if logit_scale == 0.0 {
+        bail!(
+            "{}.logit_scale is 0: the logits would be divided by it",
+            c.arch
+        );
+    }
+    let tensors = TensorRules {
+        ffn_scales: false,
+        ..llama_tensors(c)
+    };
+    let mut d = c.decoder(k, NormKind::Rms, RopePairs::Norm, tensors)?;
+    d.logit_scale = Some(1.0 / logit_scale);
+    Ok(d)
+}
+
+/// SmolLM3: Llama without rope on every fourth layer.
+pub fn smollm3(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let mut d = c.decoder(k, NormKind::Rms, RopePairs::Norm, TensorRules::PLAIN)?;
+    for (l, plan) in d.layers.iter_mut().enumerate() {
+        if (l + 1) % 4 == 0 {
+            plan.rope = None;
+        }
+    }
+    Ok(d)
+}
+
+/// Arcee (AFM): an FFN of relu(up)² without a gate.
+pub fn arcee(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let tensors = TensorRules {
+        ffn_gate: Need::Absent,
+        rope_factors: RopeFactors::Freqs,
+        ..TensorRules::PLAIN
+    };
+    let mut d = c.decoder(k, NormKind::Rms, RopePairs::Norm, tensors)?;
+    d.gated = false;
+    d.activation = Activation::ReluSquared;
+    Ok(d)
+}
+
+/// EXAONE 3: Llama with halves-paired rope.
+pub fn exaone(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let tensors = TensorRules {
+        rope_factors: RopeFactors::Freqs,
+        ..TensorRules::PLAIN
+    };
+    c.decoder(k, NormKind::Rms, RopePairs::Neox, tensors)
+}
+
+/// InternLM2 and XVERSE: Llama with an output layer of its own.
+pub fn internlm2(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let tensors = TensorRules {
+        output: crate::model::config::Output::Own,
+        ..TensorRules::PLAIN
+    };
+    c.decoder(k, NormKind::Rms, RopePairs::Norm, tensors)
+}
+
+/// Maincoder: per-head RMS norms of q and k after rope.
+pub fn maincoder(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let tensors = TensorRules {
+        qk_norm: Need::Required,
+        ..TensorRules::PLAIN
+    };
+    let mut d = c.decoder(k, NormKind::Rms, RopePairs::Norm, tensors)?;
+    d.attn.qk_norm = QkNorm::Heads { after_rope: true };
+    Ok(d)
+}
+
+/// Nanbeige: Llama whose layers may run in loops; gen runs the one-loop files.
+pub fn nanbeige(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let loops = k.usize_or("num_loops", 1)?;
+    if loops != 1 {
+        bail!(
+            "{}.num_loops is {loops}: looped layers are not supported",
+            c.arch
+        );
+    }
+    let tensors = TensorRules {
+        ffn_bias: Need::Optional,
+        ffn_scales: true,
+        rope_factors: RopeFactors::Freqs,
+        ..TensorRules::PLAIN
+    };
+    c.decoder(k, NormKind::Rms, RopePairs::Norm, tensors)
+}

@@ -1,0 +1,408 @@
+//! The architectures gen runs, each read from a file's metadata exactly as llama.cpp's loader
+//! for it reads it (llama.cpp's `src/models/*.cpp`): one small function per architecture,
+//! in one file per family, that starts from what every architecture reads ([`Common`]) and sets
+//! what its own keys and graph say. Anything llama.cpp would compute that gen does not is
+//! refused here, before a tensor is read, with one line naming the key.
+//!
+//! Adding an architecture: write its function (the keys its llama.cpp loader reads, its
+//! [`TensorRules`], what its graph does differently), and add a line to [`ARCHS`]. A block gen
+//! has no operation for (ALiBi, learned positions, mixture-of-experts FFNs, recurrent layers) is
+//! a new field of [`DecoderConfig`] and a few lines in `super::layer` and the backends.
+
+mod cohere;
+mod gemma;
+mod gpt;
+mod llama;
+mod olmo;
+mod phi;
+mod qwen;
+
+use anyhow::{bail, Result};
+
+use super::config::{
+    Activation, Attn, DecoderConfig, Keys, LayerPlan, NormKind, QkNorm, RopeCfg, RopePairs,
+    TensorRules,
+};
+use super::rope::{yarn_mscale, Factors};
+
+/// Reads one architecture's configuration.
+type Build = fn(&Keys, Common) -> Result<DecoderConfig>;
+
+/// Every architecture gen runs: GGUF `general.architecture` and its reader.
+pub const ARCHS: &[(&str, Build)] = &[
+    ("llama", llama::llama),
+    ("mistral3", llama::mistral3),
+    ("granite", llama::granite),
+    ("minicpm", llama::minicpm),
+    ("smollm3", llama::smollm3),
+    ("arcee", llama::arcee),
+    ("exaone", llama::exaone),
+    ("internlm2", llama::internlm2),
+    ("xverse", llama::internlm2),
+    ("maincoder", llama::maincoder),
+    ("nanbeige", llama::nanbeige),
+    ("qwen2", qwen::qwen2),
+    ("qwen3", qwen::qwen3),
+    ("gemma", gemma::gemma),
+    ("gemma2", gemma::gemma2),
+    ("gemma3", gemma::gemma3),
+    ("phi2", phi::phi2),
+    ("phi3", phi::phi3),
+    ("olmo", olmo::olmo),
+    ("olmo2", olmo::olmo2),
+    ("exaone4", olmo::exaone4),
+    ("glm4", olmo::glm4),
+    ("command-r", cohere::command_r),
+    ("cohere2", cohere::cohere2),
+    ("starcoder2", gpt::starcoder2),
+    ("orion", gpt::orion),
+    ("nemotron", gpt::nemotron),
+    ("jais2", gpt::jais2),
+    ("plamo", gpt::plamo),
+];
+
+/// The names of [`ARCHS`], for messages.
+pub fn supported() -> Vec<&'static str> {
+    ARCHS.iter().map(|(a, _)| *a).collect()
+}
+
+/// The configuration of a file whose `general.architecture` is `arch`, from its metadata.
+pub fn from_gguf(
+    md: &std::collections::HashMap<String, candle_core::quantized::gguf_file::Value>,
+    arch: &str,
+) -> Result<DecoderConfig> {
+    let Some((_, build)) = ARCHS.iter().find(|(a, _)| *a == arch) else {
+        bail!(
+            "architecture {arch:?} is not supported (supported: {})",
+            supported().join(", ")
+        );
+    };
+    let keys = Keys::new(md, arch);
+    let common = Common::read(&keys)?;
+    let mut cfg = build(&keys, common)?;
+    cfg.check()?;
+    cfg.set_context_window(cfg.context_len);
+    Ok(cfg)
+}
+
+/// How the file scales its rotary embeddings (`rope.scaling.type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scaling {
+    None,
+    Linear,
+    Yarn,
+    LongRope,
+}
+
+/// What llama.cpp reads for every architecture (llama_model_base::load_hparams).
+#[derive(Debug, Clone)]
+pub struct Common {
+    pub arch: String,
+    pub context_len: usize,
+    pub d_model: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub head_dim: usize,
+    pub n_rot: usize,
+    pub rope_base: f32,
+    pub scaling: Scaling,
+    /// 1 / `rope.scaling.factor` (1 where the factor is 0 or absent).
+    pub freq_scale: f32,
+    /// `rope.scaling.attn_factor`.
+    pub rope_attn_factor: f32,
+    /// `rope.scaling.original_context_length` (default: the context length).
+    pub n_ctx_orig: usize,
+}
+
+impl Common {
+    fn read(k: &Keys) -> Result<Self> {
+        let context_len = k.usize("context_length")?;
+        let d_model = k.usize("embedding_length")?;
+        let n_layer = k.usize("block_count")?;
+        if let Some(n) = k.usize_opt("nextn_predict_layers")?.filter(|&n| n > 0) {
+            bail!(
+                "{}.nextn_predict_layers is {n}: multi-token prediction layers are not supported",
+                k.arch
+            );
+        }
+        if let Some(n) = k.usize_opt("expert_count")?.filter(|&n| n > 0) {
+            bail!(
+                "{}.expert_count is {n}: mixture-of-experts models are not supported yet",
+                k.arch
+            );
+        }
+        if !k.bool_or("attention.causal", true)? {
+            bail!(
+                "{}.attention.causal is false: an encoder, not a text generator",
+                k.arch
+            );
+        }
+        if let Some(p) = k.usize_opt("pooling_type")?.filter(|&p| p != 0) {
+            bail!(
+                "{}.pooling_type is {p}: an embedding model, not a text generator",
+                k.arch
+            );
+        }
+        if let Some(out) = k
+            .usize_opt("embedding_length_out")?
+            .filter(|&o| o != 0 && o != d_model)
+        {
+            bail!(
+                "{}.embedding_length_out {out} differs from embedding_length {d_model}: not supported",
+                k.arch
+            );
+        }
+        let n_head = k.usize_or("attention.head_count", 0)?;
+        let n_kv_head = k.usize_or("attention.head_count_kv", n_head)?;
+        if n_head == 0 || n_kv_head == 0 || d_model == 0 || n_layer == 0 || context_len == 0 {
+            bail!("metadata gives a zero size (layers {n_layer}, width {d_model}, heads {n_head}/{n_kv_head}, context {context_len})");
+        }
+        if n_head % n_kv_head != 0 {
+            bail!(
+                "{}.attention.head_count ({n_head}) is not a multiple of head_count_kv ({n_kv_head})",
+                k.arch
+            );
+        }
+        let head_dim = match k.usize_opt("attention.key_length")? {
+            Some(hd) => hd,
+            None if d_model % n_head == 0 => d_model / n_head,
+            None => bail!(
+                "{}.embedding_length ({d_model}) is not a multiple of head_count ({n_head})",
+                k.arch
+            ),
+        };
+        let value_dim = k.usize_or("attention.value_length", d_model / n_head)?;
+        if value_dim != head_dim {
+            bail!(
+                "{}.attention.value_length {value_dim} differs from key_length {head_dim}: not supported",
+                k.arch
+            );
+        }
+        for (key, full) in [
+            ("attention.key_length_swa", head_dim),
+            ("attention.value_length_swa", head_dim),
+        ] {
+            if let Some(v) = k.usize_opt(key)?.filter(|&v| v != full) {
+                bail!(
+                    "{}.{key} {v} differs from the full-attention layers' {full}: not supported",
+                    k.arch
+                );
+            }
+        }
+        let n_rot = k.usize_or("rope.dimension_count", head_dim)?;
+        if n_rot == 0 || n_rot > head_dim || n_rot % 2 != 0 {
+            bail!(
+                "{}.rope.dimension_count {n_rot} must be even and at most the head width {head_dim}",
+                k.arch
+            );
+        }
+        if let Some(r) = k
+            .usize_opt("rope.dimension_count_swa")?
+            .filter(|&r| r != n_rot)
+        {
+            bail!(
+                "{}.rope.dimension_count_swa {r} differs from rope.dimension_count {n_rot}: not supported",
+                k.arch
+            );
+        }
+        let scaling = match k.string_opt("rope.scaling.type")?.unwrap_or("linear") {
+            "none" => Scaling::None,
+            "linear" => Scaling::Linear,
+            "yarn" => Scaling::Yarn,
+            "longrope" => Scaling::LongRope,
+            other => bail!(
+                "{}.rope.scaling.type {other:?} is not one llama.cpp knows (none, linear, yarn, longrope)",
+                k.arch
+            ),
+        };
+        let factor = match k.f32_opt("rope.scaling.factor")? {
+            Some(f) => f,
+            None => k.f32_or("rope.scale_linear", 0.0)?,
+        };
+        if factor < 0.0 {
+            bail!("{}.rope.scaling.factor is {factor}", k.arch);
+        }
+        Ok(Self {
+            arch: k.arch.to_string(),
+            context_len,
+            d_model,
+            n_layer,
+            n_head,
+            n_kv_head,
+            head_dim,
+            n_rot,
+            rope_base: k.f32_or("rope.freq_base", 10_000.0)?,
+            scaling,
+            freq_scale: if factor == 0.0 { 1.0 } else { 1.0 / factor },
+            rope_attn_factor: k.f32_or("rope.scaling.attn_factor", 1.0)?,
+            n_ctx_orig: k.usize_or("rope.scaling.original_context_length", context_len)?,
+        })
+    }
+
+    /// The rotary embedding of full-attention layers, resolved as llama.cpp's context does
+    /// (llama-context.cpp), with YaRN's beta range and log multiplier where the architecture
+    /// reads them (defaults 32, 1, 0).
+    pub fn rope(&self, beta: (f32, f32), yarn_log_mul: f32) -> RopeCfg {
+        let mut freq_scale = self.freq_scale;
+        if self.scaling == Scaling::None {
+            freq_scale = 1.0;
+        }
+        let ext_factor = if self.scaling == Scaling::Yarn {
+            1.0
+        } else {
+            0.0
+        };
+        let mut attn_factor = 1.0;
+        if ext_factor != 0.0 {
+            let factor = 1.0 / freq_scale;
+            attn_factor = if yarn_log_mul != 0.0 {
+                yarn_mscale(factor, 1.0) / yarn_mscale(factor, yarn_log_mul)
+            } else {
+                yarn_mscale(factor, 1.0)
+            };
+            // ggml multiplies by this again inside the rope.
+            attn_factor *= 1.0 / (1.0 + 0.1 * factor.ln());
+        }
+        attn_factor *= self.rope_attn_factor;
+        RopeCfg {
+            n_rot: self.n_rot,
+            base: self.rope_base,
+            freq_scale,
+            ext_factor,
+            attn_factor,
+            beta_fast: beta.0,
+            beta_slow: beta.1,
+            n_ctx_orig: self.n_ctx_orig,
+            // The file's factors, where it has them: long-rope's long or short ones as the
+            // context window decides (set_context_window), or its `rope_freqs`.
+            factors: Factors::Long,
+        }
+    }
+
+    /// A llama-like decoder from these parameters: `norm` norms with the epsilon of the key
+    /// llama.cpp reads for that kind, rope (pairs `pairs`) on every layer without a window,
+    /// a gated SiLU FFN, sequential blocks, attention scaled by 1/sqrt(hd), and `tensors`.
+    pub fn decoder(
+        &self,
+        k: &Keys,
+        norm: NormKind,
+        pairs: RopePairs,
+        tensors: TensorRules,
+    ) -> Result<DecoderConfig> {
+        let norm_eps = match norm {
+            NormKind::Rms => k.f32("attention.layer_norm_rms_epsilon")?,
+            NormKind::Layer => k.f32("attention.layer_norm_epsilon")?,
+        };
+        Ok(DecoderConfig {
+            arch: self.arch.clone(),
+            n_layer: self.n_layer,
+            d_model: self.d_model,
+            n_head: self.n_head,
+            n_kv_head: self.n_kv_head,
+            head_dim: self.head_dim,
+            context_len: self.context_len,
+            norm,
+            norm_eps,
+            embed_scale: None,
+            attn: Attn {
+                scale: 1.0 / (self.head_dim as f32).sqrt(),
+                softcap: None,
+                clamp: None,
+                qk_norm: QkNorm::None,
+                temperature: None,
+            },
+            parallel: false,
+            gated: true,
+            activation: Activation::Silu,
+            residual_scale: None,
+            logit_scale: None,
+            final_softcap: None,
+            layers: vec![
+                LayerPlan {
+                    window: None,
+                    rope: Some(0),
+                };
+                self.n_layer
+            ],
+            ropes: vec![self.rope((32.0, 1.0), 0.0)],
+            rope_pairs: pairs,
+            tensors,
+        })
+    }
+
+    /// llama.cpp refuses llama-family files whose rotary width is not the head width.
+    pub fn whole_heads_rotate(&self) -> Result<()> {
+        if self.n_rot != self.head_dim {
+            bail!(
+                "{}.rope.dimension_count {} is not the head width {}: {} rotates whole heads",
+                self.arch,
+                self.n_rot,
+                self.head_dim,
+                self.arch
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Which layers have a sliding window, from `attention.sliding_window_pattern` as llama.cpp's
+/// `load_swa_pattern` reads it: a per-layer array (1: windowed), or a number n (or
+/// `default_pattern` when absent): every n-th layer attends to everything, the others through
+/// the window (n = 0: all windowed, 1: none).
+pub fn swa_layers(k: &Keys, n_layer: usize, default_pattern: usize) -> Result<Vec<bool>> {
+    if let Some(flags) = k.layer_flags("attention.sliding_window_pattern", n_layer)? {
+        return Ok(flags);
+    }
+    let n = k.usize_or("attention.sliding_window_pattern", default_pattern)?;
+    Ok((0..n_layer).map(|l| n == 0 || l % n < n - 1).collect())
+}
+
+impl DecoderConfig {
+    /// Put `window` on the layers `swa` marks; with `local_rope`, those layers rotate by it.
+    pub fn set_windows(&mut self, window: usize, swa: &[bool], local_rope: Option<RopeCfg>) {
+        let local = local_rope.map(|r| {
+            self.ropes.push(r);
+            self.ropes.len() - 1
+        });
+        for (plan, &windowed) in self.layers.iter_mut().zip(swa) {
+            if windowed {
+                plan.window = Some(window);
+                if let (Some(r), Some(_)) = (local, plan.rope) {
+                    plan.rope = Some(r);
+                }
+            }
+        }
+    }
+
+    /// What the rest of gen takes for granted.
+    fn check(&self) -> Result<()> {
+        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+            bail!(
+                "head width {} must be even and non-zero for rotary embeddings",
+                self.head_dim
+            );
+        }
+        if self.layers.iter().any(|l| l.window == Some(0)) {
+            bail!("{}: a sliding window of 0 tokens", self.arch);
+        }
+        if self.norm_eps <= 0.0 {
+            bail!("{}: a norm epsilon of {}", self.arch, self.norm_eps);
+        }
+        Ok(())
+    }
+
+    /// Use long-rope's long factors when the context window in use exceeds the original
+    /// context, its short ones otherwise (llama.cpp's `get_rope_factors`).
+    pub fn set_context_window(&mut self, window: usize) {
+        for r in &mut self.ropes {
+            if matches!(r.factors, Factors::Long | Factors::Short) {
+                r.factors = if window > r.n_ctx_orig {
+                    Factors::Long
+                } else {
+                    Factors::Short
+                };
+            }
+        }
+    }
+}

@@ -1,0 +1,327 @@
+//! A decoder's layers, written once for every architecture and both backends: what
+//! [`DecoderConfig`] says the layer does (norms before and after, parallel or sequential
+//! blocks, per-tensor scales and biases, q/k clamps and norms, rope on the layers that have
+//! it, Mistral 3's attention temperature, gated or plain FFNs, residual scales), around the
+//! three things a backend does its own way ([`LayerOps`]): rotary embeddings, attention over
+//! its cache, and the fused element-wise steps of gen's CPU kernels.
+//!
+//! Shapes: N tokens of a pass, d = embedding width, h / kv = query / key-value heads, hd =
+//! head width.
+
+use anyhow::Result;
+use candle_core::{Device, Tensor, D};
+
+use super::config::{Activation, DecoderConfig, NormKind, QkNorm};
+use super::plan::PassPlan;
+use super::profile::Profile;
+use super::weights::{Layer, Norm, Weights};
+
+/// What a backend brings to a pass.
+pub trait LayerOps {
+    fn device(&self) -> &Device;
+
+    /// x (N, heads, hd), each token's heads turned by rotary embedding `rope` (an index into
+    /// the configuration's ropes).
+    fn rope(&self, x: &Tensor, rope: usize) -> Result<Tensor>;
+
+    /// Layer `l`: write k and v (N, kv*hd) into the cache, then attend with q (N, h, hd) over
+    /// what window `view` lets each token see. Returns (N, h*hd).
+    fn attend(
+        &mut self,
+        l: usize,
+        view: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        profile: &mut Profile,
+    ) -> Result<Tensor>;
+
+    /// x + o, and that through an RMS norm of weight `w`.
+    fn add_rms_norm(
+        &self,
+        x: &Tensor,
+        o: &Tensor,
+        w: &Tensor,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor)> {
+        let x = (x + o)?;
+        let n = candle_nn::ops::rms_norm(&x, w, eps)?;
+        Ok((x, n))
+    }
+
+    /// act(gate) * up.
+    fn gated(&self, gate: &Tensor, up: &Tensor, act: Activation) -> Result<Tensor> {
+        Ok((activation(gate, act)? * up)?)
+    }
+}
+
+/// act(x) with candle's operations.
+pub fn activation(x: &Tensor, act: Activation) -> Result<Tensor> {
+    Ok(match act {
+        Activation::Silu => candle_nn::ops::silu(x)?,
+        Activation::GeluTanh => x.gelu()?,
+        Activation::ReluSquared => x.relu()?.sqr()?,
+    })
+}
+
+/// x through `norm` (over its last dimension) as the configuration's kind of norm.
+pub fn norm(x: &Tensor, norm: &Norm, cfg: &DecoderConfig) -> Result<Tensor> {
+    let eps = cfg.norm_eps;
+    let y = match (cfg.norm, &norm.weight) {
+        (NormKind::Rms, Some(w)) => candle_nn::ops::rms_norm(x, w, eps)?,
+        (NormKind::Rms, None) => {
+            let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+            x.broadcast_div(&(ms + eps as f64)?.sqrt()?)?
+        }
+        (NormKind::Layer, _) => {
+            let mean = x.mean_keepdim(D::Minus1)?;
+            let xc = x.broadcast_sub(&mean)?;
+            let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+            let y = xc.broadcast_div(&(var + eps as f64)?.sqrt()?)?;
+            match &norm.weight {
+                Some(w) => y.broadcast_mul(w)?,
+                None => y,
+            }
+        }
+    };
+    Ok(match &norm.bias {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    })
+}
+
+/// x, or x through `n` where the layer has a norm there.
+fn maybe_norm(x: &Tensor, n: Option<&Norm>, cfg: &DecoderConfig) -> Result<Tensor> {
+    match n {
+        Some(n) => norm(x, n, cfg),
+        None => Ok(x.clone()),
+    }
+}
+
+/// o times the residual scale, where the architecture has one.
+fn residual(o: Tensor, cfg: &DecoderConfig) -> Result<Tensor> {
+    Ok(match cfg.residual_scale {
+        Some(s) => (o * s as f64)?,
+        None => o,
+    })
+}
+
+/// The pass through every layer; returns the hidden state of each step's rows that get
+/// logits, (rows, d), before the final norm.
+pub fn run(
+    ops: &mut impl LayerOps,
+    plan: &PassPlan<'_>,
+    w: &Weights,
+    cfg: &DecoderConfig,
+    profile: &mut Profile,
+) -> Result<Tensor> {
+    let dev = ops.device().clone();
+    let mut x = w.embed(&plan.ids, cfg, &dev)?;
+    let last_rows = plan
+        .logit_rows()
+        .map(|rows| Tensor::new(rows.as_slice(), &dev))
+        .transpose()?;
+    let temperature = attention_temperature(plan, cfg, &dev)?;
+    profile.mark(&dev, "prepare, embed");
+    // A residual add comes fused with the norm after it where that is an RMS norm with a
+    // weight and nothing in between (gen's CPU kernels do both in one pass): the next
+    // layer's attention input, normalised, waits here.
+    let mut normed: Option<Tensor> = None;
+    for (l, layer) in w.layers.iter().enumerate() {
+        let xn = match normed.take() {
+            Some(xn) => xn,
+            None => maybe_norm(&x, layer.attn_norm.as_ref(), cfg)?,
+        };
+        let mut a = attention(ops, l, layer, &xn, cfg, temperature.as_ref(), profile)?;
+        if let Some(n) = &layer.post_attn_norm {
+            a = norm(&a, n, cfg)?;
+        }
+        let a = residual(a, cfg)?;
+        let f = if cfg.parallel {
+            // Attention and the FFN read one normalised input (or each its own norm of x).
+            let fin = match &layer.ffn_norm {
+                Some(n) => norm(&x, n, cfg)?,
+                None => xn,
+            };
+            profile.mark(&dev, "attn out, norm");
+            x = (x + a)?;
+            ffn(ops, layer, &fin, cfg, profile)?
+        } else {
+            let fin;
+            (x, fin) = add_then_norm(ops, &x, &a, layer.ffn_norm.as_ref(), cfg)?;
+            profile.mark(&dev, "attn out, add, norm");
+            ffn(ops, layer, &fin, cfg, profile)?
+        };
+        let f = residual(f, cfg)?;
+        let next = w.layers.get(l + 1).and_then(|n| n.attn_norm.as_ref());
+        match next {
+            Some(n) if fusable(n, cfg) => {
+                let xn;
+                (x, xn) = add_then_norm(ops, &x, &f, Some(n), cfg)?;
+                normed = Some(xn);
+            }
+            _ => x = (x + f)?,
+        }
+        profile.mark(&dev, "down, add, norm");
+    }
+    Ok(match &last_rows {
+        Some(rows) => x.index_select(rows, 0)?,
+        None => x,
+    })
+}
+
+/// Whether a residual add and norm `n` can run as one fused step.
+fn fusable(n: &Norm, cfg: &DecoderConfig) -> bool {
+    cfg.norm == NormKind::Rms && n.weight.is_some() && n.bias.is_none()
+}
+
+/// x + o, and that through `n` (or as is, where there is no norm).
+fn add_then_norm(
+    ops: &impl LayerOps,
+    x: &Tensor,
+    o: &Tensor,
+    n: Option<&Norm>,
+    cfg: &DecoderConfig,
+) -> Result<(Tensor, Tensor)> {
+    match n {
+        Some(n) if fusable(n, cfg) => {
+            let w = n.weight.as_ref().expect("a fusable norm has a weight");
+            ops.add_rms_norm(x, o, w, cfg.norm_eps)
+        }
+        _ => {
+            let x = (x + o)?;
+            let xn = maybe_norm(&x, n, cfg)?;
+            Ok((x, xn))
+        }
+    }
+}
+
+/// Mistral 3's per-token factor on q, (N, 1, 1), where the architecture has one.
+fn attention_temperature(
+    plan: &PassPlan<'_>,
+    cfg: &DecoderConfig,
+    dev: &Device,
+) -> Result<Option<Tensor>> {
+    let Some((scale, floor_scale, offset)) = cfg.attn.temperature else {
+        return Ok(None);
+    };
+    let f: Vec<f32> = plan
+        .positions
+        .iter()
+        .map(|&p| ((p as f32 + offset) / floor_scale).floor().ln_1p() * scale + 1.0)
+        .collect();
+    let n = f.len();
+    Ok(Some(Tensor::from_vec(f, (n, 1, 1), dev)?))
+}
+
+/// The layer's attention block: q/k/v with their scales and biases, clamps, q/k norms, rope,
+/// the backend's attention, the output projection with its scale and bias. xn: (N, d).
+/// Returns (N, d).
+fn attention(
+    ops: &mut impl LayerOps,
+    l: usize,
+    layer: &Layer,
+    xn: &Tensor,
+    cfg: &DecoderConfig,
+    temperature: Option<&Tensor>,
+    profile: &mut Profile,
+) -> Result<Tensor> {
+    let dev = ops.device().clone();
+    let (n, h, kv, hd) = (xn.dim(0)?, cfg.n_head, cfg.n_kv_head, cfg.head_dim);
+    let parts = layer.qkv.forward(xn)?;
+    let mut qkv = Vec::with_capacity(3);
+    for (part, post) in parts.into_iter().zip(&layer.qkv_post) {
+        let mut t = post.apply(part)?;
+        if let Some(c) = cfg.attn.clamp {
+            t = t.clamp(-c, c)?;
+        }
+        qkv.push(t);
+    }
+    let [mut q, mut k, v]: [Tensor; 3] = qkv.try_into().expect("three projections");
+    profile.mark(&dev, "q/k/v");
+    let qk_norm = |q: Tensor, k: Tensor| -> Result<(Tensor, Tensor)> {
+        match &layer.qk_norm {
+            Some((qn, kn)) => Ok((norm(&q, qn, cfg)?, norm(&k, kn, cfg)?)),
+            None => Ok((q, k)),
+        }
+    };
+    if cfg.attn.qk_norm == QkNorm::Whole {
+        (q, k) = qk_norm(q, k)?;
+    }
+    // Token-major all the way: (N, heads, hd) is what the projections give and what the
+    // attention kernels and the cache take.
+    let (mut q, mut k) = (q.reshape((n, h, hd))?, k.reshape((n, kv, hd))?);
+    if cfg.attn.qk_norm == (QkNorm::Heads { after_rope: false }) {
+        (q, k) = qk_norm(q, k)?;
+    }
+    if let Some(r) = cfg.layers[l].rope {
+        q = ops.rope(&q, r)?;
+        k = ops.rope(&k, r)?;
+    }
+    if cfg.attn.qk_norm == (QkNorm::Heads { after_rope: true }) {
+        (q, k) = qk_norm(q, k)?;
+    }
+    if let Some(t) = temperature {
+        q = q.broadcast_mul(t)?;
+    }
+    let k = k.reshape((n, kv * hd))?;
+    profile.mark(&dev, "rope");
+    let y = ops.attend(l, layer.view, &q, &k, &v, profile)?;
+    let o = layer.wo.forward(&y)?;
+    layer.wo_post.apply(o)
+}
+
+/// The FFN: act(gate) * up (or act(up) without a gate), with their biases and scales, then
+/// down. x: (N, d) normalised. Returns (N, d).
+fn ffn(
+    ops: &impl LayerOps,
+    layer: &Layer,
+    x: &Tensor,
+    cfg: &DecoderConfig,
+    profile: &mut Profile,
+) -> Result<Tensor> {
+    let dev = ops.device().clone();
+    let parts = layer.gate_up.forward(x)?;
+    let mut parts = parts
+        .into_iter()
+        .zip(&layer.gate_up_post)
+        .map(|(p, post)| post.apply(p))
+        .collect::<Result<Vec<_>>>()?;
+    profile.mark(&dev, "gate/up");
+    let act = match (cfg.gated, parts.len()) {
+        (true, 2) => {
+            let up = parts.pop().expect("two parts");
+            let gate = parts.pop().expect("two parts");
+            ops.gated(&gate, &up, cfg.activation)?
+        }
+        (false, 1) => activation(&parts[0], cfg.activation)?,
+        (gated, got) => anyhow::bail!(
+            "the FFN has {got} input projections, expected {}",
+            if gated { 2 } else { 1 }
+        ),
+    };
+    profile.mark(&dev, "activation");
+    let o = layer.w_down.forward(&act)?;
+    let o = layer.down_post.apply(o)?;
+    Ok(match &layer.post_ffn_norm {
+        Some(n) => norm(&o, n, cfg)?,
+        None => o,
+    })
+}
+
+/// After the last layer: the final norm, the output layer with its bias, the logit scale
+/// and soft cap. x: (B, d). Returns (B, V) f32.
+pub fn logits(x: &Tensor, w: &Weights, cfg: &DecoderConfig) -> Result<Tensor> {
+    let x = maybe_norm(x, w.out_norm.as_ref(), cfg)?;
+    let mut l = w.output.forward(&x)?.to_dtype(candle_core::DType::F32)?;
+    if let Some(b) = &w.output_bias {
+        l = l.broadcast_add(&b.to_dtype(candle_core::DType::F32)?)?;
+    }
+    if let Some(s) = cfg.logit_scale {
+        l = (l * s as f64)?;
+    }
+    if let Some(c) = cfg.final_softcap {
+        l = ((l / c as f64)?.tanh()? * c as f64)?;
+    }
+    Ok(l)
+}

@@ -1,0 +1,169 @@
+//! Rotary position embeddings of every kind in use, computed as ggml computes them: plain,
+//! linear scaling (a factor on every angle), YaRN (interpolated and extrapolated angles mixed
+//! by a ramp over the pairs, and a magnitude factor), per-pair frequency factors (Llama 3's
+//! `rope_freqs`, long-rope's long and short factors), and partial rotary (only the first
+//! `n_rot` values of each head turn). Angles are the f32 products ggml forms, in its order
+//! (theta multiplied pair by pair, then divided by a pair's factor), so the tables match
+//! llama.cpp's to the last bit of its arithmetic, not merely in value.
+
+/// Which values of a head rotate together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopePairs {
+    /// Neighbours (2i, 2i + 1): llama.cpp's NORM, for llama GGUFs, whose converter permutes
+    /// the q/k rows (and so does gen's safetensors loader, see `checkpoint`).
+    Norm,
+    /// The two halves of the rotated part (i, i + n_rot/2): llama.cpp's NEOX, Hugging Face's
+    /// rotate-half.
+    Neox,
+}
+
+/// Which of long-rope's frequency factors divide the angles (a file's `rope_freqs.weight`,
+/// where it has one, divides every rotary embedding instead, as llama.cpp's
+/// `get_rope_factors` takes it first).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Factors {
+    None,
+    /// `rope_factors_long.weight`.
+    Long,
+    /// `rope_factors_short.weight`.
+    Short,
+}
+
+/// One rotary embedding, as llama.cpp's context resolves it (llama-context.cpp): the values
+/// its graph passes to `ggml_rope_ext`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeCfg {
+    /// How many of a head's values rotate (the rest pass through).
+    pub n_rot: usize,
+    pub base: f32,
+    /// Angles are multiplied by this (1 / the linear or YaRN factor).
+    pub freq_scale: f32,
+    /// YaRN's mix of extrapolated angles (0: none).
+    pub ext_factor: f32,
+    /// cos and sin are multiplied by this (YaRN's and long-rope's magnitude).
+    pub attn_factor: f32,
+    pub beta_fast: f32,
+    pub beta_slow: f32,
+    pub n_ctx_orig: usize,
+    pub factors: Factors,
+}
+
+impl RopeCfg {
+    /// Plain rotary embeddings of `n_rot` values at `base`.
+    pub fn plain(n_rot: usize, base: f32) -> Self {
+        Self {
+            n_rot,
+            base,
+            freq_scale: 1.0,
+            ext_factor: 0.0,
+            attn_factor: 1.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            n_ctx_orig: 0,
+            factors: Factors::None,
+        }
+    }
+
+    /// YaRN's correction range of pairs (ggml_rope_yarn_corr_dims).
+    fn corr_dims(&self) -> [f32; 2] {
+        let n_dims = self.n_rot as f32;
+        let dim = |beta: f32| {
+            n_dims * (self.n_ctx_orig as f32 / (beta * 2.0 * std::f32::consts::PI)).ln()
+                / (2.0 * self.base.ln())
+        };
+        let start = dim(self.beta_fast).floor();
+        let end = dim(self.beta_slow).ceil();
+        [start.max(0.0), end.min(n_dims - 1.0)]
+    }
+
+    /// cos and sin for each position: (positions, n_rot / 2) each, the magnitude included.
+    /// `factors`: the frequency factors this embedding divides by (n_rot / 2 or more of them).
+    pub fn angles(&self, positions: &[usize], factors: Option<&[f32]>) -> (Vec<f32>, Vec<f32>) {
+        let half = self.n_rot / 2;
+        let theta_scale = self.base.powf(-2.0 / self.n_rot as f32);
+        let corr = self.corr_dims();
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        for &p in positions {
+            let mut theta = p as f32;
+            for i in 0..half {
+                let ff = factors.map_or(1.0, |f| f[i]);
+                let extrap = theta / ff;
+                let interp = self.freq_scale * extrap;
+                let (mut angle, mut mscale) = (interp, self.attn_factor);
+                if self.ext_factor != 0.0 {
+                    // ggml's ramp takes the pair index as an integer (i0 / 2).
+                    let y = (i as f32 - corr[0]) / (corr[1] - corr[0]).max(0.001);
+                    let mix = (1.0 - y.clamp(0.0, 1.0)) * self.ext_factor;
+                    angle = interp * (1.0 - mix) + extrap * mix;
+                    mscale *= 1.0 + 0.1 * (1.0 / self.freq_scale).ln();
+                }
+                cos.push(angle.cos() * mscale);
+                sin.push(angle.sin() * mscale);
+                theta *= theta_scale;
+            }
+        }
+        (cos, sin)
+    }
+}
+
+/// llama.cpp's YaRN magnitude: 1 + 0.1·m·ln(s) for s > 1.
+pub fn yarn_mscale(s: f32, m: f32) -> f32 {
+    if s <= 1.0 {
+        1.0
+    } else {
+        0.1 * m * s.ln() + 1.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_angles_are_ggmls_iterated_products() {
+        let cfg = RopeCfg::plain(8, 10_000.0);
+        let (cos, sin) = cfg.angles(&[0, 3], None);
+        assert_eq!(cos.len(), 8);
+        assert_eq!(&cos[..4], &[1.0; 4]);
+        assert_eq!(&sin[..4], &[0.0; 4]);
+        let s = 10_000f32.powf(-2.0 / 8.0);
+        let mut theta = 3.0f32;
+        for i in 0..4 {
+            assert_eq!(cos[4 + i], theta.cos());
+            assert_eq!(sin[4 + i], theta.sin());
+            theta *= s;
+        }
+    }
+
+    #[test]
+    fn factors_divide_and_linear_scaling_multiplies() {
+        let mut cfg = RopeCfg::plain(4, 100.0);
+        cfg.freq_scale = 0.25;
+        let (cos, _) = cfg.angles(&[8], Some(&[2.0, 4.0]));
+        let s = 100f32.powf(-0.5);
+        assert_eq!(cos[0], (0.25 * (8.0f32 / 2.0)).cos());
+        assert_eq!(cos[1], (0.25 * ((8.0 * s) / 4.0)).cos());
+    }
+
+    #[test]
+    fn yarn_mixes_by_pair_and_scales_the_magnitude() {
+        // Llama-style YaRN, factor 4 over an original 64 positions.
+        let cfg = RopeCfg {
+            freq_scale: 0.25,
+            ext_factor: 1.0,
+            n_ctx_orig: 64,
+            ..RopeCfg::plain(64, 10_000.0)
+        };
+        let (cos, sin) = cfg.angles(&[100], None);
+        let m = 1.0 + 0.1 * 4f32.ln();
+        // Pair 0 turns fastest: fully extrapolated (the ramp is 1 below the range).
+        assert!((cos[0] - 100f32.cos() * m).abs() < 1e-6);
+        assert!((sin[0] - 100f32.sin() * m).abs() < 1e-6);
+        // The last pair turns slowest: fully interpolated.
+        let s = 10_000f32.powf(-2.0 / 64.0);
+        let theta = (0..31).fold(100f32, |t, _| t * s);
+        assert!((cos[31] - (0.25 * theta).cos() * m).abs() < 1e-6);
+        assert_eq!(yarn_mscale(4.0, 1.0), m);
+    }
+}
