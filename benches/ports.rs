@@ -9,9 +9,9 @@
 //! Each line runs 12 independent chains of the instruction (or pair), 12 million times over;
 //! "cycles" is the time per instruction (per pair) in core cycles, the best of 5 runs. Read
 //! it as the reciprocal throughput: 2.0 for a 256-bit maddubs means one every 2 cycles. The
-//! quantized kernels' arithmetic bound follows from it (see README, "Every GGUF type"). x86-64
-//! with AVX2 and FMA only; elsewhere it says so and exits. Not a test: nothing here asserts a
-//! speed.
+//! quantized kernels' arithmetic bound follows from it (see docs/speed.md, "On an AVX2-only
+//! machine"). x86-64 with AVX2 and FMA only; elsewhere it says so and exits. Not a test: nothing
+//! here asserts a speed.
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {

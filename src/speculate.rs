@@ -14,7 +14,7 @@
 //! whatever the length of the sequence.
 //!
 //! Adapting: a pass costs more the more tokens it feeds (on a CPU each one adds compute; see
-//! the README's figures), and a rejected proposal bought nothing. So the draft length adapts:
+//! docs/speed.md's figures), and a rejected proposal bought nothing. So the draft length adapts:
 //! it doubles (up to the maximum) after a draft kept whole, and after a rejection it halves,
 //! or drops to one more than what was kept if that is longer. A first draft rejected outright
 //! only shortens the next (a copy that diverged for a word often resumes at once); from the

@@ -1,6 +1,6 @@
-//! The shape of the source tree, as README's Development section promises it: modules import
-//! each other in one direction only (no circles between files), and no function in src/ runs
-//! much over 150 lines. Read from the files themselves, as text: `use`s and paths starting
+//! The shape of the source tree, as docs/development.md's "Source layout" promises it: modules
+//! import each other in one direction only (no circles between files), and no function in src/
+//! runs much over 150 lines. Read from the files themselves, as text: `use`s and paths starting
 //! `crate::`, `super::` or `self::`, outside comments, test modules and inline modules.
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -428,7 +428,7 @@ fn a_full_disk_during_the_fetch_is_one_clear_error_and_leaves_no_model_file() {
     );
 }
 
-// --- Inputs the fuzz targets found crashing (fuzz/, see README "Reliability") -----------------
+// --- Inputs the fuzz targets found crashing (fuzz/, see docs/reliability.md) ------------------
 
 fn gpt2_metadata(
     tokens: &[&str],
