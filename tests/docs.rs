@@ -242,7 +242,7 @@ fn check_links(file: &Path, linked: &mut BTreeSet<PathBuf>) -> Vec<String> {
             linked.insert(resolved.clone());
         }
         let Some(anchor) = anchor else { continue };
-        if !resolved.extension().is_some_and(|e| e == "md") {
+        if resolved.extension().is_none_or(|e| e != "md") {
             problems.push(format!("{at}: an anchor into a file that is not markdown"));
             continue;
         }
