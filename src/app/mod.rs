@@ -89,6 +89,7 @@ impl Session {
         }
         let model_ctx = loaded.model.info().context_len;
         let context_len = cfg.ctx_size.map_or(model_ctx, |c| c.min(model_ctx));
+        loaded.model.set_context_window(context_len);
         Ok(Some(Self {
             loaded,
             device,

@@ -146,6 +146,10 @@ impl LanguageModel for Decoder {
         self.forward_batch(batch)
     }
 
+    fn set_context_window(&mut self, tokens: usize) {
+        self.cfg.set_context_window(tokens);
+    }
+
     fn kv_layout(&self) -> String {
         let c = &self.cfg;
         let (store, compute) = match &self.backend {

@@ -120,6 +120,11 @@ pub trait LanguageModel {
     /// Bytes of keys and values one token takes in the cache, all layers together.
     fn kv_bytes_per_token(&self) -> usize;
 
+    /// The context window the run uses (`--ctx-size`, or the model's): long-rope models
+    /// (Phi-3.5, Phi-4-mini) take their long factors when it exceeds their original context,
+    /// as llama.cpp does. Before the first pass.
+    fn set_context_window(&mut self, _tokens: usize) {}
+
     /// One forward pass. Each step's sequence must have room for its tokens (`reserve`).
     /// Returns the logits of each step's rows in step order ([`SeqStep::logit_rows`]: a prompt
     /// chunk's last token, every token of a decode step): (rows, vocab), f32.

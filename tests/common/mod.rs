@@ -9,6 +9,7 @@ use std::process::{Command, Output};
 use gen::source::{self, FetchOptions, ModelSpec};
 
 pub mod hf;
+pub mod suite;
 
 /// A known model, fetched (once per cache) through the same code path users get.
 pub fn known(name: &str) -> PathBuf {

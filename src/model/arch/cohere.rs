@@ -34,7 +34,7 @@ pub fn command_r(k: &Keys, c: Common) -> Result<DecoderConfig> {
 
 /// Command R7B: three windowed layers with rope to one global layer without it.
 pub fn cohere2(k: &Keys, c: Common) -> Result<DecoderConfig> {
-    let swa = swa_layers(k, c.n_layer, 4)?;
+    let swa = swa_layers(k, &c, 4)?;
     let window = k.usize("attention.sliding_window")?;
     let logit_scale = k.f32("logit_scale")?;
     let tensors = TensorRules {

@@ -43,7 +43,7 @@ pub fn gemma(k: &Keys, c: Common) -> Result<DecoderConfig> {
 
 /// Gemma 2: alternating windowed and global layers, soft-capped scores and logits.
 pub fn gemma2(k: &Keys, c: Common) -> Result<DecoderConfig> {
-    let swa = swa_layers(k, c.n_layer, 2)?;
+    let swa = swa_layers(k, &c, 2)?;
     let base_swa = k.f32_or("rope.freq_base_swa", c.rope_base)?;
     let window = k.usize_or("attention.sliding_window", 4096)?;
     let attn_cap = k.f32_or("attn_logit_softcapping", 50.0)?;
@@ -92,7 +92,7 @@ pub fn gemma3(k: &Keys, c: Common) -> Result<DecoderConfig> {
         d.final_softcap = Some(final_cap);
     }
     if let Some(window) = k.usize_opt("attention.sliding_window")?.filter(|&w| w > 0) {
-        let swa = swa_layers(k, c.n_layer, 6)?;
+        let swa = swa_layers(k, &c, 6)?;
         let local = crate::model::rope::RopeCfg {
             base: k.f32_or("rope.freq_base_swa", 10_000.0)?,
             freq_scale: 1.0,

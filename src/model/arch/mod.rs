@@ -138,7 +138,9 @@ impl Common {
                 k.arch
             );
         }
-        if let Some(p) = k.usize_opt("pooling_type")?.filter(|&p| p != 0) {
+        // 0: none; u32::MAX: llama.cpp's "unspecified" (-1), as its saver writes it.
+        let pooling = k.usize_opt("pooling_type")?;
+        if let Some(p) = pooling.filter(|&p| p != 0 && p != u32::MAX as usize) {
             bail!(
                 "{}.pooling_type is {p}: an embedding model, not a text generator",
                 k.arch
@@ -179,30 +181,10 @@ impl Common {
                 k.arch
             );
         }
-        for (key, full) in [
-            ("attention.key_length_swa", head_dim),
-            ("attention.value_length_swa", head_dim),
-        ] {
-            if let Some(v) = k.usize_opt(key)?.filter(|&v| v != full) {
-                bail!(
-                    "{}.{key} {v} differs from the full-attention layers' {full}: not supported",
-                    k.arch
-                );
-            }
-        }
         let n_rot = k.usize_or("rope.dimension_count", head_dim)?;
         if n_rot == 0 || n_rot > head_dim || n_rot % 2 != 0 {
             bail!(
                 "{}.rope.dimension_count {n_rot} must be even and at most the head width {head_dim}",
-                k.arch
-            );
-        }
-        if let Some(r) = k
-            .usize_opt("rope.dimension_count_swa")?
-            .filter(|&r| r != n_rot)
-        {
-            bail!(
-                "{}.rope.dimension_count_swa {r} differs from rope.dimension_count {n_rot}: not supported",
                 k.arch
             );
         }
@@ -349,13 +331,27 @@ impl Common {
 /// Which layers have a sliding window, from `attention.sliding_window_pattern` as llama.cpp's
 /// `load_swa_pattern` reads it: a per-layer array (1: windowed), or a number n (or
 /// `default_pattern` when absent): every n-th layer attends to everything, the others through
-/// the window (n = 0: all windowed, 1: none).
-pub fn swa_layers(k: &Keys, n_layer: usize, default_pattern: usize) -> Result<Vec<bool>> {
-    if let Some(flags) = k.layer_flags("attention.sliding_window_pattern", n_layer)? {
+/// the window (n = 0: all windowed, 1: none). Windowed layers whose head or rotary width
+/// (`key_length_swa`, `value_length_swa`, `rope.dimension_count_swa`) differs from the others'
+/// are refused.
+pub fn swa_layers(k: &Keys, c: &Common, default_pattern: usize) -> Result<Vec<bool>> {
+    for (key, full) in [
+        ("attention.key_length_swa", c.head_dim),
+        ("attention.value_length_swa", c.head_dim),
+        ("rope.dimension_count_swa", c.n_rot),
+    ] {
+        if let Some(v) = k.usize_opt(key)?.filter(|&v| v != full) {
+            bail!(
+                "{}.{key} {v} differs from the full-attention layers' {full}: not supported",
+                k.arch
+            );
+        }
+    }
+    if let Some(flags) = k.layer_flags("attention.sliding_window_pattern", c.n_layer)? {
         return Ok(flags);
     }
     let n = k.usize_or("attention.sliding_window_pattern", default_pattern)?;
-    Ok((0..n_layer).map(|l| n == 0 || l % n < n - 1).collect())
+    Ok((0..c.n_layer).map(|l| n == 0 || l % n < n - 1).collect())
 }
 
 impl DecoderConfig {
@@ -393,8 +389,10 @@ impl DecoderConfig {
     }
 
     /// Use long-rope's long factors when the context window in use exceeds the original
-    /// context, its short ones otherwise (llama.cpp's `get_rope_factors`).
+    /// context, its short ones otherwise (llama.cpp's `get_rope_factors`, on its context
+    /// rounded up to a multiple of 256 as llama.cpp rounds it).
     pub fn set_context_window(&mut self, window: usize) {
+        let window = window.div_ceil(256) * 256;
         for r in &mut self.ropes {
             if matches!(r.factors, Factors::Long | Factors::Short) {
                 r.factors = if window > r.n_ctx_orig {

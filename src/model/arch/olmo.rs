@@ -46,7 +46,7 @@ pub fn olmo2(k: &Keys, c: Common) -> Result<DecoderConfig> {
     let mut d = c.decoder(k, NormKind::Rms, RopePairs::Neox, tensors)?;
     d.attn.qk_norm = QkNorm::Whole;
     if let Some(window) = k.usize_opt("attention.sliding_window")?.filter(|&w| w > 0) {
-        let swa = swa_layers(k, c.n_layer, 4)?;
+        let swa = swa_layers(k, &c, 4)?;
         let local = RopeCfg {
             factors: Factors::None,
             ..RopeCfg::plain(c.n_rot, c.rope_base)
@@ -67,7 +67,7 @@ pub fn exaone4(k: &Keys, c: Common) -> Result<DecoderConfig> {
     let mut d = c.decoder(k, NormKind::Rms, RopePairs::Neox, tensors)?;
     d.attn.qk_norm = QkNorm::Heads { after_rope: false };
     if c.n_layer == 64 {
-        let swa = swa_layers(k, c.n_layer, 4)?;
+        let swa = swa_layers(k, &c, 4)?;
         let window = k.usize_or("attention.sliding_window", 4096)?;
         d.set_windows(window, &swa, None);
         for plan in &mut d.layers {

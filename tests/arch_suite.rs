@@ -1,0 +1,125 @@
+//! gen against llama.cpp's own architecture suite: llama.cpp's tests/test-llama-archs writes a
+//! small random-weight model of every architecture it knows (F32 weights, 128-id vocabulary;
+//! every optional tensor present: biases, `.scale` factors, rope frequency factors), and
+//! llama.cpp's logits for 40 fixed ids on each were recorded by tools/llama-logits.cpp (f32
+//! cache, no flash attention). `.ci/llama-archs` makes both, once, for three seeds.
+//!
+//! For every file of an architecture gen runs, gen's logits at every position must be within a
+//! hundredth of llama.cpp's own bar between its backends: normalized mean squared error
+//! (mse(a, b) / mse(a, 0)) at most 1e-6 (llama.cpp's is 1e-4), through both of gen's attention
+//! kernels (a prompt's prefill, then one-token decode steps) and with every token a decode
+//! step. Every other file must be
+//! refused before loading, with one line. Q8_0 and Q4_K_M copies of five architectures must
+//! agree within the bound stated below (both sides quantize activations to 8 bits, each its
+//! own way). The first seed's files must also agree on the path GPUs take
+//! (`GEN_ATTENTION=candle`: candle's operations, an f32 cache).
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::suite::{self, gen_logits, nmse, read_logits, NMSE_F32};
+
+/// Quantized copies (Q8_0, Q4_K_M): gen and llama.cpp quantize activations to 8 bits each in
+/// their own blocks and order. Measured up to 5.3e-5 (phi3, Q4_K_M) on 2026-12-03.
+const NMSE_QUANTIZED: f64 = 2e-4;
+
+/// The architecture a suite file is of: `qwen2-dense.gguf` -> `qwen2`.
+fn arch_of(file: &str) -> &str {
+    file.split("-dense")
+        .next()
+        .unwrap()
+        .split("-moe")
+        .next()
+        .unwrap()
+}
+
+#[test]
+fn every_architecture_of_llama_cpps_suite_is_run_exactly_or_refused() {
+    let dir = suite::dir();
+    let ids = suite::ids(&dir);
+    let split = 24; // past the 32-token windows only in the decode steps
+    let claimed = gen::model::arch::supported();
+    let (mut agreed, mut refused) = (Vec::new(), Vec::new());
+    let mut failures = Vec::new();
+    for seed in ["seed-1", "seed-2", "seed-3"] {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir.join(seed))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "gguf"))
+            .collect();
+        files.sort();
+        for path in files {
+            let file = path.file_name().unwrap().to_str().unwrap().to_string();
+            let quantized = file.contains(".Q");
+            let logits = path.with_extension("logits");
+            let runs = claimed.contains(&arch_of(&file)) && !file.contains("-moe");
+            match gen_logits(&path, &ids, split, 256) {
+                Ok((decoded, mixed)) if runs => {
+                    if !logits.exists() {
+                        failures.push(format!("{seed}/{file}: gen runs it, llama.cpp did not"));
+                        continue;
+                    }
+                    let want = read_logits(&logits);
+                    let bound = if quantized { NMSE_QUANTIZED } else { NMSE_F32 };
+                    let e_all = nmse(&want, &decoded);
+                    let e_mixed = nmse(&want[split - 1..], &mixed);
+                    if !(e_all <= bound && e_mixed <= bound) {
+                        failures.push(format!(
+                            "{seed}/{file}: NMSE {e_all:.2e} (decode steps), {e_mixed:.2e} (prefill + decode), bound {bound:.0e}"
+                        ));
+                    } else {
+                        agreed.push(format!("{seed}/{file} {e_all:.1e}"));
+                    }
+                }
+                Ok(_) => failures.push(format!("{seed}/{file}: ran, but gen does not claim it")),
+                Err(e) if runs => failures.push(format!("{seed}/{file}: refused: {e:#}")),
+                Err(e) => {
+                    let line = format!("{e:#}");
+                    if line.contains('\n') || line.is_empty() {
+                        failures.push(format!(
+                            "{seed}/{file}: refused with more than a line: {line:?}"
+                        ));
+                    }
+                    refused.push(file);
+                }
+            }
+        }
+    }
+    // The path GPUs take (candle's operations, an f32 cache, weights widened to f32), run on
+    // the CPU: the same agreement on the first seed's files.
+    std::env::set_var("GEN_ATTENTION", "candle");
+    for arch in &claimed {
+        let path = dir.join(format!("seed-1/{arch}-dense.gguf"));
+        if !path.exists() {
+            continue;
+        }
+        let want = read_logits(&path.with_extension("logits"));
+        match gen_logits(&path, &ids, split, 256) {
+            Ok((decoded, mixed)) => {
+                let (e, e_mixed) = (nmse(&want, &decoded), nmse(&want[split - 1..], &mixed));
+                if !(e <= NMSE_F32 && e_mixed <= NMSE_F32) {
+                    failures.push(format!(
+                        "{arch} on candle's path: NMSE {e:.2e} / {e_mixed:.2e}"
+                    ));
+                }
+            }
+            Err(e) => failures.push(format!("{arch} on candle's path: {e:#}")),
+        }
+    }
+    std::env::remove_var("GEN_ATTENTION");
+    eprintln!("{} files agree with llama.cpp:", agreed.len());
+    for a in &agreed {
+        eprintln!("  {a}");
+    }
+    eprintln!("{} refused", refused.len());
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    // Every architecture gen claims has a file in the suite, and agrees on all three seeds.
+    for arch in claimed {
+        let n = agreed
+            .iter()
+            .filter(|a| arch_of(a.split('/').nth(1).unwrap()) == arch && !a.contains(".Q"))
+            .count();
+        assert_eq!(n, 3, "{arch}: {n} of 3 seeds agree");
+    }
+}
