@@ -162,7 +162,7 @@ impl Gathered {
             .index_select(&self.rows, 0)?
             .reshape((b * kv, l, hd))?;
         let att = (q.matmul(&keys.t()?)? * scale)?; // (B * kv, g, L)
-        let att = super::softcapped(att, softcap)?;
+        let att = softcapped(att, softcap)?;
         let att = match &self.mask {
             Some(m) => att
                 .reshape((b, kv * g, l))?
@@ -203,6 +203,14 @@ pub(super) fn attention_mask(
         }
     }
     Ok(Tensor::from_vec(m, (g * t, l), device)?)
+}
+
+/// Scores through Gemma 2's soft cap, c·tanh(s / c), where there is one.
+pub(super) fn softcapped(att: Tensor, softcap: Option<f64>) -> Result<Tensor> {
+    Ok(match softcap {
+        Some(c) => ((att / c)?.tanh()? * c)?,
+        None => att,
+    })
 }
 
 #[cfg(test)]

@@ -23,7 +23,7 @@ use anyhow::Result;
 use candle_core::{Device, Tensor};
 
 use self::check::{KernelCheck, KernelMode};
-use self::decode::{attention_mask, DeviceDecode, DeviceStep};
+use self::decode::{attention_mask, softcapped, DeviceDecode, DeviceStep};
 use self::kv_store::{DeviceKv, WritePlan};
 use super::config::{DecoderConfig, RopePairs};
 use super::layer::LayerOps;
@@ -315,14 +315,6 @@ impl LayerOps for DevicePass<'_, '_> {
         profile.mark(&dev, "attention");
         Ok(y)
     }
-}
-
-/// Scores through Gemma 2's soft cap, c·tanh(s / c), where there is one.
-pub(crate) fn softcapped(att: Tensor, softcap: Option<f64>) -> Result<Tensor> {
-    Ok(match softcap {
-        Some(c) => ((att / c)?.tanh()? * c)?,
-        None => att,
-    })
 }
 
 /// Passes mixing batched one-token steps with prompt chunks: where each step's rows sit in
