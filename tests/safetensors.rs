@@ -250,32 +250,50 @@ fn greedy_choices_agree_with_the_q4_1_gguf_at_every_step() {
     );
 }
 
+/// Every prompt's greedy reply from one run of the binary (`--batch`, one sequence at a time,
+/// so each is computed as a run of its own would compute it, and the model loads once).
+fn replies(model: &Path, prompts: &[&str], max_new: &str) -> Vec<String> {
+    let input: String = prompts
+        .iter()
+        .map(|p| format!("{}\n", serde_json::json!({ "prompt": p })))
+        .collect();
+    let mut cmd = gen();
+    cmd.arg("--model")
+        .arg(model)
+        .args(["--batch", "-", "--batch-size", "1", "--temperature", "0"])
+        .args(["--max-new", max_new, "--threads", "2", "-q"]);
+    let out = common::with_stdin(cmd, &input);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let lines: Vec<serde_json::Value> = common::jsonl(&text(&out.stdout));
+    assert_eq!(lines.len(), prompts.len());
+    lines
+        .iter()
+        .map(|l| {
+            assert_eq!(l["tokens"].as_u64(), max_new.parse().ok(), "{l}");
+            l["text"].as_str().unwrap().to_string()
+        })
+        .collect()
+}
+
 /// The binary on the folder and on the same weights as an f32 GGUF: identical text for 8
 /// greedy tokens on every prompt. Against the Q4_1 GGUF itself, the first 4 tokens (the
 /// earliest near-tie on these prompts is the 5th token, see above).
 #[test]
 fn greedy_tokens_match_the_gguf() {
     let quantized = common::smollm2();
-    for prompt in PROMPTS {
-        let (want, _) = reply(&run(f32_gguf(), prompt, &[]));
-        let (got, report) = reply(&run(single(), prompt, &[]));
-        assert_eq!(got, want, "prompt {prompt:?}");
-        assert_eq!(report["generated_tokens"], 8, "{report}");
-        assert_eq!(report["model"], "single-f32");
-
-        let (want, _) = reply(&run(&quantized, prompt, &["--max-new", "4"]));
-        let (got, _) = reply(&run(single(), prompt, &["--max-new", "4"]));
-        assert_eq!(got, want, "prompt {prompt:?} against the Q4_1 GGUF");
-    }
+    assert_eq!(replies(single(), PROMPTS, "8"), replies(f32_gguf(), PROMPTS, "8"));
+    let (_, report) = reply(&run(single(), PROMPTS[0], &[]));
+    assert_eq!(report["generated_tokens"], 8, "{report}");
+    assert_eq!(report["model"], "single-f32");
+    assert_eq!(replies(single(), PROMPTS, "4"), replies(&quantized, PROMPTS, "4"));
 }
 
 #[test]
 fn shards_give_the_same_tokens_as_one_file() {
-    for prompt in &PROMPTS[..3] {
-        let (one, _) = reply(&run(single(), prompt, &[]));
-        let (three, _) = reply(&run(sharded(), prompt, &[]));
-        assert_eq!(three, one, "prompt {prompt:?}");
-    }
+    assert_eq!(
+        replies(sharded(), &PROMPTS[..3], "8"),
+        replies(single(), &PROMPTS[..3], "8")
+    );
 }
 
 #[test]
