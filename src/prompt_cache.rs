@@ -101,19 +101,7 @@ impl PromptCache {
             data.len() == blocks.len() * block_bytes,
             "cache blocks of another size"
         );
-        let mut out = Vec::with_capacity(HEAD + tokens.len() * 4 + data.len() + 32);
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
-        out.extend_from_slice(&self.model_id);
-        out.extend_from_slice(&(BLOCK_SIZE as u32).to_le_bytes());
-        out.extend_from_slice(&(block_bytes as u64).to_le_bytes());
-        out.extend_from_slice(&(tokens.len() as u64).to_le_bytes());
-        for t in tokens {
-            out.extend_from_slice(&t.to_le_bytes());
-        }
-        out.extend_from_slice(&data);
-        let sum = Sha256::digest(&out);
-        out.extend_from_slice(&sum);
+        let out = encode(&self.model_id, block_bytes, tokens, &data);
         write_atomically(&self.path, &out)
             .with_context(|| format!("cannot write the prompt cache {}", self.path.display()))
     }
@@ -140,8 +128,30 @@ fn read(path: &Path) -> Result<Option<Vec<u8>>> {
     Ok(Some(bytes))
 }
 
-/// The token ids and block data of a file, or why it cannot be used.
-fn parse<'a>(
+/// A prompt-cache file's bytes: `tokens` (whole blocks) and their blocks' keys and values
+/// (`data`, `block_bytes` a block), for the model and cache layout `model_id` names.
+pub fn encode(model_id: &[u8; 32], block_bytes: usize, tokens: &[u32], data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEAD + tokens.len() * 4 + data.len() + 32);
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(model_id);
+    out.extend_from_slice(&(BLOCK_SIZE as u32).to_le_bytes());
+    out.extend_from_slice(&(block_bytes as u64).to_le_bytes());
+    out.extend_from_slice(&(tokens.len() as u64).to_le_bytes());
+    for t in tokens {
+        out.extend_from_slice(&t.to_le_bytes());
+    }
+    out.extend_from_slice(data);
+    let sum = Sha256::digest(&out);
+    out.extend_from_slice(&sum);
+    out
+}
+
+/// The token ids and block data of a file's bytes, or why it cannot be used (one line, for
+/// the warning): the file must be whole, of this file layout [`VERSION`], for `model_id` (see
+/// [`model_id`]) and for blocks of `block_bytes` bytes (the model's KV bytes per token times
+/// the block size). Needs no model: the fuzz target `prompt_cache` calls it on any bytes.
+pub fn parse<'a>(
     bytes: &'a [u8],
     model_id: &[u8; 32],
     block_bytes: usize,
@@ -319,6 +329,11 @@ mod tests {
         let tokens: Vec<u32> = (0..32).collect();
         let data: Vec<u8> = (0..2 * 24).map(|i| i as u8).collect();
         let good = file(&tokens, &data, &id, 24);
+        assert_eq!(
+            encode(&id, 24, &tokens, &data),
+            good,
+            "save writes what parse reads"
+        );
         let (t, d) = parse(&good, &id, 24).unwrap();
         assert_eq!((t, d), (tokens.clone(), &data[..]));
         for cut in 0..good.len() {
