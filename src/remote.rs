@@ -8,7 +8,7 @@
 //! timeout. gen's sampling flags map onto the API: temperature, top_p, seed, stop, max_tokens, and
 //! top_k, min_p and repetition_penalty as the extensions vLLM and llama.cpp's server accept.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Result};
@@ -83,7 +83,7 @@ pub struct Reply {
 
 /// Why a try failed, and whether another may succeed.
 #[derive(Debug)]
-enum Failure {
+pub enum Failure {
     Retry {
         why: String,
         after: Option<Duration>,
@@ -280,68 +280,83 @@ impl Endpoint {
             req = req.set("Authorization", &format!("Bearer {k}"));
         }
         let resp = classify(req.send_string(&body.to_string()))?;
-        reply.text.clear();
-        let mut done = false;
-        for line in BufReader::new(resp.into_reader()).lines() {
-            let line = line.map_err(|e| Failure::Retry {
-                why: format!("the stream broke: {e}"),
-                after: None,
-            })?;
-            // Server-sent events: `data: ...` lines; comments (`:`), ids and blank lines pass.
-            let Some(data) = line.strip_prefix("data:") else {
-                continue;
-            };
-            let data = data.trim();
-            if data == "[DONE]" {
-                done = true;
-                break;
-            }
-            let event: Value = serde_json::from_str(data).map_err(|e| Failure::Retry {
-                why: format!(
-                    "the server sent an event that is not JSON ({e}): {}",
-                    clip(data)
-                ),
-                after: None,
-            })?;
-            if let Some(err) = event.get("error") {
-                return Err(Failure::Fatal(format!(
-                    "the server says: {}",
-                    error_text(err)
-                )));
-            }
-            take_usage(&event, reply);
-            let Some(choice) = event["choices"].get(0) else {
-                continue;
-            };
-            let piece = choice["text"]
-                .as_str()
-                .or_else(|| choice["delta"]["content"].as_str())
-                .unwrap_or("");
-            if !piece.is_empty() {
-                if reply.text.is_empty() {
-                    reply.ttft = start.elapsed();
-                }
-                reply.text.push_str(piece);
-                if !on_text(piece) {
-                    reply.stop = "interrupted".into();
-                    return Err(Failure::Stopped);
-                }
-            }
-            if let Some(f) = choice["finish_reason"].as_str() {
-                reply.stop = finish_name(f).into();
-            }
-        }
-        if !done && reply.stop.is_empty() {
-            return Err(Failure::Retry {
-                why: "the stream ended before the reply did".into(),
-                after: None,
-            });
-        }
-        if reply.stop.is_empty() {
-            reply.stop = "eos".into();
-        }
-        Ok(())
+        read_events(resp.into_reader(), reply, start, on_text)
     }
+}
+
+/// Read a streamed reply (server-sent events, as OpenAI-compatible servers send them) from an
+/// HTTP response body into `reply`: its text (each piece also to `on_text`, which returns false
+/// to stop reading), finish reason and token counts. Ends at `data: [DONE]` or at the end of
+/// the body; an event that is not JSON, a body cut before the reply ended or one that is not
+/// UTF-8 is a failure a retry may fix, an `error` event one it will not. Needs no server: the
+/// fuzz target `sse` calls it on any bytes.
+pub fn read_events(
+    body: impl Read,
+    reply: &mut Reply,
+    start: Instant,
+    on_text: &mut dyn FnMut(&str) -> bool,
+) -> std::result::Result<(), Failure> {
+    reply.text.clear();
+    let mut done = false;
+    for line in BufReader::new(body).lines() {
+        let line = line.map_err(|e| Failure::Retry {
+            why: format!("the stream broke: {e}"),
+            after: None,
+        })?;
+        // Server-sent events: `data: ...` lines; comments (`:`), ids and blank lines pass.
+        let Some(data) = line.strip_prefix("data:") else {
+            continue;
+        };
+        let data = data.trim();
+        if data == "[DONE]" {
+            done = true;
+            break;
+        }
+        let event: Value = serde_json::from_str(data).map_err(|e| Failure::Retry {
+            why: format!(
+                "the server sent an event that is not JSON ({e}): {}",
+                clip(data)
+            ),
+            after: None,
+        })?;
+        if let Some(err) = event.get("error") {
+            return Err(Failure::Fatal(format!(
+                "the server says: {}",
+                error_text(err)
+            )));
+        }
+        take_usage(&event, reply);
+        let Some(choice) = event["choices"].get(0) else {
+            continue;
+        };
+        let piece = choice["text"]
+            .as_str()
+            .or_else(|| choice["delta"]["content"].as_str())
+            .unwrap_or("");
+        if !piece.is_empty() {
+            if reply.text.is_empty() {
+                reply.ttft = start.elapsed();
+            }
+            reply.text.push_str(piece);
+            if !on_text(piece) {
+                reply.stop = "interrupted".into();
+                return Err(Failure::Stopped);
+            }
+        }
+        if let Some(f) = choice["finish_reason"].as_str() {
+            reply.stop = finish_name(f).into();
+        }
+    }
+    if !done && reply.stop.is_empty() {
+        return Err(Failure::Retry {
+            why: "the stream ended before the reply did".into(),
+            after: None,
+        });
+    }
+    if reply.stop.is_empty() {
+        reply.stop = "eos".into();
+    }
+    Ok(())
 }
 
 /// A response, or why not, sorted into what a retry may fix and what it will not.
@@ -440,6 +455,38 @@ mod tests {
         let long = "x ".repeat(300);
         assert!(clip(&long).len() <= 204);
         assert_eq!(clip("a\n b"), "a b");
+    }
+
+    #[test]
+    fn event_streams_give_the_reply_or_a_failure() {
+        let read = |body: &str| {
+            let mut reply = Reply::default();
+            let mut pieces = Vec::new();
+            let r = read_events(body.as_bytes(), &mut reply, Instant::now(), &mut |t| {
+                pieces.push(t.to_string());
+                true
+            });
+            (r, reply, pieces)
+        };
+        let (r, reply, pieces) = read(
+            ": ping\n\ndata: {\"choices\":[{\"text\":\"Once\"}]}\n\n\
+             data:{\"choices\":[{\"delta\":{\"content\":\" upon\"},\"finish_reason\":\"length\"}]}\r\n\
+             data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2}}\n\
+             data: [DONE]\n",
+        );
+        assert!(r.is_ok(), "{r:?}");
+        assert_eq!(
+            (reply.text.as_str(), reply.stop.as_str()),
+            ("Once upon", "max-new")
+        );
+        assert_eq!((reply.prompt_tokens, reply.tokens), (Some(3), Some(2)));
+        assert_eq!(pieces, ["Once", " upon"]);
+        let (r, ..) = read("data: {\"choices\":[{\"text\":\"cut\"}]}\n");
+        assert!(matches!(r, Err(Failure::Retry { why, .. }) if why.contains("ended before")));
+        let (r, ..) = read("data: <html>502</html>\n");
+        assert!(matches!(r, Err(Failure::Retry { why, .. }) if why.contains("not JSON")));
+        let (r, ..) = read("data: {\"error\": {\"message\": \"overloaded\"}}\n");
+        assert!(matches!(r, Err(Failure::Fatal(why)) if why.contains("overloaded")));
     }
 
     #[test]
