@@ -11,8 +11,10 @@
 //! and header (tensor index included) and of the cache layout in words (`kv_layout`: value
 //! type, shape, the kernels that computed it), plus gen's file layout version. It ends with a
 //! SHA-256 of everything before. A file that is short, damaged, for another model or layout,
-//! or from a newer gen is not used: one warning line, and the run rewrites it. Writes go to a
-//! temporary file renamed over FILE, so FILE is whole or absent, never half-written.
+//! or from a newer gen is not used: one warning line, and the run rewrites it. A file that does
+//! not begin with gen's signature is somebody else's (a model, notes): the run stops with an
+//! error before any compute and leaves it as it is. Writes go to a temporary file renamed over
+//! FILE, so FILE is whole or absent, never half-written.
 //!
 //! Layout (little-endian): magic `genkvpc\0`, u32 version, 32-byte model id, u32 block size,
 //! u64 bytes per block, u64 token count (a multiple of the block size), the token ids (u32),
@@ -72,6 +74,13 @@ impl PromptCache {
             load_time: Duration::ZERO,
         };
         let block_bytes = model.kv_bytes_per_token() * BLOCK_SIZE;
+        if !is_ours(path)? {
+            anyhow::bail!(
+                "--prompt-cache {} is not a gen prompt cache (it does not begin with gen's \
+                 signature): refusing to overwrite it. HINT: name another file, or delete this one",
+                path.display()
+            );
+        }
         match read(path) {
             Ok(None) => {}
             Ok(Some(bytes)) => match parse(&bytes, &model_id, block_bytes) {
@@ -114,6 +123,23 @@ fn warn(path: &Path, why: &str, quiet: bool) {
             path.display()
         );
     }
+}
+
+/// Whether `path` may be a prompt-cache file: absent, empty, or beginning with gen's
+/// signature (or a first part of it, as a file cut short does). Anything else is somebody's
+/// file, which a run must not overwrite.
+fn is_ours(path: &Path) -> Result<bool> {
+    let mut file = match std::fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(true),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    };
+    let mut head = Vec::with_capacity(MAGIC.len());
+    (&mut file)
+        .take(MAGIC.len() as u64)
+        .read_to_end(&mut head)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    Ok(MAGIC.starts_with(&head))
 }
 
 /// The file's bytes; None when there is no file.

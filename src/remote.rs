@@ -298,7 +298,7 @@ pub fn read_events(
 ) -> std::result::Result<(), Failure> {
     reply.text.clear();
     let mut done = false;
-    for line in BufReader::new(body).lines() {
+    for line in event_lines(BufReader::new(body)) {
         let line = line.map_err(|e| Failure::Retry {
             why: format!("the stream broke: {e}"),
             after: None,
@@ -414,12 +414,57 @@ fn finish_name(f: &str) -> &str {
 
 fn error_text(err: &Value) -> String {
     match err {
-        Value::String(s) => s.clone(),
+        Value::String(s) => clip(s),
         v => v["message"]
             .as_str()
-            .map(str::to_string)
+            .map(clip)
             .unwrap_or_else(|| clip(&v.to_string())),
     }
+}
+
+/// An event stream's lines, each as soon as it ends: the stream format ends a line with LF,
+/// CRLF or a lone CR. A line that is not UTF-8 is an error.
+fn event_lines(mut r: impl std::io::BufRead) -> impl Iterator<Item = std::io::Result<String>> {
+    let mut after_cr = false;
+    let mut ended = false;
+    std::iter::from_fn(move || {
+        if ended {
+            return None;
+        }
+        let mut line = Vec::new();
+        loop {
+            let byte = match r.fill_buf() {
+                Ok([]) => {
+                    ended = true;
+                    return (!line.is_empty()).then(|| utf8(line));
+                }
+                Ok(buf) => buf[0],
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    ended = true;
+                    return Some(Err(e));
+                }
+            };
+            r.consume(1);
+            match byte {
+                b'\n' if after_cr && line.is_empty() => after_cr = false,
+                b'\n' | b'\r' => {
+                    after_cr = byte == b'\r';
+                    return Some(utf8(line));
+                }
+                b => {
+                    after_cr = false;
+                    line.push(b);
+                }
+            }
+        }
+    })
+}
+
+fn utf8(line: Vec<u8>) -> std::io::Result<String> {
+    String::from_utf8(line).map_err(|_| {
+        std::io::Error::new(std::io::ErrorKind::InvalidData, "a line that is not UTF-8")
+    })
 }
 
 /// At most 200 characters of `s`, on one line.
@@ -446,6 +491,51 @@ fn jitter_fraction() -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn event_lines_end_at_lf_crlf_or_a_lone_cr() {
+        let lines = |b: &[u8]| -> Vec<String> {
+            event_lines(std::io::Cursor::new(b.to_vec()))
+                .map(|l| l.unwrap())
+                .collect()
+        };
+        assert_eq!(lines(b"a\nb\n\nc"), ["a", "b", "", "c"]);
+        assert_eq!(lines(b"a\r\nb\r\n\r\nc\r\n"), ["a", "b", "", "c"]);
+        assert_eq!(lines(b"a\rb\r\rc"), ["a", "b", "", "c"]);
+        assert_eq!(
+            lines(b"data: 1\r\rdata: 2\n\r\n"),
+            ["data: 1", "", "data: 2", ""]
+        );
+        assert!(event_lines(std::io::Cursor::new(b"\xff\n".to_vec()))
+            .next()
+            .unwrap()
+            .is_err());
+        // A stream whose events end in lone CRs gives the reply, as one ending in LFs does.
+        let body = "data: {\"choices\":[{\"text\":\"Hi\",\"finish_reason\":\"stop\"}]}\r\rdata: [DONE]\r\r";
+        let mut reply = Reply::default();
+        let mut seen = String::new();
+        read_events(body.as_bytes(), &mut reply, Instant::now(), &mut |t| {
+            seen.push_str(t);
+            true
+        })
+        .unwrap();
+        assert_eq!((reply.text.as_str(), seen.as_str()), ("Hi", "Hi"));
+    }
+
+    #[test]
+    fn a_server_error_is_one_short_line() {
+        let long = "line one\nline two ".repeat(100);
+        for err in [
+            Value::String(long.clone()),
+            serde_json::json!({ "message": long }),
+        ] {
+            let said = error_text(&err);
+            assert!(
+                !said.contains('\n') && said.chars().count() <= 203,
+                "{said}"
+            );
+        }
+    }
 
     #[test]
     fn finish_reasons_and_clipping() {

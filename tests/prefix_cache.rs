@@ -323,7 +323,7 @@ fn prompt_cache_files_are_used_whole_or_not_at_all() {
     for cut in [0, 5, 30, 63, 100, tokens_end + 1000, n / 2, n - 33, n - 1] {
         damaged.push((format!("cut at {cut}"), good[..cut].to_vec()));
     }
-    for at in [0, 9, 20, 46, 50, 58, 80, tokens_end + 7, n * 3 / 4, n - 1] {
+    for at in [9, 20, 46, 50, 58, 80, tokens_end + 7, n * 3 / 4, n - 1] {
         let mut bad = good.clone();
         bad[at] ^= 0x40;
         damaged.push((format!("byte {at} flipped"), bad));
@@ -351,6 +351,26 @@ fn prompt_cache_files_are_used_whole_or_not_at_all() {
             std::fs::read(&file).unwrap(),
             good,
             "{what}: rewritten whole"
+        );
+    }
+
+    // A file without gen's signature is not gen's to rewrite (a model, notes given by mistake):
+    // one line, exit 1, and the file as it was.
+    let mut flipped = good.clone();
+    flipped[0] ^= 0x40;
+    for (what, bytes) in [
+        ("byte 0 flipped", flipped),
+        ("a text file", b"notes the user keeps\n".to_vec()),
+    ] {
+        std::fs::write(&file, &bytes).unwrap();
+        let (out, err, ok) = run(&["--prompt-cache", f], prompt);
+        assert!(!ok && out.is_empty(), "{what}: {err}");
+        assert!(err.contains("not a gen prompt cache"), "{what}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{what}: {err}");
+        assert_eq!(
+            std::fs::read(&file).unwrap(),
+            bytes,
+            "{what}: left as it was"
         );
     }
     let _ = std::fs::remove_dir_all(&dir);

@@ -26,6 +26,14 @@ fn llama_server() -> PathBuf {
     PathBuf::from(text(&out.stdout).trim())
 }
 
+/// One test's servers at a time: each llama-server's threads spin while they wait for work, so
+/// two servers on two cores slow each other down many times over (the two tests took 540 s
+/// side by side).
+fn one_server_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 struct Server {
     child: Child,
     url: String,
@@ -108,7 +116,7 @@ fn batch(url: &str, input: &str, extra: &[&str]) -> (Vec<Value>, String, Option<
         "--temperature",
         "0",
         "-n",
-        "24",
+        "10",
     ]);
     cmd.args(extra);
     let out = with_stdin(cmd, input);
@@ -121,6 +129,7 @@ fn batch(url: &str, input: &str, extra: &[&str]) -> (Vec<Value>, String, Option<
 
 #[test]
 fn one_prompt_streams_and_a_batch_of_32_is_complete_in_order_and_greedy() {
+    let _one = one_server_at_a_time();
     let server = Server::start(4);
     let out = gen()
         .args([
@@ -182,10 +191,13 @@ fn one_prompt_streams_and_a_batch_of_32_is_complete_in_order_and_greedy() {
 }
 
 /// The batch settings both runs of the kill-and-resume test share.
-const RUN: [&str; 6] = ["--temperature", "0", "-n", "40", "--concurrency", "2"];
+/// (12 tokens an item: llama-server decodes this model at about 45 tokens/s on two cores, so
+/// a batch of 24 still runs for seconds after the fourth line, when the server is killed.)
+const RUN: [&str; 6] = ["--temperature", "0", "-n", "12", "--concurrency", "2"];
 
 #[test]
 fn a_server_killed_mid_batch_fails_the_rest_and_resume_finishes_with_no_duplicates() {
+    let _one = one_server_at_a_time();
     let dir = std::env::temp_dir().join(format!("gen-remote-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let input_path = dir.join("in.jsonl");

@@ -281,11 +281,17 @@ fn replies(model: &Path, prompts: &[&str], max_new: &str) -> Vec<String> {
 #[test]
 fn greedy_tokens_match_the_gguf() {
     let quantized = common::smollm2();
-    assert_eq!(replies(single(), PROMPTS, "8"), replies(f32_gguf(), PROMPTS, "8"));
+    assert_eq!(
+        replies(single(), PROMPTS, "8"),
+        replies(f32_gguf(), PROMPTS, "8")
+    );
     let (_, report) = reply(&run(single(), PROMPTS[0], &[]));
     assert_eq!(report["generated_tokens"], 8, "{report}");
     assert_eq!(report["model"], "single-f32");
-    assert_eq!(replies(single(), PROMPTS, "4"), replies(&quantized, PROMPTS, "4"));
+    assert_eq!(
+        replies(single(), PROMPTS, "4"),
+        replies(&quantized, PROMPTS, "4")
+    );
 }
 
 #[test]
