@@ -8,7 +8,7 @@
 //! timeout. gen's sampling flags map onto the API: temperature, top_p, seed, stop, max_tokens, and
 //! top_k, min_p and repetition_penalty as the extensions vLLM and llama.cpp's server accept.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufReader, Read};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Result};

@@ -156,7 +156,7 @@ fn llama3_rope_frequency_factors_as_llama_3_2_publishes_them() {
     let src = dir.join("seed-1/llama-dense.gguf");
     // Llama 3.2's settings: base 500,000; factor 32, low 1, high 4, original context 8,192.
     let factors = llama3_factors(128, 500_000.0, 32.0, 1.0, 4.0, 8192.0);
-    assert!(factors.iter().any(|&f| f == 32.0) && factors.iter().any(|&f| f == 1.0));
+    assert!(factors.contains(&32.0) && factors.contains(&1.0));
     let file = scratch("llama3-rope-freqs.gguf");
     let edit = [
         ("llama.rope.freq_base", f(500_000.0)),

@@ -80,6 +80,9 @@ pub fn nmse(want: &[Vec<f32>], got: &[Vec<f32>]) -> f64 {
     err / norm
 }
 
+/// Logits, a row per position.
+pub type Rows = Vec<Vec<f32>>;
+
 fn rows(t: candle_core::Tensor) -> Vec<Vec<f32>> {
     t.to_vec2::<f32>().unwrap()
 }
@@ -92,7 +95,7 @@ pub fn gen_logits(
     ids: &[u32],
     split: usize,
     window: usize,
-) -> anyhow::Result<(Vec<Vec<f32>>, Vec<Vec<f32>>)> {
+) -> anyhow::Result<(Rows, Rows)> {
     let ckpt = Checkpoint::open_gguf(path)?;
     let mut m = Decoder::from_checkpoint(&ckpt, &candle_core::Device::Cpu)?;
     m.set_context_window(window);

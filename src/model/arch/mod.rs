@@ -373,7 +373,7 @@ impl DecoderConfig {
 
     /// What the rest of gen takes for granted.
     fn check(&self) -> Result<()> {
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             bail!(
                 "head width {} must be even and non-zero for rotary embeddings",
                 self.head_dim

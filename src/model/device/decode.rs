@@ -80,8 +80,7 @@ impl DeviceDecode {
         k_pool: &Tensor,
         v_pool: &Tensor,
         cfg: &DecoderConfig,
-        scale: f64,
-        softcap: Option<f64>,
+        (scale, softcap): (f64, Option<f64>),
         check: &KernelCheck,
     ) -> Result<Tensor> {
         #[cfg(feature = "cuda")]

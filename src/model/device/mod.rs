@@ -267,7 +267,7 @@ impl LayerOps for DevicePass<'_, '_> {
         let batched = match &view.decode {
             Some(d) => {
                 let (k_pool, v_pool) = b.store.layer(l);
-                Some(d.attend(q, k_pool, v_pool, cfg, scale, softcap, &b.check)?)
+                Some(d.attend(q, k_pool, v_pool, cfg, (scale, softcap), &b.check)?)
             }
             None => None,
         };
