@@ -133,9 +133,9 @@ fn batched_prompts_share_their_prefix_and_reply_as_without_it() {
 #[test]
 fn windowed_layers_share_prefixes_too() {
     let mut m = load_gguf(&common::gemma3(), &Device::Cpu, None).expect("load Gemma 3");
-    let prompts = shared_prompts(&m, 4, 600);
-    let (plain, _, _) = run_batch_n(&mut m, &prompts, 4, 256, false, 12);
-    let (shared, outcomes, _) = run_batch_n(&mut m, &prompts, 4, 256, true, 12);
+    let prompts = shared_prompts(&m, 3, 600);
+    let (plain, _, _) = run_batch_n(&mut m, &prompts, 3, 256, false, 12);
+    let (shared, outcomes, _) = run_batch_n(&mut m, &prompts, 3, 256, true, 12);
     assert_eq!(shared, plain);
     assert!(outcomes[1..].iter().all(|o| o.cached_tokens == 592));
 }
@@ -219,7 +219,7 @@ fn run(args: &[&str], prompt: &str) -> (String, String, bool) {
     let mut cmd = common::gen();
     cmd.arg("--model")
         .arg(common::smollm2())
-        .args(["--temperature", "0", "--max-new", "12", "--threads", "2"])
+        .args(["--temperature", "0", "--max-new", "6", "--threads", "2"])
         .args(args);
     let out = common::with_stdin(cmd, prompt);
     (
