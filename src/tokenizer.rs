@@ -124,15 +124,81 @@ const FORCED_CONTROL_TEXTS: &[&str] = &[
 /// The SentencePiece space marker.
 const SPACE_MARKER: &str = "\u{2581}";
 
-// llama.cpp's pre-tokenizer regexes (llama-vocab.cpp, llm_tokenizer_bpe). Each list is applied
-// in order, every regex splitting the pieces left by the previous one; text between matches
-// stays a piece of its own, which is what `SplitDelimiterBehavior::Isolated` does.
+// llama.cpp's pre-tokenizer regexes (src/llama-vocab.cpp, `llm_tokenizer_bpe`). Each list is
+// applied in order, every regex splitting the pieces left by the previous one; text between
+// matches stays a piece of its own, which is what `SplitDelimiterBehavior::Isolated` does.
+//
+// What llama.cpp does with a regex is not always what the regex says, and these are written for
+// what it does (src/unicode.cpp, `unicode_regex_split`):
+// - A regex that uses `\p{..}` runs on a copy of the text in which every non-ASCII character is
+//   replaced by one byte for its category, and `\p{Lu}`, `\p{Ll}`, `\p{Lt}`, `\p{Lm}` and `\p{Lo}`
+//   all stand for "any letter" (ASCII ones included). So upper and lower case are not told apart
+//   there: those classes are written `\p{L}` here.
+// - A regex without `\p{..}` runs on the code points with every non-ASCII whitespace character
+//   replaced by `\v`; such a character therefore never matches a class that names it outright
+//   (those classes subtract `\s` here), only `\s`.
+// - `\d` means ASCII digits: `[0-9]` here.
+// - A few regexes are never run as regexes but select a hand-written splitter; those are written
+//   as the regex that splits the same way (see `RE_AFMOE_DIGITS` and `RE_KIMI_K2`; the GPT-2,
+//   Llama 3, Qwen2 and Qwen3.5 splitters follow their regexes).
+
+/// GPT-2's split (llama.cpp's hand-written splitter for it adds `\s+` at the end, which changes
+/// nothing: what it would match is left between matches and so is a piece anyway).
 const RE_GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
 const RE_LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const RE_JAIS2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s{512}(?!\S)|\s{256}(?!\S)|\s{128}(?!\S)|\s{64}(?!\S)|\s{32}(?!\S)|\s{16}(?!\S)|\s{8}(?!\S)|\s{4}(?!\S)|\s{1,2}(?!\S)|\s{1}";
 const RE_QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const RE_QWEN35: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const RE_SEED_CODER: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+";
+const RE_UFAKZEKA: &str =
+    r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const RE_BAILINGMOE: &str = r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+";
+const RE_EXAONE_MOE: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+";
+const RE_MINICPM5: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Tekken (Mistral) as llama.cpp rewrites it: "a letter that is not ASCII lower (upper) case"
+/// stands for the original's upper (lower) case classes, so non-ASCII letters are both.
+const RE_TEKKEN: &str = r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// GPT-4o's (`o200k`) split, rewritten the same way as Tekken's.
+const RE_GPT4O: &str = r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const RE_GRANITE_EMB_MULTI: &str = r"[^\r\n\p{L}\p{N}]?((?=[\p{L}\p{M}])([^a-z]))*((?=[\p{L}\p{M}])([^A-Z]))+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?((?=[\p{L}\p{M}])([^a-z]))+((?=[\p{L}\p{M}])([^A-Z]))*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// The GPT-4o-shaped split Tiny Aya and Youtu name with case classes (`\p{Lu}`, `\p{Ll}`, ...),
+/// which llama.cpp reads as "any letter" (see above): so case does not split words here.
+const RE_CASELESS_WORDS_N3: &str = r"[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]*[\p{L}\p{M}]+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+[\p{L}\p{M}]*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const RE_CASELESS_WORDS_N1: &str = r"[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]*[\p{L}\p{M}]+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+[\p{L}\p{M}]*(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const RE_YOUTU_CJK: &str = r"[\x{AC00}-\x{D7A3}\x{3131}-\x{318E}]+|[\x{FF01}\x{2026}\x{201C}\x{201D}\x{2018}\x{2019}\x{2014}\x{FF1A}\x{FF1B}\x{FF0C}\x{3001}-\x{303F}\x{FE30}-\x{FE4F}]+|[\x{3105}-\x{312F}]+|[\x{4E00}-\x{9FA5}\x{3040}-\x{309F}\x{30A0}-\x{30FF}]+";
+/// DeepSeek LLM's and Coder's CJK run: 一-龥, U+0800-一 and 가-U+D7FF, less the whitespace
+/// llama.cpp has turned into `\v` by then.
+const RE_DEEPSEEK_CJK: &str = r"[\x{4E00}-\x{9FA5}\x{800}-\x{4E00}\x{AC00}-\x{D7FF}--\s]+";
+const RE_DEEPSEEK_LLM_LETTERS: &str = r"\s?[A-Za-z\x{B5}\x{C0}-\x{D6}\x{D8}-\x{F6}\x{F8}-\x{1BA}\x{1BC}-\x{1BF}\x{1C4}-\x{293}\x{295}-\x{2AF}\x{370}-\x{373}\x{376}\x{377}\x{37B}-\x{37D}\x{37F}\x{386}\x{388}-\x{38A}\x{38C}\x{38E}-\x{3A1}\x{3A3}-\x{3F5}\x{3F7}-\x{481}\x{48A}-\x{52F}\x{531}-\x{556}\x{10A0}-\x{10C5}\x{13A0}-\x{13F5}\x{13F8}-\x{13FD}\x{1C90}-\x{1CBA}\x{1CBD}-\x{1CBF}\x{1D00}-\x{1D2B}\x{1D6B}-\x{1D77}\x{1D79}-\x{1D9A}\x{1E00}-\x{1F15}\x{1F18}-\x{1F1D}\x{1F20}-\x{1F45}\x{1F48}-\x{1F4D}\x{1F50}-\x{1F57}\x{1F59}\x{1F5B}\x{1F5D}\x{1F5F}-\x{1F7D}\x{1F80}-\x{1FB4}\x{1FB6}-\x{1FBC}\x{1FBE}\x{1FC2}-\x{1FC4}\x{1FC6}-\x{1FCC}\x{1FD0}-\x{1FD3}\x{1FD6}-\x{1FDB}\x{1FE0}-\x{1FEC}\x{1FF2}-\x{1FF4}\x{1FF6}-\x{1FFC}\x{2102}\x{2107}\x{210A}-\x{2113}\x{2115}\x{2119}-\x{211D}\x{2124}\x{2126}\x{2128}\x{212A}-\x{212D}\x{212F}-\x{2134}\x{2139}\x{213C}-\x{213F}\x{2145}-\x{2149}\x{214E}\x{2183}\x{2184}\x{2C00}-\x{2C7B}\x{2C7E}-\x{2CE4}\x{2CEB}-\x{2CEE}\x{2CF2}\x{2CF3}\x{A640}-\x{A66D}\x{A680}-\x{A69B}\x{A722}-\x{A76F}\x{A771}-\x{A787}\x{A78B}-\x{A78E}\x{AB70}-\x{ABBF}\x{FB00}-\x{FB06}\x{FB13}-\x{FB17}\x{FF21}-\x{FF3A}\x{FF41}-\x{FF5A}\x{10400}-\x{1044F}\x{104B0}-\x{104D3}\x{104D8}-\x{104FB}\x{10C80}-\x{10CB2}\x{10CC0}-\x{10CF2}\x{118A0}-\x{118DF}\x{1E900}-\x{1E943}]+";
+/// ASCII and full-width punctuation, ‘-‟ and 、-。 (llama.cpp's class starts at the ideographic
+/// space U+3000, which it has turned into `\v` by then).
+const RE_DEEPSEEK_LLM_PUNCT: &str =
+    r"\s?[!-/:-~\x{FF01}-\x{FF0F}\x{FF1A}-\x{FF5E}\x{2018}-\x{201F}\x{3000}-\x{3002}--\s]+";
+const RE_DEEPSEEK3_CJK: &str = r"[\x{4E00}-\x{9FA5}\x{3040}-\x{309F}\x{30A0}-\x{30FF}]+";
+/// DeepSeek V3's (and AFMoE's) main split.
+const RE_DEEPSEEK3: &str = r##"[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"##;
+const RE_SPARK2_5: &str = r##"[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+|[\r\n]|\s+(?!\S)|\s+"##;
+/// AFMoE's CJK and Southeast Asian runs. The range after 䶿 starts at U+8C48: llama.cpp's source
+/// has 豈 there in its canonical form U+8C48 rather than the compatibility ideograph U+F900, and
+/// runs the range from where it says.
+const RE_AFMOE_SCRIPTS: &str = r"[\x{4E00}-\x{9FFF}\x{3400}-\x{4DBF}\x{8C48}-\x{FAFF}\x{3040}-\x{309F}\x{30A0}-\x{30FF}\x{FF65}-\x{FF9F}\x{2F00}-\x{2FDF}\x{E40}-\x{E7F}\x{E80}-\x{EFF}\x{1780}-\x{17FF}\x{1000}-\x{109F}\x{AA60}-\x{AA7F}\x{A9E0}-\x{A9FF}\x{AC00}-\x{D7AF}\x{1100}-\x{11FF}]+";
+/// llama.cpp's AFMoE digit splitter (also what it runs for Tiny Aya's
+/// `\d{1,3}(?=(?:\d{3})*\b)`): every run of `\p{N}` is cut into groups of three counted from its
+/// end, and the first group of a run also takes all the text since the previous run (or the
+/// start), which is left in that piece; the text after the last run is a piece of its own. So
+/// `ab1234cd` gives `ab1`, `234`, `cd`. Each match starts where the previous one ended (`\G`):
+/// after a digit the run goes on in threes, otherwise the text up to the next run is taken with
+/// the run's first one to three digits, as many as leave a multiple of three.
+const RE_AFMOE_DIGITS: &str =
+    r"\G(?:(?<=\p{N})\p{N}{3}|(?>\P{N}*)(?:\p{N}{1,2}|\p{N}{3})(?=(?:\p{N}{3})*(?:\P{N}|$)))";
+/// llama.cpp's Kimi K2 splitter (selected by the list `\p{Han}+`), as the regex it implements:
+/// runs of Han (its `unicode_cpt_is_han` ranges); words of other letters (no marks, case not
+/// told apart) with an optional leading non-letter and trailing contraction; then digits in
+/// threes, punctuation and whitespace as in Llama 3.
+const RE_KIMI_K2: &str = r"[\x{4E00}-\x{9FFF}\x{3400}-\x{4DBF}\x{20000}-\x{2A6DF}\x{2A700}-\x{2B73F}\x{2B740}-\x{2B81F}\x{2B820}-\x{2CEAF}\x{2CEB0}-\x{2EBEF}\x{F900}-\x{FAFF}\x{2F800}-\x{2FA1F}]+|[^\r\n\p{L}\p{N}]?[\p{L}--[\x{4E00}-\x{9FFF}\x{3400}-\x{4DBF}\x{20000}-\x{2A6DF}\x{2A700}-\x{2B73F}\x{2B740}-\x{2B81F}\x{2B820}-\x{2CEAF}\x{2CEB0}-\x{2EBEF}\x{F900}-\x{FAFF}\x{2F800}-\x{2FA1F}]]+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const RE_PORO: &str = r" ?[^(\s|.,!?…。，、।۔،)]+";
 const RE_DIGIT: &str = r"\p{N}";
+const RE_LINES: &str = r"[^\n]+|[\n]+";
 
 /// How a `gpt2` vocabulary splits text before merging, per `tokenizer.ggml.pre`.
 struct BpePre {
@@ -143,45 +209,225 @@ struct BpePre {
     add_bos: bool,
 }
 
-fn bpe_pre(name: &str) -> Result<BpePre> {
-    let plain = |regexes| BpePre {
+const fn split(regexes: &'static [&'static str]) -> BpePre {
+    BpePre {
         regexes,
         ignore_merges: false,
         add_bos: false,
-    };
-    Ok(match name {
-        "default" => plain(&[
+    }
+}
+
+/// A split after which a pre-token that is in the vocabulary is taken whole (`ignore_merges`).
+const fn whole_words(regexes: &'static [&'static str], add_bos: bool) -> BpePre {
+    BpePre {
+        regexes,
+        ignore_merges: true,
+        add_bos,
+    }
+}
+
+/// llama.cpp's table from `tokenizer.ggml.pre` names to splits and the flags that change ids
+/// (llama-vocab.cpp, `llama_vocab::impl::load` and `llm_tokenizer_bpe`); the test
+/// `pre_tokenizers_split_as_llama_cpp` checks every entry against llama.cpp's own. Its
+/// `clean_spaces` only affects llama.cpp's `detokenize`, which gen does not have: gen's text is
+/// the tokens' bytes, as llama.cpp's `token_to_piece` gives them. `jina-v1-en`, `jina-v2-code`
+/// and `roberta-bpe` also add a separator when llama.cpp adds special tokens; gen adds none but
+/// BOS. llama.cpp has no BOS id for `chatglm-bpe`, `glm4` and `glm5` unless the file names one;
+/// gen takes BOS only from the file for every vocabulary (where llama.cpp falls back to id 11
+/// for other `gpt2` vocabularies).
+const BPE_PRES: &[(&[&str], BpePre)] = &[
+    (
+        &["default"],
+        split(&[
             r"[\p{P}\$\+<=>\^~\|]+",
             RE_GPT2,
             r"\p{N}+",
             r"[0-9][0-9][0-9]",
         ]),
-        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0"
-        | "lfm2" => BpePre {
-            regexes: &[RE_LLAMA3],
-            ignore_merges: true,
+    ),
+    (
+        &[
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
+        ],
+        whole_words(&[RE_LLAMA3], true),
+    ),
+    (
+        &["minicpm5"],
+        whole_words(&[r"\p{N}{1,3}", RE_MINICPM5], false),
+    ),
+    (
+        &["deepseek-llm"],
+        split(&[
+            r"[\r\n]",
+            RE_DEEPSEEK_LLM_LETTERS,
+            RE_DEEPSEEK_LLM_PUNCT,
+            r"\s+$",
+            RE_DEEPSEEK_CJK,
+            r"\p{N}+",
+        ]),
+    ),
+    (
+        &["deepseek-coder"],
+        split(&[
+            r"[\r\n]",
+            r"\s?\p{L}+",
+            r"\s?\p{P}+",
+            RE_DEEPSEEK_CJK,
+            RE_DIGIT,
+        ]),
+    ),
+    (
+        &["deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"],
+        split(&[r"\p{N}{1,3}", RE_DEEPSEEK3_CJK, RE_DEEPSEEK3]),
+    ),
+    (
+        &["spark2_5"],
+        split(&[r"\p{N}{1,3}", RE_DEEPSEEK3_CJK, RE_SPARK2_5, RE_DIGIT]),
+    ),
+    (
+        &["youtu"],
+        whole_words(&[RE_YOUTU_CJK, RE_CASELESS_WORDS_N1], false),
+    ),
+    (
+        &["falcon"],
+        split(&[r"[\p{P}\$\+<=>\^~\|`]+", RE_GPT2, r"[0-9][0-9][0-9]"]),
+    ),
+    (
+        &[
+            "starcoder",
+            "refact",
+            "command-r",
+            "smollm",
+            "codeshell",
+            "exaone",
+            "minerva-7b",
+            "mellum2",
+        ],
+        split(&[RE_DIGIT, RE_GPT2]),
+    ),
+    (
+        &[
+            "gpt-2",
+            "phi-2",
+            "jina-es",
+            "jina-de",
+            "gigachat",
+            "jina-v2-es",
+            "jina-v2-de",
+            "a.x-4.0",
+            "mellum",
+            "modern-bert",
+            "jina-v1-en",
+            "jina-v2-code",
+            "roberta-bpe",
+            "mpt",
+            "olmo",
+            "jais",
+            "exaone4",
+            "trillion",
+            "granite-docling",
+        ],
+        split(&[RE_GPT2]),
+    ),
+    (&["jais-2"], split(&[RE_JAIS2])),
+    (&["dbrx", "smaug-bpe", "chatglm-bpe"], split(&[RE_LLAMA3])),
+    (&["glm4", "glm5"], whole_words(&[RE_LLAMA3], false)),
+    (
+        &[
+            "qwen2",
+            "deepseek-r1-qwen",
+            "kormo",
+            "f2llmv2",
+            "megrez",
+            "stablelm2",
+            "hunyuan",
+            "solar-open",
+            "grok-2",
+        ],
+        split(&[RE_QWEN2]),
+    ),
+    (&["qwen35"], split(&[RE_QWEN35])),
+    (&["poro-chat", "bloom", "gpt3-finnish"], split(&[RE_PORO])),
+    (&["viking"], split(&[RE_PORO, RE_DIGIT])),
+    (&["tekken"], whole_words(&[RE_TEKKEN], true)),
+    (
+        &["chameleon"],
+        BpePre {
+            regexes: &[
+                r"<sentinel:[0-9]+>",
+                r"(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z",
+                r"([\t\n]|    |  )",
+                RE_DIGIT,
+                r"[\p{P}!-/:-@\[-`{-~]",
+                RE_GPT2,
+            ],
+            ignore_merges: false,
             add_bos: true,
         },
-        "dbrx" | "smaug-bpe" | "glm4" | "chatglm-bpe" => plain(&[RE_LLAMA3]),
-        "falcon" => plain(&[r"[\p{P}\$\+<=>\^~\|`]+", RE_GPT2, r"[0-9][0-9][0-9]"]),
-        "starcoder" | "refact" | "command-r" | "smollm" | "codeshell" | "exaone" | "minerva-7b" => {
-            plain(&[RE_DIGIT, RE_GPT2])
-        }
-        "gpt-2" | "phi-2" | "jina-es" | "jina-de" | "gigachat" | "jina-v2-es" | "jina-v2-de"
-        | "a.x-4.0" | "mellum" | "jina-v1-en" | "jina-v2-code" | "roberta-bpe" | "mpt" | "olmo"
-        | "jais" | "exaone4" | "trillion" | "granite-docling" => plain(&[RE_GPT2]),
-        "qwen2" | "deepseek-r1-qwen" | "kormo" | "megrez" | "stablelm2" | "hunyuan" | "grok-2" => {
-            plain(&[RE_QWEN2])
-        }
-        "seed-coder" => plain(&[RE_SEED_CODER]),
-        "poro-chat" | "bloom" | "gpt3-finnish" => plain(&[RE_PORO]),
-        "viking" => plain(&[RE_PORO, RE_DIGIT]),
-        // Refusing beats tokenizing differently from llama.cpp without saying so.
-        other => bail!(
-            "unsupported pre-tokenizer `{other}` (`{KEY_PRE}`): gen does not know how llama.cpp \
-             splits text for it"
-        ),
-    })
+    ),
+    (
+        &["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"],
+        split(&[RE_GPT4O]),
+    ),
+    (
+        &["granite-embed-multi-97m"],
+        whole_words(&[RE_GRANITE_EMB_MULTI], false),
+    ),
+    (
+        &["tiny_aya", "cohere2moe"],
+        split(&[RE_AFMOE_DIGITS, RE_CASELESS_WORDS_N3]),
+    ),
+    (&["kimi-k2"], split(&[RE_KIMI_K2])),
+    (
+        &["superbpe"],
+        split(&[r"\p{N}+", r"(?=([0-9]{3})+(?![0-9]))"]),
+    ),
+    (
+        &["bailingmoe", "bailingmoe2", "llada-moe"],
+        split(&[RE_BAILINGMOE]),
+    ),
+    (&["seed-coder"], split(&[RE_SEED_CODER])),
+    (&["ufakzeka"], split(&[RE_UFAKZEKA])),
+    (
+        &["afmoe"],
+        split(&[RE_AFMOE_DIGITS, RE_AFMOE_SCRIPTS, RE_DEEPSEEK3]),
+    ),
+    (&["laguna"], split(&[RE_LINES, RE_QWEN2])),
+    (&["exaone-moe"], split(&[RE_EXAONE_MOE])),
+];
+
+/// Names llama.cpp merges as raw UTF-8 (no byte-level mapping; most also escape spaces as `▁`),
+/// which gen's byte-level BPE does not do.
+const RAW_UTF8_PRES: &[&str] = &[
+    "gemma4",
+    "granite-embed-multi-311m",
+    "sarvam-moe",
+    "whitespace",
+];
+
+fn bpe_pre(name: &str) -> Result<&'static BpePre> {
+    if let Some((_, pre)) = BPE_PRES.iter().find(|(names, _)| names.contains(&name)) {
+        return Ok(pre);
+    }
+    // Refusing beats tokenizing differently from llama.cpp without saying so.
+    if RAW_UTF8_PRES.contains(&name) {
+        bail!(
+            "unsupported pre-tokenizer `{name}` (`{KEY_PRE}`): llama.cpp merges raw UTF-8 for it, \
+             not byte-level text, which gen does not do"
+        );
+    }
+    bail!(
+        "unsupported pre-tokenizer `{name}` (`{KEY_PRE}`): gen does not know how llama.cpp splits \
+         text for it"
+    )
 }
 
 /// llama.cpp's token types (`tokenizer.ggml.token_type`).
@@ -400,13 +646,23 @@ impl Tokenizer {
                 true,
             )
         } else {
-            let pre = match md.get(KEY_PRE) {
+            // llama.cpp reads a missing or empty name as `default`.
+            let pre_name = match md.get(KEY_PRE) {
                 None => "default",
-                Some(v) => value_str(v, KEY_PRE)?,
+                Some(v) => match value_str(v, KEY_PRE)? {
+                    "" => "default",
+                    name => name,
+                },
             };
-            let pre = bpe_pre(pre)?;
-            let merges = parse_merges(md)?;
-            (build_gpt2(&tokens, merges, &pre)?, pre.add_bos)
+            let pre = bpe_pre(pre_name)?;
+            // llama.cpp loads a Kimi K2 vocabulary without merges (every character then stays
+            // a token of its own); any other needs them.
+            let merges = if pre_name == "kimi-k2" && !md.contains_key(KEY_MERGES) {
+                Vec::new()
+            } else {
+                parse_merges(md)?
+            };
+            (build_gpt2(&tokens, merges, pre)?, pre.add_bos)
         };
 
         // Added tokens are matched on the raw text (normalized = false), like llama.cpp's
@@ -798,16 +1054,7 @@ fn build_gpt2(
         .map_err(|e| anyhow!("`{KEY_MERGES}` does not fit `{KEY_TOKENS}`: {e}"))?;
     let mut inner = tokenizers::Tokenizer::new(bpe);
 
-    let mut steps = Vec::with_capacity(pre.regexes.len() + 1);
-    for re in pre.regexes {
-        let split = Split::new(
-            SplitPattern::Regex((*re).to_owned()),
-            SplitDelimiterBehavior::Isolated,
-            false,
-        )
-        .map_err(|e| anyhow!("compiling pre-tokenizer regex {re:?}: {e}"))?;
-        steps.push(PreTokenizerWrapper::Split(split));
-    }
+    let mut steps = split_steps(pre.regexes)?;
     // The regexes already split the text; this only maps bytes to the vocabulary's characters.
     steps.push(PreTokenizerWrapper::ByteLevel(ByteLevel::new(
         false, false, false,
@@ -819,6 +1066,21 @@ fn build_gpt2(
         false, false, false,
     ))));
     Ok(inner)
+}
+
+/// One isolating `Split` per regex, in order.
+fn split_steps(regexes: &[&str]) -> Result<Vec<PreTokenizerWrapper>> {
+    let mut steps = Vec::with_capacity(regexes.len() + 1);
+    for re in regexes {
+        let split = Split::new(
+            SplitPattern::Regex((*re).to_owned()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| anyhow!("compiling pre-tokenizer regex {re:?}: {e}"))?;
+        steps.push(PreTokenizerWrapper::Split(split));
+    }
+    Ok(steps)
 }
 
 fn build_spm(
@@ -1537,5 +1799,258 @@ mod tests {
         assert_eq!(parse_byte_token("<0x0A"), None);
         assert_eq!(parse_byte_token("<0x100>"), None);
         assert_eq!(parse_byte_token("<0xé>"), None);
+    }
+
+    /// The pieces `regexes` cut `text` into, as gen's pre-tokenizer runs them.
+    fn pieces(regexes: &[&str], text: &str) -> Vec<String> {
+        split_with(
+            &PreTokenizerSequence::new(split_steps(regexes).unwrap()),
+            text,
+        )
+    }
+
+    fn split_with(steps: &PreTokenizerSequence, text: &str) -> Vec<String> {
+        use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+        let mut pretokenized = PreTokenizedString::from(text);
+        steps.pre_tokenize(&mut pretokenized).unwrap();
+        pretokenized
+            .get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .map(|(_, (start, end), _)| text[start..end].to_owned())
+            .collect()
+    }
+
+    fn pre_pieces(name: &str, text: &str) -> Vec<String> {
+        pieces(bpe_pre(name).unwrap().regexes, text)
+    }
+
+    /// Every name in gen's table is one of llama.cpp's, with llama.cpp's flags; every name
+    /// llama.cpp knows is either run by gen or refused in one line for a reason that holds; and
+    /// for every text of assets/llama-cpp-pre-splits.json (made from llama.cpp's own source by
+    /// assets/record-llama-cpp-pre-splits.py) gen cuts the same pieces as llama.cpp.
+    #[test]
+    fn pre_tokenizers_split_as_llama_cpp() {
+        let reference: serde_json::Value =
+            serde_json::from_str(include_str!("../assets/llama-cpp-pre-splits.json")).unwrap();
+        let names = reference["names"].as_object().unwrap();
+        let texts: Vec<&str> = reference["texts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().unwrap())
+            .collect();
+
+        for (gen_names, pre) in BPE_PRES {
+            for name in *gen_names {
+                let info = names
+                    .get(*name)
+                    .unwrap_or_else(|| panic!("llama.cpp has no pre-tokenizer `{name}`"));
+                assert_eq!(
+                    info["raw_utf8"], false,
+                    "{name}: llama.cpp merges raw UTF-8"
+                );
+                assert_eq!(
+                    info["ignore_merges"], pre.ignore_merges,
+                    "{name}: ignore_merges"
+                );
+                assert_eq!(info["add_bos"], pre.add_bos, "{name}: add_bos");
+            }
+        }
+
+        let (mut runs, mut refused, mut failures) = (0, 0, 0);
+        for (name, info) in names {
+            let ty = info["type"].as_str().unwrap();
+            let pre = match bpe_pre(name) {
+                Ok(pre) => pre,
+                Err(e) => {
+                    let e = format!("{e:#}");
+                    assert!(!e.contains('\n') && e.contains(name.as_str()), "{e}");
+                    assert_eq!(info["raw_utf8"], true, "gen refuses `{name}` ({ty}): {e}");
+                    refused += 1;
+                    continue;
+                }
+            };
+            runs += 1;
+            let mut want = &reference["splits"][ty];
+            // A type that cuts every text as an earlier one names it.
+            while let Some(same_as) = want.as_str() {
+                want = &reference["splits"][same_as];
+            }
+            let want = want.as_array().unwrap();
+            assert_eq!(want.len(), texts.len(), "{ty}");
+            let steps = PreTokenizerSequence::new(split_steps(pre.regexes).unwrap());
+            for (text, want) in texts.iter().zip(want) {
+                let want: Vec<u64> = want
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|n| n.as_u64().unwrap())
+                    .collect();
+                let got = split_with(&steps, text);
+                let got_lens: Vec<u64> = got.iter().map(|p| p.chars().count() as u64).collect();
+                if got_lens != want {
+                    failures += 1;
+                    let mut rest = text.chars();
+                    let want: Vec<String> = want
+                        .iter()
+                        .map(|&n| rest.by_ref().take(n as usize).collect())
+                        .collect();
+                    eprintln!(
+                        "`{name}` ({ty}) on {text:?}:\n  llama.cpp {want:?}\n  gen       {got:?}"
+                    );
+                }
+            }
+        }
+        eprintln!(
+            "{runs} pre-tokenizer names split {} texts; {refused} refused; {failures} differ",
+            texts.len()
+        );
+        assert_eq!(
+            failures, 0,
+            "gen splits differently from llama.cpp (see above)"
+        );
+        assert!(
+            runs > 80 && texts.len() > 200,
+            "{runs} names, {} texts",
+            texts.len()
+        );
+    }
+
+    #[test]
+    fn afmoe_digits_group_in_threes_from_the_right_and_keep_the_text_before() {
+        let p = |text| pieces(&[RE_AFMOE_DIGITS], text);
+        assert_eq!(p("ab1234cd"), ["ab1", "234", "cd"]);
+        assert_eq!(p("123456"), ["123", "456"]);
+        assert_eq!(p("12 3456789 x"), ["12", " 3", "456", "789", " x"]);
+        assert_eq!(p("x  12"), ["x  12"]);
+        assert_eq!(p("no digits"), ["no digits"]);
+        assert_eq!(p("٣٤ and ७"), ["٣٤", " and ७"]);
+        assert!(p("").is_empty());
+        // Long runs stay linear: each group after the first is taken without looking ahead.
+        let long = "7".repeat(100_001);
+        let got = p(&long);
+        assert_eq!(got.len(), 33_334);
+        assert_eq!(got[0], "77");
+        assert!(got[1..].iter().all(|g| g == "777"));
+        // The whole of Tiny Aya's and AFMoE's lists, on a bit of everything.
+        assert_eq!(
+            pre_pieces("afmoe", "価格は1234円, x12"),
+            ["価格は", "1", "234", "円", ",", " x", "12"]
+        );
+        assert_eq!(
+            pre_pieces("tiny_aya", "HelloWorld 12345"),
+            ["HelloWorld", " ", "12", "345"]
+        );
+    }
+
+    #[test]
+    fn kimi_k2_splits_han_from_other_letters() {
+        assert_eq!(
+            pre_pieces("kimi-k2", "中文English混合 it's 12345"),
+            ["中文", "English", "混合", " it's", " ", "123", "45"]
+        );
+        // Marks are not letters to llama.cpp's splitter, and case does not split a word.
+        assert_eq!(
+            pre_pieces("kimi-k2", "e\u{301}tÉ CamelCase"),
+            ["e", "\u{301}tÉ", " CamelCase"]
+        );
+    }
+
+    #[test]
+    fn superbpe_keeps_words_together_and_groups_digits_from_the_right() {
+        assert_eq!(
+            pre_pieces("superbpe", "by the way 1234567"),
+            ["by the way ", "1", "234", "567"]
+        );
+    }
+
+    #[test]
+    fn whitespace_llama_cpp_has_replaced_never_matches_a_named_range() {
+        // U+3000 is inside DeepSeek LLM's punctuation range, U+2003 inside its CJK range; llama.cpp
+        // has turned both into `\v` before those regexes run.
+        assert_eq!(pre_pieces("deepseek-llm", "。\u{3000}"), ["。", "\u{3000}"]);
+        assert_eq!(
+            pre_pieces("deepseek-coder", "中\u{2003}文"),
+            ["中", "\u{2003}", "文"]
+        );
+    }
+
+    #[test]
+    fn case_classes_are_any_letter_as_llama_cpp_reads_them() {
+        // Youtu's regex names \p{Lu} and \p{Ll}; llama.cpp reads both as \p{L}.
+        assert_eq!(pre_pieces("youtu", "HelloWorld"), ["HelloWorld"]);
+        // Tekken's rewrite does tell ASCII case apart.
+        assert_eq!(pre_pieces("tekken", "HelloWorld"), ["Hello", "World"]);
+        assert_eq!(pre_pieces("gpt-4o", "helloWorld's"), ["hello", "World's"]);
+        assert_eq!(pre_pieces("gpt-4o", "HELLOWorld's"), ["HELLOWorld's"]);
+    }
+
+    #[test]
+    fn new_pre_names_build_with_their_flags() {
+        for name in [
+            "tekken",
+            "gpt-4o",
+            "deepseek-v3",
+            "kimi-k2",
+            "afmoe",
+            "glm5",
+            "qwen35",
+        ] {
+            let t = gpt2(name);
+            let text = "hello world 1234, 世界!\n";
+            assert_eq!(
+                t.decode(&t.encode(text, false).unwrap()).unwrap(),
+                text,
+                "{name}"
+            );
+        }
+        // An empty name is `default`, as in llama.cpp.
+        let t = gpt2("");
+        assert_eq!(t.decode(&t.encode("a, b", false).unwrap()).unwrap(), "a, b");
+        // Tekken wants BOS when the file does not say.
+        let mut md = gpt2_md("tekken");
+        md.remove(KEY_ADD_BOS);
+        let t = Tokenizer::from_gguf_metadata(&md).unwrap();
+        assert_eq!(t.encode("hello", true).unwrap()[0], 1);
+        // GLM-4 takes a word that is in the vocabulary whole, whatever the merges say.
+        let mut md = gpt2_md("glm4");
+        md.insert(
+            KEY_MERGES.into(),
+            Value::Array(vec![s("h e"), s("l l"), s("he ll")]),
+        );
+        let t = Tokenizer::from_gguf_metadata(&md).unwrap();
+        let ids = t.encode("hello", false).unwrap();
+        assert_eq!(texts(&t, &ids), ["hello"]);
+        let t = Tokenizer::from_gguf_metadata(&{
+            let mut md = md.clone();
+            md.insert(KEY_PRE.into(), s("chatglm-bpe"));
+            md
+        })
+        .unwrap();
+        let ids = t.encode("hello", false).unwrap();
+        assert_eq!(texts(&t, &ids), ["hell", "o"]);
+    }
+
+    #[test]
+    fn kimi_k2_loads_without_merges_and_others_do_not() {
+        let mut md = gpt2_md("kimi-k2");
+        md.remove(KEY_MERGES);
+        let t = Tokenizer::from_gguf_metadata(&md).unwrap();
+        let ids = t.encode("hello", false).unwrap();
+        assert_eq!(texts(&t, &ids), ["h", "e", "l", "l", "o"]);
+        let mut md = gpt2_md("qwen2");
+        md.remove(KEY_MERGES);
+        assert!(err(&md).contains(KEY_MERGES));
+    }
+
+    #[test]
+    fn raw_utf8_pre_tokenizers_are_refused_in_one_line() {
+        for name in RAW_UTF8_PRES {
+            let e = err(&gpt2_md(name));
+            assert!(
+                e.contains(name) && e.contains("raw UTF-8") && !e.contains('\n'),
+                "{e}"
+            );
+        }
     }
 }
