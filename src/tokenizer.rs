@@ -883,6 +883,14 @@ impl Tokenizer {
         self.bos
     }
 
+    /// Whether the model wants BOS in front of a raw prompt, which is what
+    /// [`Tokenizer::encode`] with `add_bos` adds: a GGUF file's `add_bos_token`, or without it
+    /// what llama.cpp assumes for the vocabulary (SentencePiece ones and some pre-tokenizers
+    /// want BOS).
+    pub fn wants_bos(&self) -> bool {
+        self.add_bos && self.bos.is_some()
+    }
+
     /// Ids that end generation: `tokenizer.ggml.eos_token_id` first, then end-of-turn and
     /// similar tokens (`<|im_end|>`, `<end_of_turn>`, ...) the way llama.cpp finds them.
     pub fn eos_ids(&self) -> &[u32] {
@@ -2011,7 +2019,11 @@ mod tests {
         let mut md = gpt2_md("tekken");
         md.remove(KEY_ADD_BOS);
         let t = Tokenizer::from_gguf_metadata(&md).unwrap();
+        assert!(t.wants_bos());
         assert_eq!(t.encode("hello", true).unwrap()[0], 1);
+        let mut md = gpt2_md("qwen2");
+        md.remove(KEY_ADD_BOS);
+        assert!(!Tokenizer::from_gguf_metadata(&md).unwrap().wants_bos());
         // GLM-4 takes a word that is in the vocabulary whole, whatever the merges say.
         let mut md = gpt2_md("glm4");
         md.insert(

@@ -298,10 +298,15 @@ pub fn load_gguf(
         None => crate::tokenizer::Tokenizer::from_gguf_metadata(md)
             .with_context(|| format!("{shown}: building the tokenizer from its metadata"))?,
     };
-    let add_bos = md
-        .get("tokenizer.ggml.add_bos_token")
-        .and_then(|v| v.to_bool().ok())
-        .unwrap_or(false);
+    let add_bos = match tokenizer_json {
+        // The file's add_bos_token or, without it, what llama.cpp assumes for the vocabulary
+        // (Llama 3 and Tekken pre-tokenizers and SentencePiece vocabularies want BOS).
+        None => tokenizer.wants_bos(),
+        Some(_) => md
+            .get("tokenizer.ggml.add_bos_token")
+            .and_then(|v| v.to_bool().ok())
+            .unwrap_or(false),
+    };
     let token_text = |id: Option<u32>| {
         id.and_then(|id| tokenizer.token_text(id))
             .unwrap_or_default()
