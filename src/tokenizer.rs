@@ -413,6 +413,15 @@ const RAW_UTF8_PRES: &[&str] = &[
     "whitespace",
 ];
 
+/// Every `tokenizer.ggml.pre` name gen knows: the ones it splits as llama.cpp does and the ones it
+/// refuses by name (for the fuzz target, which draws from them).
+pub fn pre_tokenizer_names() -> impl Iterator<Item = &'static str> {
+    BPE_PRES
+        .iter()
+        .flat_map(|(names, _)| names.iter().copied())
+        .chain(RAW_UTF8_PRES.iter().copied())
+}
+
 fn bpe_pre(name: &str) -> Result<&'static BpePre> {
     if let Some((_, pre)) = BPE_PRES.iter().find(|(names, _)| names.contains(&name)) {
         return Ok(pre);
@@ -428,6 +437,39 @@ fn bpe_pre(name: &str) -> Result<&'static BpePre> {
         "unsupported pre-tokenizer `{name}` (`{KEY_PRE}`): gen does not know how llama.cpp splits \
          text for it"
     )
+}
+
+/// The ids that end generation besides `eos_token_id`, as llama.cpp finds them: the file's
+/// end-of-turn keys and well-known end-of-turn texts.
+fn gguf_end_of_generation(
+    md: &HashMap<String, gguf_file::Value>,
+    tokens: &[String],
+) -> Result<HashSet<u32>> {
+    let mut eog = HashSet::new();
+    for key in KEYS_EXTRA_EOG {
+        if let Some(id) = get_id(md, key, tokens.len())? {
+            eog.insert(id);
+        }
+    }
+    let eog_texts: HashSet<&str> = EOG_TEXTS.iter().copied().collect();
+    for (id, text) in tokens.iter().enumerate() {
+        if eog_texts.contains(text.as_str()) {
+            eog.insert(id as u32);
+        }
+    }
+    // gpt-oss ends a message with <|end|> but keeps generating after it; llama.cpp only
+    // stops there when the vocab lacks <|return|> and <|call|>.
+    if ["<|return|>", "<|call|>"]
+        .iter()
+        .all(|t| tokens.iter().any(|x| x == t))
+    {
+        for (id, text) in tokens.iter().enumerate() {
+            if text == "<|end|>" {
+                eog.remove(&(id as u32));
+            }
+        }
+    }
+    Ok(eog)
 }
 
 /// llama.cpp's token types (`tokenizer.ggml.token_type`).
@@ -684,30 +726,7 @@ impl Tokenizer {
 
         let pieces = gguf_pieces(&tokens, &kinds, spm, md.contains_key(KEY_TOKEN_TYPE));
 
-        let mut eog = HashSet::new();
-        for key in KEYS_EXTRA_EOG {
-            if let Some(id) = get_id(md, key, n)? {
-                eog.insert(id);
-            }
-        }
-        let eog_texts: HashSet<&str> = EOG_TEXTS.iter().copied().collect();
-        for (id, text) in tokens.iter().enumerate() {
-            if eog_texts.contains(text.as_str()) {
-                eog.insert(id as u32);
-            }
-        }
-        // gpt-oss ends a message with <|end|> but keeps generating after it; llama.cpp only
-        // stops there when the vocab lacks <|return|> and <|call|>.
-        if ["<|return|>", "<|call|>"]
-            .iter()
-            .all(|t| tokens.iter().any(|x| x == t))
-        {
-            for (id, text) in tokens.iter().enumerate() {
-                if text == "<|end|>" {
-                    eog.remove(&(id as u32));
-                }
-            }
-        }
+        let eog = gguf_end_of_generation(md, &tokens)?;
 
         let max_token_bytes = longest_token(&tokens, &pieces);
         let droppable = gguf_droppable_bytes(&tokens, spm, unk.is_some());

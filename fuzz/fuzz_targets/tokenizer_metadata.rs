@@ -44,21 +44,8 @@ const FRAGMENTS: &[&str] = &[
     "\u{0}",
 ];
 
-const PRE_NAMES: &[&str] = &[
-    "default",
-    "llama3",
-    "llama-bpe",
-    "smollm",
-    "gpt-2",
-    "qwen2",
-    "falcon",
-    "starcoder",
-    "dbrx",
-    "seed-coder",
-    "deepseek-llm",
-    "gemma",
-    "no-such-pre",
-];
+/// Names no table holds, beside every name gen knows (`gen::tokenizer::pre_tokenizer_names`).
+const UNKNOWN_PRE_NAMES: &[&str] = &["no-such-pre", "", "Default"];
 
 /// GPT-2's byte-to-character table (printable Latin-1 as itself, the rest from U+0100 on).
 fn byte_level_alphabet() -> Vec<String> {
@@ -182,7 +169,10 @@ fn metadata(u: &mut Unstructured) -> Result<HashMap<String, Value>> {
         md.insert("tokenizer.ggml.merges".into(), Value::Array(merges));
     }
     if u.arbitrary()? {
-        let pre = u.choose(PRE_NAMES)?;
+        let names: Vec<&str> = gen::tokenizer::pre_tokenizer_names()
+            .chain(UNKNOWN_PRE_NAMES.iter().copied())
+            .collect();
+        let pre = u.choose(&names)?;
         md.insert("tokenizer.ggml.pre".into(), Value::String(pre.to_string()));
     }
     for key in [
