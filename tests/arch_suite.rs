@@ -24,14 +24,13 @@ use common::suite::{self, gen_logits, nmse, read_logits, NMSE_F32};
 /// their own blocks and order. Measured up to 5.3e-5 (phi3, Q4_K_M) on 2026-12-03.
 const NMSE_QUANTIZED: f64 = 2e-4;
 
-/// The architecture a suite file is of: `qwen2-dense.gguf` -> `qwen2`.
+/// The architecture a suite file is of: `qwen2-dense.gguf` -> `qwen2`,
+/// `hunyuan-dense-dense.Q8_0.gguf` -> `hunyuan-dense`.
 fn arch_of(file: &str) -> &str {
-    file.split("-dense")
-        .next()
-        .unwrap()
-        .split("-moe")
-        .next()
-        .unwrap()
+    let stem = file.split('.').next().unwrap();
+    stem.strip_suffix("-dense")
+        .or_else(|| stem.strip_suffix("-moe"))
+        .unwrap_or(stem)
 }
 
 #[test]

@@ -112,9 +112,10 @@ fn sharp(src: &Path) -> Vec<(String, Option<QTensor>)> {
         if name.ends_with(".scale") {
             out.push((name.clone(), None));
         } else if name.ends_with("attn_q_norm.weight") || name.ends_with("attn_k_norm.weight") {
+            let ones = Tensor::ones(info.shape.dims(), candle_core::DType::F32, &Device::Cpu);
             out.push((
                 name.clone(),
-                Some(vector(vec![1.0; info.shape.elem_count()])),
+                Some(QTensor::quantize(&ones.unwrap(), GgmlDType::F32).unwrap()),
             ));
         }
     }
@@ -131,8 +132,9 @@ fn tensors<'a>(
         .map(|(n, t)| {
             (
                 n.as_str(),
-                t.as_ref()
-                    .map(|t| vector(t.dequantize(&Device::Cpu).unwrap().to_vec1().unwrap())),
+                t.as_ref().map(|t| {
+                    QTensor::quantize(&t.dequantize(&Device::Cpu).unwrap(), GgmlDType::F32).unwrap()
+                }),
             )
         })
         .collect();
@@ -359,4 +361,125 @@ fn olmos_clamped_q_k_v() {
         &[("olmo.attention.clamp_kqv", f(0.5))],
         &[("olmo.attention.clamp_kqv", None)],
     );
+}
+
+/// A (rows, cols) F32 table, as llama.cpp's {cols, rows} tensor.
+fn table(rows: usize, cols: usize, value: impl Fn(usize, usize) -> f32) -> QTensor {
+    let v: Vec<f32> = (0..rows * cols)
+        .map(|i| value(i / cols, i % cols))
+        .collect();
+    QTensor::quantize(
+        &Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap(),
+        GgmlDType::F32,
+    )
+    .unwrap()
+}
+
+/// Command R+ (64 layers and more): q and k go through per-head LayerNorms before rope, each
+/// head with weights of its own. The suite's two-layer Command R model, sharpened and grown
+/// to 64 layers (its two layers repeated), with such weights, different per head; the same
+/// file with every weight one is the model without them.
+#[test]
+fn command_r_plus_per_head_q_and_k_layernorms() {
+    let dir = suite::dir();
+    let src = dir.join("seed-1/command-r-dense.gguf");
+    let per_head = |head: usize, i: usize| {
+        if head % 2 == 0 {
+            0.2 + (i % 7) as f32 * 0.3
+        } else {
+            1.5 - (i % 5) as f32 * 0.4
+        }
+    };
+    let file = scratch("command-r-plus.gguf");
+    command_r_plus(&src, &file, &per_head);
+    let ones = scratch("command-r-plus-ones.gguf");
+    command_r_plus(&src, &ones, &|_, _| 1.0);
+    check(&dir, &file, Some(&ones), 256);
+}
+
+/// `src` (a two-layer Command R) grown to 64 layers without its weight scales, with q/k norm
+/// weights `weights(head, i)`, written to `to`.
+fn command_r_plus(src: &Path, to: &Path, weights: &dyn Fn(usize, usize) -> f32) {
+    let content = gguf_file::Content::read(&mut std::fs::File::open(src).unwrap()).unwrap();
+    let key = |k: &str| {
+        content.metadata[&format!("command-r.{k}")]
+            .to_u32()
+            .unwrap() as usize
+    };
+    let (h, kv, hd) = (
+        key("attention.head_count"),
+        key("attention.head_count_kv"),
+        key("attention.key_length"),
+    );
+    let mut reader = std::fs::File::open(src).unwrap();
+    let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+    names.sort();
+    let mut grown: Vec<(String, Option<QTensor>)> = Vec::new();
+    for l in 0..64 {
+        for name in &names {
+            let Some(rest) = name.strip_prefix(&format!("blk.{}.", l % 2)) else {
+                continue;
+            };
+            let dropped = rest.ends_with(".scale") || rest.ends_with(".input_scale");
+            if l >= 2 && !dropped {
+                let t = content.tensor(&mut reader, name, &Device::Cpu).unwrap();
+                grown.push((format!("blk.{l}.{rest}"), Some(t)));
+            } else if l < 2 && dropped {
+                grown.push((name.to_string(), None));
+            }
+        }
+        grown.push((
+            format!("blk.{l}.attn_q_norm.weight"),
+            Some(table(h, hd, weights)),
+        ));
+        grown.push((
+            format!("blk.{l}.attn_k_norm.weight"),
+            Some(table(kv, hd, weights)),
+        ));
+    }
+    let (names, ts): (Vec<String>, Vec<Option<QTensor>>) = grown.into_iter().unzip();
+    let tensors: Vec<(&str, Option<QTensor>)> = names.iter().map(String::as_str).zip(ts).collect();
+    suite::rewrite(src, to, &[("command-r.block_count", u(64))], tensors);
+}
+
+#[test]
+fn gpt_neox_parallel_residual() {
+    variant(
+        "gptneox",
+        &[("gptneox.use_parallel_residual", Some(Value::Bool(true)))],
+        &[("gptneox.use_parallel_residual", Some(Value::Bool(false)))],
+    );
+}
+
+/// Hunyuan's `rope.scaling.alpha` raises the rope base (base * alpha^(hd / (hd - 2))).
+#[test]
+fn hunyuan_rope_alpha() {
+    variant(
+        "hunyuan-dense",
+        &[("hunyuan-dense.rope.scaling.alpha", f(1000.0))],
+        &[],
+    );
+}
+
+/// StableLM 2 12B's layers have no FFN norm: attention and the FFN read one normalised input,
+/// side by side. The suite's StableLM without its FFN norms, against the same with them.
+#[test]
+fn stablelm_without_ffn_norms_runs_side_by_side() {
+    let dir = suite::dir();
+    let src = dir.join("seed-1/stablelm-dense.gguf");
+    let sh = sharp(&src);
+    let content = gguf_file::Content::read(&mut std::fs::File::open(&src).unwrap()).unwrap();
+    let norms: Vec<&str> = content
+        .tensor_infos
+        .keys()
+        .filter(|n| n.contains(".ffn_norm."))
+        .map(String::as_str)
+        .collect();
+    assert!(!norms.is_empty());
+    let file = scratch("stablelm-side-by-side.gguf");
+    let drop = norms.iter().map(|n| (*n, None)).collect();
+    suite::rewrite(&src, &file, &[], tensors(&sh, drop));
+    let with = scratch("stablelm-sequential.gguf");
+    suite::rewrite(&src, &with, &[], tensors(&sh, vec![]));
+    check(&dir, &file, Some(&with), 256);
 }

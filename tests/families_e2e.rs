@@ -71,6 +71,20 @@ const CASES: &[(&str, &str, Option<&str>)] = &[
     ("nemotron", "gpt-2", None),
     ("jais2", "gpt-2", None),
     ("plamo", "llama-spm", None),
+    ("seed_oss", "llama-bpe", Some("ByteDance-Seed-OSS.jinja")),
+    (
+        "deci",
+        "llama-bpe",
+        Some("meta-llama-Llama-3.1-8B-Instruct.jinja"),
+    ),
+    ("pangu-embedded", "llama-spm", None),
+    ("hunyuan-dense", "gpt-2", None),
+    ("hunyuan_vl", "gpt-2", None),
+    ("qwen", "qwen2", None),
+    ("chatglm", "gpt-2", None),
+    ("gptneox", "gpt-neox", None),
+    ("codeshell", "starcoder", None),
+    ("stablelm", "gpt-neox", None),
 ];
 
 fn scratch(name: &str) -> PathBuf {
@@ -191,6 +205,11 @@ fn every_architecture_generates_through_the_binary_with_a_real_tokenizer() {
     let models = llama_cpp_source().join("models");
     let gemma3 = common::gemma3();
     let mut failures = Vec::new();
+    for arch in gen::model::arch::supported() {
+        if !CASES.iter().any(|(a, _, _)| *a == arch) {
+            failures.push(format!("{arch}: gen runs it, but it has no case here"));
+        }
+    }
     for &(arch, vocab, template) in CASES {
         let vocab_file = match vocab {
             "gemma3" => gemma3.clone(),

@@ -43,6 +43,9 @@ pub enum QkNorm {
     },
     /// The whole projection (h*hd or kv*hd) at once (OLMo 2).
     Whole,
+    /// Each head over its hd values before rope, with weights of its own: (h, hd) and
+    /// (kv, hd) (Command R+, StableLM 2).
+    EachHead,
 }
 
 /// Whether a tensor may, must or must not be in the file, and whether it is used.
@@ -70,7 +73,14 @@ impl Need {
 pub enum NormRule {
     None,
     Plain,
-    Weighted { bias: Need },
+    Weighted {
+        bias: Need,
+    },
+    /// Weighted where the file has the weight, no norm where it has not (StableLM's FFN
+    /// norm: without it, the FFN reads attention's normalised input, side by side).
+    WeightedIfPresent {
+        bias: Need,
+    },
 }
 
 /// Where the output layer's matrix comes from.
@@ -103,6 +113,9 @@ pub struct TensorRules {
     pub attn_norm: NormRule,
     pub post_attn_norm: NormRule,
     pub ffn_norm: NormRule,
+    /// The FFN norm's tensor: `ffn_norm`, or `post_attention_norm` where a family stores it
+    /// under that name (Seed-OSS).
+    pub ffn_norm_name: &'static str,
     pub post_ffn_norm: NormRule,
     pub output_norm: NormRule,
     /// Biases of q, k and v (of the fused `attn_qkv`, or one each): llama.cpp reads q/k/v as
@@ -134,6 +147,7 @@ impl TensorRules {
         attn_norm: NormRule::Weighted { bias: Need::Absent },
         post_attn_norm: NormRule::None,
         ffn_norm: NormRule::Weighted { bias: Need::Absent },
+        ffn_norm_name: "ffn_norm",
         post_ffn_norm: NormRule::None,
         output_norm: NormRule::Weighted { bias: Need::Absent },
         qkv_bias: Need::Optional,
@@ -343,6 +357,13 @@ impl<'a> Keys<'a> {
 
     pub fn f32_or(&self, key: &str, default: f32) -> Result<f32> {
         Ok(self.f32_opt(key)?.unwrap_or(default))
+    }
+
+    pub fn bool(&self, key: &str) -> Result<bool> {
+        if self.get(key).is_none() {
+            bail!("metadata key {} is missing", self.full(key));
+        }
+        self.bool_or(key, false)
     }
 
     pub fn bool_or(&self, key: &str, default: bool) -> Result<bool> {

@@ -11,7 +11,7 @@
 use anyhow::Result;
 use candle_core::{Device, Tensor, D};
 
-use super::config::{Activation, DecoderConfig, NormKind, QkNorm};
+use super::config::{Activation, DecoderConfig, NormKind, NormRule, QkNorm};
 use super::plan::PassPlan;
 use super::profile::Profile;
 use super::weights::{Layer, Norm, Weights};
@@ -68,10 +68,15 @@ pub fn activation(x: &Tensor, act: Activation) -> Result<Tensor> {
 pub fn norm(x: &Tensor, norm: &Norm, cfg: &DecoderConfig) -> Result<Tensor> {
     let eps = cfg.norm_eps;
     let y = match (cfg.norm, &norm.weight) {
-        (NormKind::Rms, Some(w)) => candle_nn::ops::rms_norm(x, w, eps)?,
-        (NormKind::Rms, None) => {
+        (NormKind::Rms, Some(w)) if w.rank() == 1 => candle_nn::ops::rms_norm(x, w, eps)?,
+        (NormKind::Rms, w) => {
             let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-            x.broadcast_div(&(ms + eps as f64)?.sqrt()?)?
+            let y = x.broadcast_div(&(ms + eps as f64)?.sqrt()?)?;
+            match w {
+                // Per-head weights (heads, hd) over x (N, heads, hd).
+                Some(w) => y.broadcast_mul(w)?,
+                None => y,
+            }
         }
         (NormKind::Layer, _) => {
             let mean = x.mean_keepdim(D::Minus1)?;
@@ -137,7 +142,7 @@ pub fn run(
             a = norm(&a, n, cfg)?;
         }
         let a = residual(a, cfg)?;
-        let f = if cfg.parallel {
+        let f = if side_by_side(layer, cfg) {
             // Attention and the FFN read one normalised input (or each its own norm of x).
             let fin = match &layer.ffn_norm {
                 Some(n) => norm(&x, n, cfg)?,
@@ -168,6 +173,14 @@ pub fn run(
         Some(rows) => x.index_select(rows, 0)?,
         None => x,
     })
+}
+
+/// Whether attention and the FFN run side by side in this layer: where the architecture says
+/// so, or where its FFN norm is optional and the layer has none (StableLM).
+fn side_by_side(layer: &Layer, cfg: &DecoderConfig) -> bool {
+    cfg.parallel
+        || (layer.ffn_norm.is_none()
+            && matches!(cfg.tensors.ffn_norm, NormRule::WeightedIfPresent { .. }))
 }
 
 /// Whether a residual add and norm `n` can run as one fused step.
@@ -251,7 +264,10 @@ fn attention(
     // Token-major all the way: (N, heads, hd) is what the projections give and what the
     // attention kernels and the cache take.
     let (mut q, mut k) = (q.reshape((n, h, hd))?, k.reshape((n, kv, hd))?);
-    if cfg.attn.qk_norm == (QkNorm::Heads { after_rope: false }) {
+    if matches!(
+        cfg.attn.qk_norm,
+        QkNorm::Heads { after_rope: false } | QkNorm::EachHead
+    ) {
         (q, k) = qk_norm(q, k)?;
     }
     if let Some(r) = cfg.layers[l].rope {

@@ -134,6 +134,25 @@ impl Reader<'_> {
         Ok(t.reshape(len)?)
     }
 
+    /// A small (rows, cols) table of values (per-head norm weights) that `need` says may,
+    /// must or must not be there.
+    fn table_if(&self, n: &str, rows: usize, cols: usize, need: Need) -> Result<Option<Tensor>> {
+        let present = match need {
+            Need::Absent => false,
+            Need::Optional => self.has(n),
+            Need::Required => true,
+            Need::Ignored => return self.vector_if(n, rows * cols, need),
+        };
+        if !present {
+            return Ok(None);
+        }
+        let t = self.tensor(n)?.dequantize(self.device)?;
+        if t.dims() != [rows, cols] {
+            bail!("{n} has shape {:?}, expected [{rows}, {cols}]", t.dims());
+        }
+        Ok(Some(t))
+    }
+
     /// A vector that `need` says may, must or must not be there (Ignored: read, not used).
     fn vector_if(&self, n: &str, len: usize, need: Need) -> Result<Option<Tensor>> {
         match need {
@@ -213,6 +232,15 @@ impl Reader<'_> {
                 weight: Some(self.vector(&format!("{prefix}.weight"), len)?),
                 bias: self.vector_if(&format!("{prefix}.bias"), len, bias)?,
             })),
+            NormRule::WeightedIfPresent { bias } => {
+                if self.has(&format!("{prefix}.weight")) {
+                    self.norm(prefix, len, NormRule::Weighted { bias })
+                } else if self.has(&format!("{prefix}.bias")) {
+                    bail!("{prefix}.bias without {prefix}.weight")
+                } else {
+                    Ok(None)
+                }
+            }
         }
     }
 }
@@ -399,12 +427,23 @@ fn load_layer(r: &Reader<'_>, cfg: &DecoderConfig, i: usize, view: usize) -> Res
     let qk_norm = match (rules.qk_norm, cfg.attn.qk_norm) {
         (Need::Absent, _) | (_, QkNorm::None) => None,
         (need, kind) => {
-            let (ql, kl) = match kind {
-                QkNorm::Whole => (h * hd, kv * hd),
-                _ => (hd, hd),
+            let (q, k) = match kind {
+                // llama.cpp's {hd, heads}: a row of hd weights per head.
+                QkNorm::EachHead => (
+                    r.table_if(&name("attn_q_norm.weight"), h, hd, need)?,
+                    r.table_if(&name("attn_k_norm.weight"), kv, hd, need)?,
+                ),
+                _ => {
+                    let (ql, kl) = match kind {
+                        QkNorm::Whole => (h * hd, kv * hd),
+                        _ => (hd, hd),
+                    };
+                    (
+                        r.vector_if(&name("attn_q_norm.weight"), ql, need)?,
+                        r.vector_if(&name("attn_k_norm.weight"), kl, need)?,
+                    )
+                }
             };
-            let q = r.vector_if(&name("attn_q_norm.weight"), ql, need)?;
-            let k = r.vector_if(&name("attn_k_norm.weight"), kl, need)?;
             match (q, k) {
                 (Some(q), Some(k)) => Some((norm_of(q), norm_of(k))),
                 (None, None) => None,
@@ -433,7 +472,7 @@ fn load_layer(r: &Reader<'_>, cfg: &DecoderConfig, i: usize, view: usize) -> Res
         wo,
         wo_post,
         post_attn_norm: r.norm(&name("post_attention_norm"), d, rules.post_attn_norm)?,
-        ffn_norm: r.norm(&name("ffn_norm"), d, rules.ffn_norm)?,
+        ffn_norm: r.norm(&name(rules.ffn_norm_name), d, rules.ffn_norm)?,
         gate_up,
         gate_up_post,
         w_down,

@@ -1,11 +1,11 @@
-//! Command R (35B) and Command R7B (`cohere2`): LayerNorms with weights only, attention and
+//! Command R (35B), Command R+ (104B) and Command R7B (`cohere2`): LayerNorms with weights only, attention and
 //! the FFN side by side on one normalised input, tied output, logits multiplied by a scale.
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 
 use super::{swa_layers, Common};
 use crate::model::config::{
-    DecoderConfig, Keys, NormKind, NormRule, Output, RopePairs, TensorRules,
+    DecoderConfig, Keys, Need, NormKind, NormRule, Output, QkNorm, RopePairs, TensorRules,
 };
 
 const COHERE: TensorRules = TensorRules {
@@ -14,18 +14,20 @@ const COHERE: TensorRules = TensorRules {
     ..TensorRules::PLAIN
 };
 
-/// Command R: rope on every layer; the 104B model's per-head q/k LayerNorms are not supported.
+/// Command R: rope on every layer; from 64 layers on (Command R+), q and k go through
+/// per-head LayerNorms with weights of their own before rope.
 pub fn command_r(k: &Keys, c: Common) -> Result<DecoderConfig> {
-    if c.n_layer >= 64 {
-        bail!(
-            "{} with {} layers carries per-head q/k LayerNorm weights (Command R+): not supported",
-            c.arch,
-            c.n_layer
-        );
-    }
+    let plus = c.n_layer >= 64;
+    let tensors = TensorRules {
+        qk_norm: if plus { Need::Required } else { Need::Absent },
+        ..COHERE
+    };
     let logit_scale = k.f32_or("logit_scale", 0.0)?;
-    let mut d = c.decoder(k, NormKind::Layer, RopePairs::Norm, COHERE)?;
+    let mut d = c.decoder(k, NormKind::Layer, RopePairs::Norm, tensors)?;
     d.parallel = true;
+    if plus {
+        d.attn.qk_norm = QkNorm::EachHead;
+    }
     if logit_scale != 0.0 {
         d.logit_scale = Some(logit_scale);
     }

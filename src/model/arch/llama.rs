@@ -1,9 +1,10 @@
 //! Llama and the architectures llama.cpp builds as Llama with small changes: Mistral 3,
-//! Granite, MiniCPM, SmolLM3, Arcee, EXAONE, InternLM2, XVERSE, Maincoder, Nanbeige.
+//! Granite, MiniCPM, SmolLM3, Arcee, EXAONE, InternLM2, XVERSE, Maincoder, Nanbeige, Seed-OSS,
+//! Deci, openPangu Embedded, Hunyuan (dense).
 
 use anyhow::{bail, Result};
 
-use super::{Common, Scaling};
+use super::{rope_sections, Common, Scaling};
 use crate::model::config::{
     Activation, DecoderConfig, Keys, Need, NormKind, QkNorm, RopeFactors, RopePairs, TensorRules,
 };
@@ -160,4 +161,70 @@ pub fn nanbeige(k: &Keys, c: Common) -> Result<DecoderConfig> {
         ..TensorRules::PLAIN
     };
     c.decoder(k, NormKind::Rms, RopePairs::Norm, tensors)
+}
+
+/// Seed-OSS: Llama with halves-paired rope, whose FFN norm is stored as
+/// `post_attention_norm`.
+pub fn seed_oss(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let tensors = TensorRules {
+        ffn_norm_name: "post_attention_norm",
+        ..TensorRules::PLAIN
+    };
+    c.decoder(k, NormKind::Rms, RopePairs::Neox, tensors)
+}
+
+/// Deci (Llama-3.1-Nemotron): Llama with optional biases on attention's output and the FFN,
+/// the FFN's weight scales not applied; files whose layers differ (no attention, or no FFN,
+/// in some) are refused where the per-layer keys are read.
+pub fn deci(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let tensors = TensorRules {
+        ffn_scales: false,
+        ..llama_tensors(&c)
+    };
+    c.whole_heads_rotate()?;
+    c.decoder(k, NormKind::Rms, RopePairs::Norm, tensors)
+}
+
+/// openPangu Embedded: Llama with halves-paired rope and a bias on attention's output; its
+/// rope factors are read but never applied by llama.cpp.
+pub fn pangu_embedded(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    if c.scaling == Scaling::LongRope {
+        bail!(
+            "{}.rope.scaling.type is longrope, whose factors llama.cpp reads but does not apply \
+             for this architecture: not supported",
+            c.arch
+        );
+    }
+    let tensors = TensorRules {
+        wo_bias: Need::Required,
+        rope_factors: RopeFactors::FreqsIgnored,
+        ..TensorRules::PLAIN
+    };
+    c.decoder(k, NormKind::Rms, RopePairs::Neox, tensors)
+}
+
+/// Hunyuan dense (and Hunyuan-VL's text model): halves-paired rope, per-head RMS norms of q
+/// and k after it; `rope.scaling.alpha` raises the rope base to base * alpha^(hd / (hd - 2)).
+pub fn hunyuan(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    // Multimodal sections turn every section by the text position: the same rope.
+    rope_sections(k, &c)?;
+    let alpha = k.f32_or("rope.scaling.alpha", 0.0)?;
+    let tensors = TensorRules {
+        qk_norm: Need::Required,
+        ..TensorRules::PLAIN
+    };
+    let mut d = c.decoder(k, NormKind::Rms, RopePairs::Neox, tensors)?;
+    d.attn.qk_norm = QkNorm::Heads { after_rope: true };
+    if alpha > 0.0 {
+        if c.head_dim <= 2 {
+            bail!(
+                "{}.rope.scaling.alpha with a head width of {}",
+                c.arch,
+                c.head_dim
+            );
+        }
+        let hd = c.head_dim as f32;
+        d.ropes[0].base = c.rope_base * alpha.powf(hd / (hd - 2.0));
+    }
+    Ok(d)
 }

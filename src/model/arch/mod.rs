@@ -41,6 +41,12 @@ pub const ARCHS: &[(&str, Build)] = &[
     ("xverse", llama::internlm2),
     ("maincoder", llama::maincoder),
     ("nanbeige", llama::nanbeige),
+    ("seed_oss", llama::seed_oss),
+    ("deci", llama::deci),
+    ("pangu-embedded", llama::pangu_embedded),
+    ("hunyuan-dense", llama::hunyuan),
+    ("hunyuan_vl", llama::hunyuan),
+    ("qwen", qwen::qwen),
     ("qwen2", qwen::qwen2),
     ("qwen3", qwen::qwen3),
     ("gemma", gemma::gemma),
@@ -52,6 +58,7 @@ pub const ARCHS: &[(&str, Build)] = &[
     ("olmo2", olmo::olmo2),
     ("exaone4", olmo::exaone4),
     ("glm4", olmo::glm4),
+    ("chatglm", olmo::chatglm),
     ("command-r", cohere::command_r),
     ("cohere2", cohere::cohere2),
     ("starcoder2", gpt::starcoder2),
@@ -59,6 +66,9 @@ pub const ARCHS: &[(&str, Build)] = &[
     ("nemotron", gpt::nemotron),
     ("jais2", gpt::jais2),
     ("plamo", gpt::plamo),
+    ("gptneox", gpt::gptneox),
+    ("codeshell", gpt::codeshell),
+    ("stablelm", gpt::stablelm),
 ];
 
 /// The names of [`ARCHS`], for messages.
@@ -126,7 +136,12 @@ impl Common {
                 k.arch
             );
         }
-        if let Some(n) = k.usize_opt("expert_count")?.filter(|&n| n > 0) {
+        // llama.cpp reads Hunyuan's `expert_count` of 1 as no experts.
+        let one_is_none = matches!(k.arch, "hunyuan-dense" | "hunyuan_vl");
+        if let Some(n) = k
+            .usize_opt("expert_count")?
+            .filter(|&n| n > 0 && !(one_is_none && n == 1))
+        {
             bail!(
                 "{}.expert_count is {n}: mixture-of-experts models are not supported yet",
                 k.arch
@@ -325,6 +340,26 @@ impl Common {
             );
         }
         Ok(())
+    }
+}
+
+/// `rope.dimension_sections` (multimodal rope's split of the rotary dimensions), empty when
+/// absent. With text positions, every section turns by the same position: the rope of
+/// halves-paired rotation.
+pub fn rope_sections(k: &Keys, c: &Common) -> Result<Vec<i64>> {
+    use candle_core::quantized::gguf_file::Value;
+    match k.get("rope.dimension_sections") {
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                v.to_i32()
+                    .map(|x| x as i64)
+                    .or_else(|_| v.to_u32().map(|x| x as i64))
+            })
+            .collect::<std::result::Result<Vec<i64>, _>>()
+            .map_err(|e| anyhow::anyhow!("{}.rope.dimension_sections: {e}", c.arch)),
+        Some(_) => bail!("{}.rope.dimension_sections should be an array", c.arch),
+        None => Ok(Vec::new()),
     }
 }
 

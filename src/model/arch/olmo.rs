@@ -1,9 +1,9 @@
 //! OLMo, OLMo 2 (and OLMo 3's windowed layers), EXAONE 4 and GLM-4: decoders whose norms sit
 //! after attention and the FFN (OLMo's have no weights at all).
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 
-use super::{swa_layers, Common};
+use super::{rope_sections, swa_layers, Common};
 use crate::model::config::{
     DecoderConfig, Keys, Need, NormKind, NormRule, Output, QkNorm, RopeFactors, RopePairs,
     TensorRules,
@@ -83,19 +83,7 @@ pub fn exaone4(k: &Keys, c: Common) -> Result<DecoderConfig> {
 /// Rope pairs halves when the file gives multimodal rope sections (text positions make that
 /// plain halves-paired rope), neighbours otherwise.
 pub fn glm4(k: &Keys, c: Common) -> Result<DecoderConfig> {
-    let sections = match k.get("rope.dimension_sections") {
-        Some(candle_core::quantized::gguf_file::Value::Array(a)) => a
-            .iter()
-            .map(|v| {
-                v.to_i32()
-                    .map(|x| x as i64)
-                    .or_else(|_| v.to_u32().map(|x| x as i64))
-            })
-            .collect::<std::result::Result<Vec<i64>, _>>()
-            .map_err(|e| anyhow::anyhow!("{}.rope.dimension_sections: {e}", c.arch))?,
-        Some(_) => bail!("{}.rope.dimension_sections should be an array", c.arch),
-        None => Vec::new(),
-    };
+    let sections = rope_sections(k, &c)?;
     let mrope = sections.len() >= 2 && sections[0] > 0 && sections[1] > 0;
     let tensors = TensorRules {
         post_attn_norm: NormRule::Weighted { bias: Need::Absent },
@@ -110,4 +98,15 @@ pub fn glm4(k: &Keys, c: Common) -> Result<DecoderConfig> {
         RopePairs::Norm
     };
     c.decoder(k, NormKind::Rms, pairs, tensors)
+}
+
+/// ChatGLM 3 and GLM-4 9B (`chatglm`): Llama with q/k/v biases where the file has them,
+/// gate and up in one matrix and no output bias on attention.
+pub fn chatglm(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let tensors = TensorRules {
+        ffn_gate: Need::Absent,
+        fused_gate_up: true,
+        ..TensorRules::PLAIN
+    };
+    c.decoder(k, NormKind::Rms, RopePairs::Norm, tensors)
 }

@@ -1,9 +1,21 @@
-//! Qwen2/2.5 and Qwen3 (dense).
+//! Qwen (the first), Qwen2/2.5 and Qwen3 (dense).
 
 use anyhow::Result;
 
 use super::Common;
-use crate::model::config::{DecoderConfig, Keys, Need, NormKind, QkNorm, RopePairs, TensorRules};
+use crate::model::config::{
+    DecoderConfig, Keys, Need, NormKind, Output, QkNorm, RopePairs, TensorRules,
+};
+
+/// Qwen (1): q, k and v with their biases in one matrix, its own output layer.
+pub fn qwen(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let tensors = TensorRules {
+        qkv_bias: Need::Required,
+        output: Output::Own,
+        ..TensorRules::PLAIN
+    };
+    c.decoder(k, NormKind::Rms, RopePairs::Neox, tensors)
+}
 
 /// Qwen2 and Qwen2.5: q/k/v biases, an optional bias on the output layer.
 pub fn qwen2(k: &Keys, c: Common) -> Result<DecoderConfig> {
