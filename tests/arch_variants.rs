@@ -384,7 +384,7 @@ fn command_r_plus_per_head_q_and_k_layernorms() {
     let dir = suite::dir();
     let src = dir.join("seed-1/command-r-dense.gguf");
     let per_head = |head: usize, i: usize| {
-        if head % 2 == 0 {
+        if head.is_multiple_of(2) {
             0.2 + (i % 7) as f32 * 0.3
         } else {
             1.5 - (i % 5) as f32 * 0.4
