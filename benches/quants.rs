@@ -12,6 +12,10 @@
 //! random-weight llama, widths multiples of 256, in every type); Gemma 3 270M Q4_K_M (fetched
 //! by gen) comes first. GEN_BENCH_FILTER: only files whose name contains it. GEN_BENCH_RUNS
 //! (3): alternating rounds of gen and llama-bench, medians. GEN_BENCH_THREADS (2).
+//! GEN_BENCH_SIZES: a folder of bigger files (default ~/.cache/gen-peer/sizes, where the team's
+//! size-files script writes random weights in Llama 3.2 1B's and 3B's shapes); their F16 files
+//! are left out. gen runs on the path it chooses and on each path this CPU has, forced with
+//! GEN_KERNEL (the last column; GEN_BENCH_PATHS=0 leaves those out).
 //! GEN_LLAMA_BENCH: the llama-bench binary (default: where `.ci/llama-server llama-bench`
 //! builds it); absent, the rows say "no peer". Not a test: nothing here asserts a speed.
 
@@ -93,10 +97,39 @@ struct Gen {
     decode: f64,
 }
 
-fn run_gen(model: &Path, prompt: &Path, max_new: usize, threads: usize) -> serde_json::Value {
+/// gen's kernel paths: the one it chooses (None: GEN_KERNEL unset, so the kept measurement
+/// decides), then each it has on this CPU, forced.
+fn paths() -> Vec<Option<&'static str>> {
+    let mut p = vec![None];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::env::var("GEN_BENCH_PATHS").is_ok_and(|v| v == "0") {
+            return p;
+        }
+        if is_x86_feature_detected!("avx2") {
+            p.push(Some("avx2"));
+        }
+        if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512bw") {
+            p.push(Some("avx512"));
+        }
+    }
+    p
+}
+
+fn run_gen(
+    model: &Path,
+    prompt: &Path,
+    max_new: usize,
+    threads: usize,
+    path: Option<&str>,
+) -> serde_json::Value {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_gen"));
+    match path {
+        Some(p) => cmd.env("GEN_KERNEL", p),
+        None => cmd.env_remove("GEN_KERNEL"),
+    };
     json_report(
-        Command::new(env!("CARGO_BIN_EXE_gen"))
-            .arg("--model")
+        cmd.arg("--model")
             .arg(model)
             .arg("--prompt-file")
             .arg(prompt)
@@ -113,9 +146,15 @@ fn run_gen(model: &Path, prompt: &Path, max_new: usize, threads: usize) -> serde
 
 /// gen's prefill tok/s on `prompt` (one token generated) and decode tok/s (128 tokens after a
 /// short prompt).
-fn gen_sample(model: &Path, prompt: &Path, short: &Path, threads: usize) -> Gen {
-    let p = run_gen(model, prompt, 1, threads);
-    let d = run_gen(model, short, 128, threads);
+fn gen_sample(
+    model: &Path,
+    prompt: &Path,
+    short: &Path,
+    threads: usize,
+    path: Option<&str>,
+) -> Gen {
+    let p = run_gen(model, prompt, 1, threads, path);
+    let d = run_gen(model, short, 128, threads, path);
     Gen {
         prefill: p["prefill_tok_s"].as_f64().unwrap_or(f64::NAN),
         decode: d["decode_tok_s"].as_f64().unwrap_or(f64::NAN),
@@ -203,6 +242,22 @@ fn files() -> Vec<PathBuf> {
             Vec::new()
         });
     fs.sort();
+    // The sizes people run (the team's size-files script): Llama 3.2 1B's and 3B's shapes.
+    let sizes = std::env::var_os("GEN_BENCH_SIZES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| dir.parent().unwrap_or(&dir).join("sizes"));
+    let mut big: Vec<PathBuf> = std::fs::read_dir(&sizes)
+        .map(|d| {
+            d.filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| {
+                    let n = p.file_name().unwrap_or_default().to_string_lossy();
+                    n.ends_with(".gguf") && !n.contains("F16")
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    big.sort();
+    fs.extend(big);
     let gemma = gen::source::resolve(
         &gen::source::ModelSpec::Known("gemma3-270m".into()),
         &gen::source::FetchOptions::default(),
@@ -237,20 +292,37 @@ fn main() {
             .map_or("no peer".into(), |p| p.display().to_string())
     );
     println!();
-    println!("| file (types by bytes) | MB/token | prefill tok/s llama.cpp / gen / ratio | decode tok/s llama.cpp / gen / ratio | roofline tok/s | gen / roofline |");
-    println!("|---|---|---|---|---|---|");
+    let paths = paths();
+    let forced: Vec<&str> = paths.iter().flatten().copied().collect();
+    println!(
+        "| file (types by bytes) | MB/token | prefill tok/s llama.cpp / gen / ratio | decode tok/s llama.cpp / gen / ratio | roofline tok/s | gen / roofline | prefill, decode per path ({}) |",
+        forced.join(" / ")
+    );
+    println!("|---|---|---|---|---|---|---|");
     let mut mixed = Vec::new();
     for f in files() {
         let (bytes, types) = decode_bytes(&f);
-        let (mut g, mut l) = (Vec::new(), Vec::new());
+        let (mut g, mut l) = (
+            (0..paths.len())
+                .map(|_| Vec::new())
+                .collect::<Vec<Vec<Gen>>>(),
+            Vec::new(),
+        );
         for _ in 0..runs {
-            g.push(gen_sample(&f, &p512, &short, threads));
+            // gen on each path and llama-bench, alternating round by round.
+            for (i, path) in paths.iter().enumerate() {
+                g[i].push(gen_sample(&f, &p512, &short, threads, *path));
+            }
             if let Some(bin) = &peer {
                 l.extend(peer_sample(bin, &f, 512, threads));
             }
         }
-        let gp = median(g.iter().map(|s| s.prefill).collect());
-        let gd = median(g.iter().map(|s| s.decode).collect());
+        let med = |i: usize, pick: fn(&Gen) -> f64| median(g[i].iter().map(pick).collect());
+        let (gp, gd) = (med(0, |s| s.prefill), med(0, |s| s.decode));
+        let per_path = (1..paths.len())
+            .map(|i| format!("{:.0}, {:.1}", med(i, |s| s.prefill), med(i, |s| s.decode)))
+            .collect::<Vec<_>>()
+            .join(" / ");
         let lp = median(l.iter().map(|s| s.0).collect());
         let ld = median(l.iter().map(|s| s.1).collect());
         let roof = bw * 1e9 / bytes;
@@ -260,7 +332,7 @@ fn main() {
             .to_string_lossy()
             .into_owned();
         println!(
-            "| {name} ({types}) | {:.1} | {} / {gp:.0} / {} | {} / {gd:.1} / {} | {roof:.0} | {:.0}% |",
+            "| {name} ({types}) | {:.1} | {} / {gp:.0} / {} | {} / {gd:.1} / {} | {roof:.0} | {:.0}% | {per_path} |",
             bytes / 1e6,
             show(lp, 0),
             ratio(gp, lp),
@@ -269,6 +341,7 @@ fn main() {
             100.0 * gd / roof
         );
         if !name.starts_with("k256")
+            && !name.starts_with("llama-")
             && !name.ends_with("Q4_0")
             && !name.ends_with("Q8_0")
             && !name.ends_with("Q6_K")
@@ -285,7 +358,7 @@ fn main() {
         let (mut g, mut l) = (Vec::new(), Vec::new());
         for _ in 0..runs {
             g.push(
-                run_gen(&f, &p1000, 1, threads)["ttft_s"]
+                run_gen(&f, &p1000, 1, threads, None)["ttft_s"]
                     .as_f64()
                     .unwrap_or(f64::NAN),
             );

@@ -82,6 +82,11 @@ impl Session {
             loaded.chat_template = Some(template);
         }
         loaded.model.kv_mut().set_prefix_cache(cfg.prefix_cache);
+        if cfg.verbose {
+            for note in loaded.model.load_notes() {
+                eprintln!("gen: {note}");
+            }
+        }
         let load_s = load_start.elapsed().as_secs_f64();
         if interrupt::requested() {
             eprintln!("gen: interrupted");

@@ -43,6 +43,45 @@ pub struct Decoder {
     kv: PagedKv,
     backend: Backend,
     profile: Profile,
+    kernels: KernelPaths,
+}
+
+/// The paths the CPU's products take, in words, and what choosing them said.
+#[derive(Default)]
+struct KernelPaths {
+    /// Per weight type, the paths of one token, a few and a chunk ("Q4_K avx2/avx2/avx512-vnni");
+    /// empty when every product takes the instruction set's path.
+    summary: String,
+    notes: Vec<String>,
+}
+
+impl KernelPaths {
+    fn of(weights: &mut Weights, chosen: super::cpu::choice::Chosen) -> Self {
+        use super::cpu::choice::Call;
+        let mut per_type = std::collections::BTreeMap::new();
+        for w in weights.cpu_matrices_mut() {
+            let paths = Call::ALL.map(|c| w.path(c.sample_tokens()).name());
+            per_type.insert(w.type_name(), paths.join("/"));
+        }
+        let summary = match chosen.file {
+            Some(_) => per_type
+                .iter()
+                .map(|(ty, p)| format!("{ty} {p}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            None => String::new(),
+        };
+        let mut notes: Vec<String> = chosen.warning.into_iter().collect();
+        if let (false, Some(file)) = (chosen.measured.is_empty(), &chosen.file) {
+            notes.push(format!(
+                "measured this CPU's kernel paths for {} in {:.2} s, kept in {} (one token/a few/a chunk): {summary}",
+                chosen.measured.join(", "),
+                chosen.seconds,
+                file.display()
+            ));
+        }
+        Self { summary, notes }
+    }
 }
 
 impl Decoder {
@@ -59,7 +98,13 @@ impl Decoder {
         } else {
             DeviceWeights::choose(ckpt.parameter_count())
         };
-        let weights = Weights::load(ckpt, &cfg, device, kind)?;
+        let mut weights = Weights::load(ckpt, &cfg, device, kind)?;
+        let kernels = if host_kernels {
+            let chosen = super::cpu::choice::choose(&mut weights.cpu_matrices_mut());
+            KernelPaths::of(&mut weights, chosen)
+        } else {
+            KernelPaths::default()
+        };
         let backend = if host_kernels {
             Backend::Cpu(CpuBackend::new())
         } else {
@@ -78,6 +123,7 @@ impl Decoder {
             kv: PagedKv::new(0),
             backend,
             profile: Profile::from_env(),
+            kernels,
         })
     }
 
@@ -150,12 +196,19 @@ impl LanguageModel for Decoder {
         self.cfg.set_context_window(tokens);
     }
 
+    fn load_notes(&self) -> Vec<String> {
+        self.kernels.notes.clone()
+    }
+
     fn kv_layout(&self) -> String {
         let c = &self.cfg;
         let (store, compute) = match &self.backend {
             Backend::Cpu(_) => (
                 "f16",
-                format!("gen cpu, {}", super::cpu::q8::Kernel::detect().name()),
+                match self.kernels.summary.as_str() {
+                    "" => format!("gen cpu, {}", super::cpu::q8::Kernel::detect().name()),
+                    paths => format!("gen cpu, {paths}"),
+                },
             ),
             Backend::Device(b) => ("f32", format!("candle {}", b.device_name())),
         };

@@ -167,6 +167,12 @@ pub trait LanguageModel {
         String::new()
     }
 
+    /// What loading found worth saying (with --verbose): the kernel paths measured for this
+    /// CPU, or why they could not be kept.
+    fn load_notes(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// The keys and values of cache `blocks`, as bytes (kv_layout says how).
     fn read_kv_blocks(&self, _blocks: &[u32]) -> anyhow::Result<Vec<u8>> {
         anyhow::bail!("this model cannot save its KV cache")

@@ -339,6 +339,31 @@ impl Weights {
         Ok(w)
     }
 
+    /// Every matrix on gen's CPU kernels, to choose their paths ([`super::cpu::choice`]).
+    pub fn cpu_matrices_mut(&mut self) -> Vec<&mut CpuQWeight> {
+        fn of(l: &mut QLinear) -> Option<&mut CpuQWeight> {
+            match l {
+                QLinear::Cpu(w) => Some(w),
+                QLinear::Candle(_) | QLinear::Dense(_) => None,
+            }
+        }
+        fn of_all(p: &mut Projections) -> Vec<&mut CpuQWeight> {
+            match p {
+                Projections::Fused { linear, .. } => of(linear).into_iter().collect(),
+                Projections::Separate(ls) => ls.iter_mut().filter_map(of).collect(),
+            }
+        }
+        let mut all = Vec::new();
+        for l in &mut self.layers {
+            all.extend(of_all(&mut l.qkv));
+            all.extend(of(&mut l.wo));
+            all.extend(of_all(&mut l.gate_up));
+            all.extend(of(&mut l.w_down));
+        }
+        all.extend(of(&mut self.output));
+        all
+    }
+
     /// The embeddings of a pass's tokens, scaled where the family says: (N, d).
     pub fn embed(&self, ids: &[u32], cfg: &DecoderConfig, device: &Device) -> Result<Tensor> {
         let mut x = match (&self.embedding, &self.output) {

@@ -189,12 +189,22 @@ pub fn cache_dir_from(var: impl Fn(&str) -> Option<String>) -> PathBuf {
     if let Some(dir) = var("GEN_CACHE_DIR") {
         return PathBuf::from(dir);
     }
+    gen_cache_home_from(&var).join("models")
+}
+
+/// gen's cache folder, where it keeps what is not a model (the kernel choices made for this
+/// CPU): `$XDG_CACHE_HOME/gen`, else `~/.cache/gen` (GEN_CACHE_DIR moves the models only).
+pub fn gen_cache_home() -> PathBuf {
+    gen_cache_home_from(&|name: &str| std::env::var(name).ok().filter(|v| !v.is_empty()))
+}
+
+fn gen_cache_home_from(var: &impl Fn(&str) -> Option<String>) -> PathBuf {
     // The XDG spec says relative values are invalid and must be ignored.
     let base = match var("XDG_CACHE_HOME").filter(|d| Path::new(d).is_absolute()) {
         Some(xdg) => PathBuf::from(xdg),
-        None => home_dir(&var).join(".cache"),
+        None => home_dir(var).join(".cache"),
     };
-    base.join("gen").join("models")
+    base.join("gen")
 }
 
 /// The home folder from HOME (USERPROFILE on Windows); without either, the temp folder, so gen

@@ -23,7 +23,7 @@ use rayon::prelude::*;
 
 use super::ops::SharedOut;
 pub use super::q8::Kernel;
-use super::q8::{quantize_block, through_f16, PREFETCH_AHEAD};
+use super::q8::{quantize_block, through_f16, Call, PREFETCH_AHEAD};
 use super::quants::{self, QType};
 use super::wide16::{self as half_kernels, Half, HalfTiles};
 
@@ -256,7 +256,11 @@ pub struct CpuQWeight {
     rows: usize, // N
     cols: usize, // K
     layout: Layout,
+    /// The instruction set the layout was made for (Scalar: rows; the others: tiles).
     kernel: Kernel,
+    /// The path each kind of call takes ([`Call`]): `kernel` until [`Self::set_paths`]
+    /// gives the ones measured fastest on this machine ([`super::choice`]).
+    paths: [Kernel; 3],
 }
 
 impl CpuQWeight {
@@ -271,6 +275,43 @@ impl CpuQWeight {
     /// into consecutive parts, returned as T rows of widths[i] values each. Fused projections
     /// (q, k, v) come out as separate buffers this way, with no copy after the product.
     pub fn matmul_parts(&self, x: &[f32], t: usize, widths: &[usize]) -> Vec<Vec<f32>> {
+        self.matmul_parts_on(self.path(t), x, t, widths)
+    }
+
+    /// The path a call of `t` tokens takes.
+    pub fn path(&self, t: usize) -> Kernel {
+        self.paths[Call::of(t) as usize]
+    }
+
+    /// The paths for one token, a few and a prefill chunk ([`Call`]'s order). Ignored where
+    /// the layout cannot take them: a SIMD layout takes SIMD paths only, rows the scalar one.
+    pub fn set_paths(&mut self, paths: [Kernel; 3]) {
+        let simd = |k: Kernel| k != Kernel::Scalar;
+        if paths.iter().all(|&p| simd(p) == simd(self.kernel)) {
+            self.paths = paths;
+        }
+    }
+
+    /// [`Self::matmul`] on the path `kernel` (of those the layout takes), whatever the call's
+    /// kind: what [`super::choice`] times.
+    pub fn matmul_on(&self, kernel: Kernel, x: &[f32], t: usize) -> Vec<f32> {
+        let kernel = if (kernel == Kernel::Scalar) == (self.kernel == Kernel::Scalar) {
+            kernel
+        } else {
+            self.kernel
+        };
+        self.matmul_parts_on(kernel, x, t, &[self.rows])
+            .pop()
+            .expect("one part")
+    }
+
+    fn matmul_parts_on(
+        &self,
+        kernel: Kernel,
+        x: &[f32],
+        t: usize,
+        widths: &[usize],
+    ) -> Vec<Vec<f32>> {
         let (n_rows, k) = (self.rows, self.cols);
         debug_assert_eq!(x.len(), t * k);
         debug_assert_eq!(widths.iter().sum::<usize>(), n_rows);
@@ -315,39 +356,49 @@ impl CpuQWeight {
                 outs
             }
             Layout::Tiles(tiles) => {
-                let act = ActTiles::quantize(x, k, t, with_sums, self.kernel);
+                let act = ActTiles::quantize(x, k, t, with_sums, kernel);
                 schedule(
                     t,
                     k,
                     widths,
                     tiles.groups,
-                    self.cut(),
+                    self.cut(kernel),
                     |g, groups, token, n, out, stride, real| {
                         let w1 = (groups == 2).then(|| tiles.tile(g + 1));
                         // SAFETY: as `schedule` promises for out; tiles and activations hold the
                         // same block count.
                         unsafe {
-                            self.tile_dot(tiles.tile(g), w1, &act, token, n, out, stride, real)
+                            self.tile_dot(
+                                kernel,
+                                tiles.tile(g),
+                                w1,
+                                &act,
+                                token,
+                                n,
+                                out,
+                                stride,
+                                real,
+                            )
                         }
                     },
                 )
             }
             Layout::Quant(tiles) => {
-                let act = quants::Acts::quantize(x, k, t, tiles.ty, self.kernel);
+                let act = quants::Acts::quantize(x, k, t, tiles.ty, kernel);
                 let stream = act.chunks <= STREAM_CHUNKS;
                 schedule(
                     t,
                     k,
                     widths,
                     tiles.groups,
-                    self.cut(),
+                    self.cut(kernel),
                     |g, groups, token, n, out, stride, real| {
                         // SAFETY: as `schedule` promises for out; tiles and activations hold the
                         // same block count.
                         unsafe {
                             quant_dot(
                                 tiles.ty,
-                                self.kernel,
+                                kernel,
                                 tiles.tile(g),
                                 (groups == 2).then(|| tiles.tile(g + 1)),
                                 act.chunk(token),
@@ -364,8 +415,8 @@ impl CpuQWeight {
             Layout::Half(tiles) => {
                 let stream = t.div_ceil(TOKENS) <= STREAM_CHUNKS;
                 let xs = SharedIn(x.as_ptr());
-                let mut cut = self.cut();
-                let product = if self.kernel == Kernel::Avx2 && t >= WIDEN_TOKENS {
+                let mut cut = self.cut(kernel);
+                let product = if kernel == Kernel::Avx2 && t >= WIDEN_TOKENS {
                     cut.span = WIDE_SPAN;
                     cut.per_call = WIDE_TOKENS;
                     PRODUCTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
@@ -383,7 +434,7 @@ impl CpuQWeight {
                         unsafe {
                             half_dot(
                                 tiles,
-                                self.kernel,
+                                kernel,
                                 g,
                                 groups,
                                 xs.at(token * k),
@@ -411,9 +462,9 @@ impl CpuQWeight {
     /// tokens a call still beat 4 with their spills (Q8_K types 5-10% at 512 tokens), and 6
     /// tokens' even and odd sums fit beside F16/BF16's two widened columns (+8%). Tokens a
     /// block: see `schedule`.
-    fn cut(&self) -> Cut {
+    fn cut(&self, kernel: Kernel) -> Cut {
         let half = matches!(self.layout, Layout::Half(_));
-        match self.kernel {
+        match kernel {
             #[cfg(target_arch = "x86_64")]
             Kernel::Vnni if half => Cut {
                 per_chunk: 6,
@@ -463,6 +514,7 @@ impl CpuQWeight {
     #[allow(clippy::too_many_arguments)]
     unsafe fn tile_dot(
         &self,
+        kernel: Kernel,
         w: Tile<'_>,
         w1: Option<Tile<'_>>,
         act: &ActTiles,
@@ -499,7 +551,7 @@ impl CpuQWeight {
             w1.is_none(),
             "pairs are only scheduled for the 512-bit kernels"
         );
-        match (self.ty, self.kernel) {
+        match (self.ty, kernel) {
             #[cfg(target_arch = "x86_64")]
             (WeightType::Q4_1, Kernel::Avx2) => call!(avx2, tile_q4_1),
             #[cfg(target_arch = "x86_64")]
@@ -987,6 +1039,7 @@ impl CpuQWeight {
             cols,
             layout,
             kernel,
+            paths: [kernel; 3],
         }))
     }
 
@@ -1038,6 +1091,38 @@ impl CpuQWeight {
                 }
             }
         }
+    }
+
+    /// The weights' ggml type number, as the file gives it.
+    pub fn ggml_type(&self) -> u32 {
+        match self.ty {
+            WeightType::Q4_1 => 3,
+            WeightType::Q8_0 => 8,
+            WeightType::Quant(q) => q.spec().ggml,
+            WeightType::Half(Half::F16) => 1,
+            WeightType::Half(Half::Bf16) => 30,
+        }
+    }
+
+    /// The bytes the weights take in the file (what a product reads, within a few percent).
+    pub fn file_bytes(&self) -> usize {
+        Self::file_bytes_of(self.ggml_type(), self.rows, self.cols).unwrap_or(0)
+    }
+
+    /// The bytes of a `rows` x `cols` matrix of ggml type `ggml` in a file; None for a type
+    /// these kernels do not run or a width not a whole number of its blocks.
+    pub fn file_bytes_of(ggml: u32, rows: usize, cols: usize) -> Option<usize> {
+        let (values, bytes) = match ggml {
+            1 | 30 => (1, 2),
+            3 => (QK, Q4_1_BYTES),
+            8 => (QK, Q8_0_BYTES),
+            _ => {
+                let s = QType::from_ggml(ggml)?.spec();
+                (s.per_super * QK, s.block_bytes)
+            }
+        };
+        cols.is_multiple_of(values)
+            .then(|| rows * cols / values * bytes)
     }
 
     /// Rows and columns.

@@ -8,6 +8,7 @@
 //! chunk through the causal prefill kernel) and its fused steps.
 
 pub mod attention;
+pub mod choice;
 pub mod kv_store;
 pub mod matmul;
 pub mod ops;

@@ -50,6 +50,60 @@ impl Kernel {
     }
 }
 
+/// The kinds of call a path is chosen for, by the tokens a product multiplies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Call {
+    /// One token: a decode step, bound by reading the weights.
+    One = 0,
+    /// 2 to [`FEW`] tokens: a batch's decode step, a speculative check.
+    Few = 1,
+    /// More: a prefill chunk, bound by arithmetic.
+    Many = 2,
+}
+
+/// The most tokens a [`Call::Few`] call has.
+pub const FEW: usize = 16;
+
+impl Call {
+    pub const ALL: [Call; 3] = [Call::One, Call::Few, Call::Many];
+
+    pub fn of(tokens: usize) -> Self {
+        match tokens {
+            0 | 1 => Call::One,
+            2..=FEW => Call::Few,
+            _ => Call::Many,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Call::One => "one",
+            Call::Few => "few",
+            Call::Many => "chunk",
+        }
+    }
+
+    /// A token count of this kind.
+    pub fn sample_tokens(self) -> usize {
+        self.sample().0
+    }
+
+    pub fn from_name(s: &str) -> Option<Self> {
+        Call::ALL.into_iter().find(|c| c.name() == s)
+    }
+
+    /// Tokens a timed call multiplies, and the weight bytes it reads at most (a decode step
+    /// streams weights from memory, so it reads more than any cache holds; a chunk is
+    /// arithmetic, a few matrices tell).
+    pub fn sample(self) -> (usize, usize) {
+        match self {
+            Call::One => (1, 48 << 20),
+            Call::Few => (4, 48 << 20),
+            Call::Many => (64, 4 << 20),
+        }
+    }
+}
+
 /// How far ahead of the block it works on (in bytes of quants) a kernel called for a few
 /// tokens asks for weights: the tile's next blocks, then the next tile's (tiles of a task are
 /// consecutive in memory). A decode step streams every weight from memory once, with little

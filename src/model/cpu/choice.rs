@@ -1,0 +1,455 @@
+//! Which path runs each product on this machine: measured once per CPU, then kept.
+//!
+//! On a CPU with AVX-512 VNNI, every weight type gen runs on its own kernels has two SIMD
+//! paths: the 512-bit kernels and the AVX2 ones. Which is faster is a property of the CPU, not
+//! of its instruction set: an Intel Ice Lake runs 512-bit operations on two full-width units
+//! and the 512-bit kernels win there, while an AMD Zen 4 executes them as two 256-bit halves and
+//! decoded a k256 Q4_K_M file 1.2-1.4x faster on the AVX2 path. So the first time gen loads a
+//! model on a CPU, it times both paths on that model's own matrices, for each weight type and
+//! each kind of call ([`Call`]: one token, a few, a prefill chunk), picks the faster, and keeps
+//! the choice in a file under gen's cache folder named by the CPU's identity and thread count.
+//! Later runs read it and measure only types not seen before.
+//!
+//! The choice is kept, never re-measured, because the paths round differently in the last bits
+//! (their float sums run in another order): a machine that changed its mind between runs would
+//! give another text for the same seed. Where the file cannot be kept (no writable cache), gen
+//! does not measure and takes the 512-bit path, the rule by instruction set. `GEN_KERNEL`
+//! (`avx2`, `avx512`, `scalar`) forces a path and skips all of this.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use super::matmul::{CpuQWeight, Kernel};
+pub use super::q8::{Call, FEW};
+
+/// Bump when a kernel change makes the kept choices stale.
+const VERSION: u32 = 1;
+
+/// How much faster than the first path another must be to be chosen.
+const MARGIN: f64 = 0.05;
+
+/// Timed rounds per path and kind (after one untimed call each); the fastest round counts.
+const ROUNDS: usize = 3;
+
+/// What [`choose`] did, for the report.
+#[derive(Debug, Default)]
+pub struct Chosen {
+    /// Types measured this run, with the seconds it took.
+    pub measured: Vec<&'static str>,
+    pub seconds: f64,
+    /// Where the choices are kept; None when they were not (forced, one path, no cache).
+    pub file: Option<PathBuf>,
+    /// A kept file that could not be read or written, in one line.
+    pub warning: Option<String>,
+}
+
+/// The paths this CPU offers gen's products (the first is the rule by instruction set), or
+/// none when `GEN_KERNEL` forces one or there is only one.
+pub fn candidates() -> Vec<Kernel> {
+    let forced = std::env::var("GEN_KERNEL").is_ok_and(|v| !v.is_empty());
+    let base = Kernel::detect();
+    #[cfg(target_arch = "x86_64")]
+    if base == Kernel::Vnni && !forced {
+        return vec![Kernel::Vnni, Kernel::Avx2];
+    }
+    let _ = (forced, base);
+    Vec::new()
+}
+
+/// Sets every matrix's paths from the choices kept for this CPU, measuring (on these matrices)
+/// the types not yet chosen and keeping the result.
+pub fn choose(ws: &mut [&mut CpuQWeight]) -> Chosen {
+    let paths = candidates();
+    let mut done = Chosen::default();
+    if paths.len() < 2 || ws.is_empty() {
+        return done;
+    }
+    let threads = rayon::current_num_threads();
+    let file = choices_file(threads);
+    let mut kept = match Kept::read(&file) {
+        Ok(k) => k,
+        Err(why) => {
+            done.warning = Some(format!(
+                "the kept kernel choices in {} were unreadable ({why}): measured again",
+                file.display()
+            ));
+            Kept::default()
+        }
+    };
+    let mut types: Vec<&'static str> = ws.iter().map(|w| w.type_name()).collect();
+    types.sort_unstable();
+    types.dedup();
+    let missing: Vec<&'static str> = types
+        .iter()
+        .copied()
+        .filter(|t| Call::ALL.iter().any(|c| kept.get(t, *c).is_none()))
+        .collect();
+    if !missing.is_empty() {
+        // Measure only what can be kept: a choice made anew every run could differ between runs.
+        if let Err(why) = std::fs::create_dir_all(file.parent().unwrap_or(Path::new("."))) {
+            done.warning = Some(format!(
+                "cannot keep kernel choices in {} ({why}): the 512-bit path is used",
+                file.display()
+            ));
+            return done;
+        }
+        let t0 = Instant::now();
+        let mut fresh = Kept::default();
+        for ty in &missing {
+            let Some(ggml) = ws
+                .iter()
+                .find(|w| w.type_name() == *ty)
+                .map(|w| w.ggml_type())
+            else {
+                continue;
+            };
+            // One workload for every kind: each times as much of it as its budget reads.
+            let of_type = workload(ggml, paths[0]);
+            let refs: Vec<&CpuQWeight> = of_type.iter().collect();
+            for call in Call::ALL {
+                if kept.get(ty, call).is_none() {
+                    let times = time_paths(&refs, &paths, call);
+                    fresh.set(ty, call, &paths, &times);
+                }
+            }
+        }
+        done.seconds = t0.elapsed().as_secs_f64();
+        done.measured = missing;
+        match fresh.merge_into(&file) {
+            Ok(all) => kept = all,
+            Err(why) => {
+                done.warning = Some(format!(
+                    "cannot keep kernel choices in {} ({why}): the 512-bit path is used",
+                    file.display()
+                ));
+                return done;
+            }
+        }
+    }
+    for w in ws.iter_mut() {
+        let ty = w.type_name();
+        let pick = Call::ALL.map(|c| kept.get(ty, c).unwrap_or(paths[0]));
+        w.set_paths(pick);
+    }
+    done.file = Some(file);
+    done
+}
+
+/// Matrices of ggml type `ggml` in the shapes of a Llama 3.2 1B layer (2048 wide: q and o
+/// 2048 rows, gate and up 8192 rows, in that order), as many as the largest byte budget reads:
+/// the same work on every machine, whichever model came first, so that the kept choice
+/// describes the CPU. The values are a fixed pseudo-random pattern, 16-bit weights made from
+/// floats in [-1, 1] (no subnormals or NaNs, which some CPUs compute slowly); a quantized
+/// block's f16 scales may be anything, their f32 products are normal floats.
+fn workload(ggml: u32, kernel: Kernel) -> Vec<CpuQWeight> {
+    const WIDTH: usize = 2048;
+    let budget = Call::ALL
+        .map(|c| c.sample().1)
+        .into_iter()
+        .max()
+        .unwrap_or(0);
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut out = Vec::new();
+    let mut bytes = 0;
+    for rows in [WIDTH, WIDTH, 4 * WIDTH, 4 * WIDTH].into_iter().cycle() {
+        if bytes >= budget || out.len() >= 64 {
+            break;
+        }
+        let Some(size) = CpuQWeight::file_bytes_of(ggml, rows, WIDTH) else {
+            break;
+        };
+        let raw: Vec<u8> = match ggml {
+            1 | 30 => (0..size / 2)
+                .flat_map(|_| {
+                    let v = (next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+                    let bits = match ggml {
+                        1 => half::f16::from_f32(v).to_bits(),
+                        _ => half::bf16::from_f32(v).to_bits(),
+                    };
+                    bits.to_le_bytes()
+                })
+                .collect(),
+            _ => (0..size.div_ceil(8))
+                .flat_map(|_| next().to_le_bytes())
+                .take(size)
+                .collect(),
+        };
+        match CpuQWeight::from_raw(ggml, &raw, rows, WIDTH, kernel) {
+            Ok(Some(w)) => out.push(w),
+            _ => break,
+        }
+        bytes += size;
+    }
+    out
+}
+
+/// Seconds of the fastest round of each path, alternating paths round by round: one call of
+/// `call`'s token count on each of `ws` in turn until its byte budget is read.
+fn time_paths(ws: &[&CpuQWeight], paths: &[Kernel], call: Call) -> Vec<f64> {
+    let (tokens, budget) = call.sample();
+    let mut chosen = Vec::new();
+    let mut bytes = 0;
+    for w in ws {
+        if bytes >= budget {
+            break;
+        }
+        bytes += w.file_bytes();
+        chosen.push(*w);
+    }
+    // Inputs in the range activations have; the same for every path.
+    let width = chosen.iter().map(|w| w.dims().1).max().unwrap_or(0);
+    let x: Vec<f32> = (0..tokens * width)
+        .map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0)
+        .collect();
+    let run = |k: Kernel| {
+        let t0 = Instant::now();
+        for w in &chosen {
+            let cols = w.dims().1;
+            let mut sink = 0f32;
+            for out in w
+                .matmul_on(k, &x[..tokens * cols], tokens)
+                .iter()
+                .step_by(97)
+            {
+                sink += out;
+            }
+            std::hint::black_box(sink);
+        }
+        t0.elapsed().as_secs_f64()
+    };
+    let mut best = vec![f64::INFINITY; paths.len()];
+    for &k in paths {
+        run(k);
+    }
+    for round in 0..ROUNDS {
+        for i in 0..paths.len() {
+            // Each round in the other order, so neither path always follows the other.
+            let i = if round % 2 == 0 {
+                i
+            } else {
+                paths.len() - 1 - i
+            };
+            best[i] = best[i].min(run(paths[i]));
+        }
+    }
+    best
+}
+
+/// The choices kept in one file: per type and kind, the path and each path's time.
+#[derive(Debug, Default, Clone)]
+struct Kept {
+    rows: BTreeMap<(String, Call), (Kernel, String)>,
+}
+
+impl Kept {
+    fn get(&self, ty: &str, call: Call) -> Option<Kernel> {
+        self.rows.get(&(ty.to_string(), call)).map(|r| r.0)
+    }
+
+    /// The fastest of `paths` for `ty` and `call`, where it beats the first (the rule by
+    /// instruction set) by [`MARGIN`]; else the first: a difference within the machine's noise
+    /// does not move a choice that is kept for good.
+    fn set(&mut self, ty: &str, call: Call, paths: &[Kernel], times: &[f64]) {
+        let mut best = 0;
+        for (i, t) in times.iter().enumerate() {
+            if *t < times[best] && *t < times[0] * (1.0 - MARGIN) {
+                best = i;
+            }
+        }
+        let detail = paths
+            .iter()
+            .zip(times)
+            .map(|(k, t)| format!("{}={:.3}ms", k.name(), t * 1e3))
+            .collect::<Vec<_>>()
+            .join(" ");
+        self.rows
+            .insert((ty.to_string(), call), (paths[best], detail));
+    }
+
+    /// Nothing kept yet is an empty set; a file gen did not write, or damaged, an error.
+    fn read(file: &Path) -> Result<Self, String> {
+        let text = match std::fs::read_to_string(file) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Self::default()),
+            Err(e) => return Err(e.to_string()),
+        };
+        let mut lines = text.lines();
+        if lines.next() != Some(&header()) {
+            return Err("not written by this version of gen".into());
+        }
+        let mut kept = Self::default();
+        for line in lines.filter(|l| !l.starts_with('#') && !l.trim().is_empty()) {
+            let mut f = line.splitn(4, ' ');
+            let (ty, call, path) = (f.next(), f.next().and_then(Call::from_name), f.next());
+            let path = path.and_then(kernel_named);
+            match (ty, call, path) {
+                (Some(ty), Some(call), Some(path)) => {
+                    let detail = f.next().unwrap_or("").to_string();
+                    kept.rows.insert((ty.to_string(), call), (path, detail));
+                }
+                _ => return Err(format!("a line reads {line:?}")),
+            }
+        }
+        Ok(kept)
+    }
+
+    /// Adds these rows to the file's (the file's win where both have one: another process may
+    /// have measured first, and a choice made is kept), written whole and renamed into place
+    /// under a lock. Returns what the file holds now.
+    fn merge_into(&self, file: &Path) -> std::io::Result<Self> {
+        let lock_path = file.with_extension("lock");
+        let lock = std::fs::File::create(&lock_path)?;
+        lock.lock()?;
+        let mut all = Self::read(file).unwrap_or_default();
+        for (key, row) in &self.rows {
+            all.rows.entry(key.clone()).or_insert_with(|| row.clone());
+        }
+        let tmp = file.with_extension(format!("tmp{}", std::process::id()));
+        let mut out = std::fs::File::create(&tmp)?;
+        writeln!(out, "{}", header())?;
+        writeln!(out, "# {}", cpu_name())?;
+        writeln!(out, "# type call path: each path's fastest timed round")?;
+        for ((ty, call), (path, detail)) in &all.rows {
+            writeln!(out, "{ty} {} {} {detail}", call.name(), path.name())?;
+        }
+        out.sync_all()?;
+        drop(out);
+        std::fs::rename(&tmp, file)?;
+        Ok(all)
+    }
+}
+
+fn header() -> String {
+    format!("gen kernel choices v{VERSION}")
+}
+
+/// A path by the name [`Kernel::name`] gives it.
+fn kernel_named(name: &str) -> Option<Kernel> {
+    let mut all = vec![Kernel::Scalar];
+    #[cfg(target_arch = "x86_64")]
+    all.extend([Kernel::Avx2, Kernel::Vnni]);
+    all.into_iter().find(|k| k.name() == name)
+}
+
+/// `<gen's cache folder>/kernels/<cpu>-t<threads>.txt`.
+fn choices_file(threads: usize) -> PathBuf {
+    crate::source::gen_cache_home()
+        .join("kernels")
+        .join(format!("{}-t{threads}.txt", cpu_id()))
+}
+
+/// The CPU's identity as a file name: vendor, family, model and stepping (what distinguishes
+/// a Zen 4 from an Ice Lake), and the features the paths use.
+fn cpu_id() -> String {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::__cpuid;
+        // cpuid exists on every x86_64 CPU; leaves 0 and 1 always.
+        let (v, l1) = (__cpuid(0), __cpuid(1));
+        let vendor: Vec<u8> = [v.ebx, v.edx, v.ecx]
+            .iter()
+            .flat_map(|r| r.to_le_bytes())
+            .filter(|b| b.is_ascii_alphanumeric())
+            .collect();
+        let base_family = (l1.eax >> 8) & 0xF;
+        let family = base_family
+            + if base_family == 0xF {
+                (l1.eax >> 20) & 0xFF
+            } else {
+                0
+            };
+        let model = ((l1.eax >> 4) & 0xF) | (((l1.eax >> 16) & 0xF) << 4);
+        let stepping = l1.eax & 0xF;
+        let mut features = String::new();
+        for (f, on) in [
+            ("avx2", is_x86_feature_detected!("avx2")),
+            ("vnni", is_x86_feature_detected!("avx512vnni")),
+            ("bf16", is_x86_feature_detected!("avx512bf16")),
+        ] {
+            if on {
+                features.push('-');
+                features.push_str(f);
+            }
+        }
+        format!(
+            "{}-f{family}-m{model}-s{stepping}{features}",
+            String::from_utf8_lossy(&vendor)
+        )
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        std::env::consts::ARCH.to_string()
+    }
+}
+
+/// The CPU's own name (for the file's reader), from /proc/cpuinfo where there is one.
+fn cpu_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|n| n.trim().to_string())
+        })
+        .unwrap_or_else(cpu_id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn calls_are_named_and_counted() {
+        assert_eq!(Call::of(1), Call::One);
+        assert_eq!(Call::of(2), Call::Few);
+        assert_eq!(Call::of(FEW), Call::Few);
+        assert_eq!(Call::of(FEW + 1), Call::Many);
+        for c in Call::ALL {
+            assert_eq!(Call::from_name(c.name()), Some(c));
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn kept_choices_round_trip_and_the_first_choice_stays() {
+        let dir = std::env::temp_dir().join(format!("gen-choice-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("cpu-t2.txt");
+        let paths = [Kernel::Vnni, Kernel::Avx2];
+        let mut a = Kept::default();
+        a.set("Q4_K", Call::One, &paths, &[2e-3, 1e-3]);
+        let all = a.merge_into(&file).unwrap();
+        assert_eq!(all.get("Q4_K", Call::One), Some(Kernel::Avx2));
+        // Another measurement of the same type and call does not replace the kept one.
+        let mut b = Kept::default();
+        b.set("Q4_K", Call::One, &paths, &[1e-3, 2e-3]);
+        b.set("Q6_K", Call::Many, &paths, &[1e-3, 0.97e-3]);
+        b.merge_into(&file).unwrap();
+        let read = Kept::read(&file).unwrap();
+        assert_eq!(read.get("Q4_K", Call::One), Some(Kernel::Avx2));
+        assert_eq!(
+            read.get("Q6_K", Call::Many),
+            Some(Kernel::Vnni),
+            "3% is within the margin"
+        );
+        assert_eq!(read.get("Q6_K", Call::One), None);
+        assert_eq!(read.rows.len(), 2);
+        // What gen did not write, or a damaged line, is an error (then measured again).
+        std::fs::write(&file, "something else\n").unwrap();
+        assert!(Kept::read(&file).is_err());
+        std::fs::write(&file, format!("{}\nQ4_K one no-such-path\n", header())).unwrap();
+        assert!(Kept::read(&file).is_err());
+        std::fs::remove_file(&file).unwrap();
+        assert!(Kept::read(&file).unwrap().rows.is_empty(), "none kept yet");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,118 @@
+//! The kernel paths gen measures on a CPU and keeps (src/model/cpu/choice.rs), through the
+//! binary on the default model: measured once, then read; the same text every run; a damaged
+//! file measured again; GEN_KERNEL forcing a path without measuring. On a CPU with one SIMD
+//! path (AVX2 only) there is nothing to choose: no file, and the runs still agree.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{gen, smollm2, text};
+
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn run(cache: &Path, kernel: Option<&str>) -> (String, String) {
+    let mut cmd = gen();
+    cmd.env("XDG_CACHE_HOME", cache).env_remove("GEN_KERNEL");
+    if let Some(k) = kernel {
+        cmd.env("GEN_KERNEL", k);
+    }
+    let out = cmd
+        .arg("--model")
+        .arg(smollm2())
+        .args(["--prompt", "The little robot", "--max-new", "12"])
+        .args(["--seed", "7", "--temperature", "0.8", "--verbose"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    (text(&out.stdout), text(&out.stderr))
+}
+
+fn kept_files(cache: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(cache.join("gen/kernels"))
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|e| e == "txt"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn two_paths() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return is_x86_feature_detected!("avx512vnni")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512bw");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+#[test]
+fn paths_are_measured_once_kept_and_give_the_same_text() {
+    let dir =
+        Scratch(std::env::temp_dir().join(format!("gen-kernel-choice-{}", std::process::id())));
+    let cache = &dir.0;
+    let (first, err1) = run(cache, None);
+    let (second, err2) = run(cache, None);
+    assert_eq!(first, second, "the same seed, the same text");
+    assert!(!err2.contains("measured this CPU's kernel paths"), "{err2}");
+    let files = kept_files(cache);
+    if !two_paths() {
+        assert!(files.is_empty(), "one path, nothing to keep: {files:?}");
+        return;
+    }
+    assert!(
+        err1.contains("measured this CPU's kernel paths for Q4_1, Q8_0"),
+        "{err1}"
+    );
+    assert_eq!(files.len(), 1, "{files:?}");
+    let kept = std::fs::read_to_string(&files[0]).unwrap();
+    assert!(kept.starts_with("gen kernel choices v1\n"), "{kept}");
+    for ty in ["Q4_1", "Q8_0"] {
+        for call in ["one", "few", "chunk"] {
+            let line = kept
+                .lines()
+                .find(|l| l.starts_with(&format!("{ty} {call} ")))
+                .unwrap_or_else(|| panic!("no {ty} {call} line in {kept}"));
+            assert!(
+                line.contains("avx2=") && line.contains("avx512-vnni="),
+                "{line}"
+            );
+        }
+    }
+    // A forced path measures nothing and leaves the kept file as it was.
+    let (_, forced) = run(cache, Some("avx2"));
+    assert!(!forced.contains("measured"), "{forced}");
+    assert_eq!(std::fs::read_to_string(&files[0]).unwrap(), kept);
+    // A damaged file is said, measured again and replaced.
+    std::fs::write(&files[0], "gen kernel choices v1\nQ4_1 one warp-drive\n").unwrap();
+    let (third, err3) = run(cache, None);
+    assert!(err3.contains("unreadable"), "{err3}");
+    assert!(err3.contains("measured this CPU's kernel paths"), "{err3}");
+    let again = std::fs::read_to_string(&files[0]).unwrap();
+    assert_eq!(
+        again.lines().filter(|l| !l.starts_with('#')).count(),
+        7,
+        "{again}"
+    );
+    // Measured again, the choice may differ where the paths are close: the text is the same
+    // as before wherever the paths chosen are.
+    if again
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| l.split(' ').nth(2))
+        .eq(kept
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(|l| l.split(' ').nth(2)))
+    {
+        assert_eq!(third, first);
+    }
+}
