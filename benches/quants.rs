@@ -198,29 +198,6 @@ fn peer_sample(bin: &Path, model: &Path, prompt: usize, threads: usize) -> Optio
     Some((rate(false)?, rate(true)?))
 }
 
-fn peer() -> Option<PathBuf> {
-    let bin = std::env::var_os("GEN_LLAMA_BENCH")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let home = std::env::var_os("GEN_PEER_HOME")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| {
-                    PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-                        .join(".cache/gen-peer")
-                });
-            home.join("llama-server-0.3.36/llama.cpp/build/bin/llama-bench")
-        });
-    if bin.is_file() {
-        Some(bin)
-    } else {
-        eprintln!(
-            "bench: no peer: {} is missing (build it once with `.ci/llama-server llama-bench`, or set GEN_LLAMA_BENCH)",
-            bin.display()
-        );
-        None
-    }
-}
-
 fn files() -> Vec<PathBuf> {
     let dir = std::env::var_os("GEN_BENCH_QUANTS")
         .map(PathBuf::from)
@@ -285,7 +262,7 @@ fn main() {
     std::fs::write(&short, "Once upon a time").unwrap();
     let p1000 = common::bench_text();
     let bw = read_bandwidth(threads);
-    let peer = peer();
+    let peer = common::llama_tool("llama-bench", "GEN_LLAMA_BENCH");
     println!(
         "read bandwidth {bw:.1} GB/s ({threads} threads) | {runs} rounds, medians | gen vs {}",
         peer.as_ref()

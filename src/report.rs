@@ -6,6 +6,7 @@ use std::io::Write;
 use serde::Serialize;
 
 use crate::generate::Generation;
+use crate::model::LoadTimes;
 
 /// Everything the report says, as plain data.
 #[derive(Debug, Clone, Serialize)]
@@ -13,6 +14,8 @@ pub struct Report {
     pub model: String,
     pub device: String,
     pub load_s: f64,
+    /// Where `load_s` went.
+    pub load: LoadTimes,
     pub prompt_tokens: usize,
     /// Of the prompt tokens, how many came from the prefix cache or a prompt-cache file.
     pub cached_tokens: usize,
@@ -138,6 +141,7 @@ impl Report {
             model: model.to_string(),
             device: device.to_string(),
             load_s,
+            load: LoadTimes::default(),
             prompt_tokens: gen.prompt_tokens,
             cached_tokens: gen.reused_tokens,
             prompt_cache_load_s: None,
@@ -167,6 +171,11 @@ impl Report {
         }
     }
 
+    pub fn with_load_times(mut self, load: LoadTimes) -> Self {
+        self.load = load;
+        self
+    }
+
     pub fn with_prompt_cache(mut self, load: Option<std::time::Duration>) -> Self {
         self.prompt_cache_load_s = load.map(|d| d.as_secs_f64());
         self
@@ -178,7 +187,7 @@ impl Report {
     }
 
     pub fn write_human(&self, w: &mut dyn Write) -> std::io::Result<()> {
-        write_model_line(w, &self.model, &self.device, self.load_s)?;
+        write_model_line(w, &self.model, &self.device, self.load_s, &self.load)?;
         writeln!(
             w,
             "tokens         {} prompt{}, {} generated, stop: {}",
@@ -231,6 +240,8 @@ pub struct BatchReport {
     pub model: String,
     pub device: String,
     pub load_s: f64,
+    /// Where `load_s` went.
+    pub load: LoadTimes,
     pub prompts: usize,
     pub failed: usize,
     pub batch_size: usize,
@@ -276,6 +287,7 @@ impl BatchReport {
             model: model.to_string(),
             device: device.to_string(),
             load_s,
+            load: LoadTimes::default(),
             prompts,
             failed,
             batch_size,
@@ -329,8 +341,13 @@ impl BatchReport {
         self
     }
 
+    pub fn with_load_times(mut self, load: LoadTimes) -> Self {
+        self.load = load;
+        self
+    }
+
     pub fn write_human(&self, w: &mut dyn Write) -> std::io::Result<()> {
-        write_model_line(w, &self.model, &self.device, self.load_s)?;
+        write_model_line(w, &self.model, &self.device, self.load_s, &self.load)?;
         writeln!(
             w,
             "prompts        {} ({} failed), up to {} per pass",
@@ -396,11 +413,28 @@ fn write_model_line(
     model: &str,
     device: &str,
     load_s: f64,
+    load: &LoadTimes,
 ) -> std::io::Result<()> {
     writeln!(w)?;
+    // The parts that took a centisecond or more (the tokenizer's alone, on a run that did
+    // not measure them).
+    let parts: Vec<String> = [
+        (load.read_s, "reading"),
+        (load.repack_s, "repacking"),
+        (load.kernels_s, "measuring kernels"),
+        (load.tokenizer_s, "tokenizer"),
+    ]
+    .iter()
+    .filter(|(s, _)| *s >= 0.005)
+    .map(|(s, what)| format!("{what} {s:.2}"))
+    .collect();
+    let split = match parts.is_empty() {
+        true => String::new(),
+        false => format!(": {}", parts.join(", ")),
+    };
     writeln!(
         w,
-        "model          {model} on {device} (loaded in {load_s:.2} s)"
+        "model          {model} on {device} (loaded in {load_s:.2} s{split})"
     )
 }
 

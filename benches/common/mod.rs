@@ -106,3 +106,30 @@ pub fn json_report(cmd: &mut std::process::Command) -> serde_json::Value {
     }
     last_json(&err).unwrap_or_else(|| fail(&format!("gen printed no JSON report: {}", err.trim())))
 }
+
+/// One of llama.cpp's tools: `$env` if set, else where `.ci/llama-server TOOL` builds it (under
+/// `$GEN_PEER_HOME`, else `$XDG_CACHE_HOME/gen-peer`, else `~/.cache/gen-peer`); None, with a
+/// line saying how to build it, when it is not there.
+pub fn llama_tool(tool: &str, env: &str) -> Option<PathBuf> {
+    let bin = std::env::var_os(env).map(PathBuf::from).unwrap_or_else(|| {
+        let cache = std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache")
+            });
+        std::env::var_os("GEN_PEER_HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| cache.join("gen-peer"))
+            .join("llama-server-0.3.36/llama.cpp/build/bin")
+            .join(tool)
+    });
+    if bin.is_file() {
+        Some(bin)
+    } else {
+        eprintln!(
+            "bench: no peer: {} is missing (build it once with `.ci/llama-server {tool}`, or set {env})",
+            bin.display()
+        );
+        None
+    }
+}

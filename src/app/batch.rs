@@ -155,6 +155,7 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
             &stats,
             loaded.model.kv_bytes_per_token() * BLOCK_SIZE,
         )
+        .with_load_times(session.load_times)
         .with_constraints(&masks)
         .with_speculation(cfg.speculate.map(|(_, k)| k), &stats);
         let mut err = std::io::stderr().lock();

@@ -342,7 +342,8 @@ impl Chat {
                         self.session.load_s,
                         gen,
                         (!self.params.is_greedy()).then_some(self.params.seed),
-                    );
+                    )
+                    .with_load_times(self.session.load_times);
                     report.write_human(&mut std::io::stderr().lock())?;
                 }
                 None => self.note("no reply yet"),

@@ -42,6 +42,7 @@ pub(crate) struct Session {
     pub device: Device,
     pub device_name: String,
     pub load_s: f64,
+    pub load_times: model::LoadTimes,
     pub path: std::path::PathBuf,
     /// The context window in use: the model's, or --ctx-size if smaller.
     pub context_len: usize,
@@ -96,6 +97,7 @@ impl Session {
         let context_len = cfg.ctx_size.map_or(model_ctx, |c| c.min(model_ctx));
         loaded.model.set_context_window(context_len);
         Ok(Some(Self {
+            load_times: loaded.times,
             loaded,
             device,
             device_name,
@@ -306,6 +308,7 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
             &gen,
             seed,
         )
+        .with_load_times(session.load_times)
         .with_constraint(sampler.constraint())
         .with_prompt_cache(cache.as_ref().map(|c| c.load_time));
         let mut err = std::io::stderr().lock();

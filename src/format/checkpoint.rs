@@ -60,8 +60,13 @@ enum Store {
         // Reading a tensor seeks: interior mutability lets `tensor` take `&self`, so a model
         // constructor can hold a tensor-reading closure and still ask `has_tensor`.
         file: RefCell<File>,
+        /// The file mapped into memory (None where it could not be): matrices for gen's CPU
+        /// kernels are repacked from it ([`Checkpoint::matrix_bytes`]).
+        map: Option<super::mapped::Mapped>,
+        /// Every tensor's ggml type number.
+        types: HashMap<String, u32>,
         /// Tensors of a type candle cannot read (name -> ggml type): gen reads their bytes
-        /// itself ([`Checkpoint::own_matrix`]).
+        /// itself ([`Checkpoint::matrix_bytes`]).
         own: HashMap<String, u32>,
     },
     Safetensors(Safetensors),
@@ -78,8 +83,16 @@ struct Safetensors {
     family: &'static str,
 }
 
-/// A matrix gen reads itself: (ggml type, rows, columns, its GGUF blocks).
-pub type OwnMatrix = (u32, usize, usize, Vec<u8>);
+/// A matrix's GGUF blocks as the file holds them, for gen's own kernels to repack.
+pub struct RawMatrix<'a> {
+    pub ggml: u32,
+    pub rows: usize,
+    pub cols: usize,
+    /// Borrowed from the mapped file, or read into memory where it is not mapped.
+    pub bytes: std::borrow::Cow<'a, [u8]>,
+    /// Where the bytes are in the file.
+    at: std::ops::Range<usize>,
+}
 
 impl Checkpoint {
     /// Open a GGUF file: validate every count and size in it, then read its header.
@@ -109,6 +122,12 @@ impl Checkpoint {
             .into_iter()
             .map(|t| (t.name, t.ggml))
             .collect();
+        let types = summary
+            .tensor_bytes
+            .into_iter()
+            .map(|(name, ggml, _)| (name, ggml))
+            .collect();
+        let map = super::mapped::Mapped::new(&file);
         let arch = content
             .metadata
             .get("general.architecture")
@@ -127,6 +146,8 @@ impl Checkpoint {
             store: Store::Gguf {
                 content,
                 file: RefCell::new(file),
+                map,
+                types,
                 own,
             },
         })
@@ -205,37 +226,72 @@ impl Checkpoint {
         })
     }
 
-    /// A matrix of a type gen reads itself ([`OwnMatrix`]); None
-    /// for any other tensor (read those with [`Self::tensor`]).
-    pub fn own_matrix(&self, name: &str) -> Result<Option<OwnMatrix>> {
+    /// The blocks of matrix `name` as the file holds them, for any type whose size gen knows;
+    /// None for other tensors, other types, and checkpoint folders (read those with
+    /// [`Self::tensor`]).
+    pub fn matrix_bytes(&self, name: &str) -> Result<Option<RawMatrix<'_>>> {
         let Store::Gguf {
-            content, file, own, ..
+            content,
+            file,
+            map,
+            types,
+            own,
         } = &self.store
         else {
             return Ok(None);
         };
-        let Some(&ggml) = own.get(name) else {
+        let (Some(info), Some(&ggml)) = (content.tensor_infos.get(name), types.get(name)) else {
             return Ok(None);
         };
-        let info = &content.tensor_infos[name];
-        // candle's shape is reversed from GGUF's: (rows, columns) for a matrix.
+        // candle's shape is reversed from GGUF's: (rows, columns) for a matrix. A vector of
+        // a type candle cannot read is a matrix of one row (candle reads the others).
         let (rows, cols) = match info.shape.dims() {
-            [cols] => (1, *cols),
+            [cols] if own.contains_key(name) => (1, *cols),
             [rows, cols] => (*rows, *cols),
+            _ if !own.contains_key(name) => return Ok(None),
             d => bail!("{name} has shape {d:?}; a matrix was expected"),
         };
-        let q = crate::model::cpu::quants::QType::from_ggml(ggml)
-            .with_context(|| format!("{name}: no kernel for ggml type {ggml}"))?
-            .spec();
-        let bytes = rows * cols / (q.per_super * 32) * q.block_bytes;
-        let mut raw = vec![0u8; bytes];
-        let mut f = file.borrow_mut();
-        std::io::Seek::seek(
-            &mut *f,
-            std::io::SeekFrom::Start(content.tensor_data_offset + info.offset),
-        )?;
-        std::io::Read::read_exact(&mut *f, &mut raw).with_context(|| format!("reading {name}"))?;
-        Ok(Some((ggml, rows, cols, raw)))
+        let Some(len) = crate::model::cpu::matmul::CpuQWeight::file_bytes_of(ggml, rows, cols)
+        else {
+            return Ok(None);
+        };
+        // Inside the file: gguf::validate checked every tensor's offset and size.
+        let start = (content.tensor_data_offset + info.offset) as usize;
+        let at = start..start + len;
+        let bytes = match map {
+            Some(m) => std::borrow::Cow::Borrowed(m.bytes(at.clone())),
+            None => {
+                let mut raw = vec![0u8; len];
+                let mut f = file.borrow_mut();
+                std::io::Seek::seek(&mut *f, std::io::SeekFrom::Start(start as u64))?;
+                std::io::Read::read_exact(&mut *f, &mut raw)
+                    .with_context(|| format!("reading {name}"))?;
+                std::borrow::Cow::Owned(raw)
+            }
+        };
+        Ok(Some(RawMatrix {
+            ggml,
+            rows,
+            cols,
+            bytes,
+            at,
+        }))
+    }
+
+    /// Whether `name` is of a type candle cannot read, so gen's kernels must take it.
+    pub fn is_own_type(&self, name: &str) -> bool {
+        matches!(&self.store, Store::Gguf { own, .. } if own.contains_key(name))
+    }
+
+    /// Done with a matrix's bytes: its pages of the mapped file leave the process's memory.
+    pub fn release(&self, m: RawMatrix<'_>) {
+        if let (Store::Gguf { map: Some(map), .. }, std::borrow::Cow::Borrowed(_)) =
+            (&self.store, &m.bytes)
+        {
+            let at = m.at.clone();
+            drop(m);
+            map.release(at);
+        }
     }
 
     /// Whether the checkpoint holds a tensor of this GGUF name.
@@ -275,14 +331,17 @@ impl Checkpoint {
 
     /// The tensor of this GGUF name, on `device`. A tensor of a type candle cannot hold
     /// (IQ4_NL, IQ4_XS) comes widened to f32: matrices of those types are read with
-    /// [`Self::own_matrix`] instead, so this serves an embedding or a norm in such a type.
+    /// [`Self::matrix_bytes`] instead, so this serves an embedding or a norm in such a type.
     pub fn tensor(&self, name: &str, device: &Device) -> Result<QTensor> {
         match &self.store {
             Store::Gguf { own, .. } if own.contains_key(name) => {
                 use crate::model::cpu::quants::{QType, Tiles};
-                let (ggml, rows, cols, raw) = self.own_matrix(name)?.expect("an own type");
-                let ty = QType::from_ggml(ggml).expect("own types have kernels");
-                let tiles = Tiles::from_gguf(ty, &raw, rows, cols);
+                let m = self
+                    .matrix_bytes(name)?
+                    .with_context(|| format!("{name}: not a whole number of blocks"))?;
+                let (rows, cols) = (m.rows, m.cols);
+                let ty = QType::from_ggml(m.ggml).expect("own types have kernels");
+                let tiles = Tiles::from_gguf(ty, &m.bytes, rows, cols);
                 let mut values = vec![0f32; rows * cols];
                 for (r, row) in values.chunks_exact_mut(cols).enumerate() {
                     tiles.dequantize_row(r, row);

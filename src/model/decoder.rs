@@ -53,6 +53,8 @@ struct KernelPaths {
     /// empty when every product takes the instruction set's path.
     summary: String,
     notes: Vec<String>,
+    /// Time taken choosing them: reading the kept choices, or measuring them.
+    seconds: f64,
 }
 
 impl KernelPaths {
@@ -80,7 +82,11 @@ impl KernelPaths {
                 file.display()
             ));
         }
-        Self { summary, notes }
+        Self {
+            summary,
+            notes,
+            seconds: 0.0,
+        }
     }
 }
 
@@ -100,8 +106,12 @@ impl Decoder {
         };
         let mut weights = Weights::load(ckpt, &cfg, device, kind)?;
         let kernels = if host_kernels {
+            let started = std::time::Instant::now();
             let chosen = super::cpu::choice::choose(&mut weights.cpu_matrices_mut());
-            KernelPaths::of(&mut weights, chosen)
+            KernelPaths {
+                seconds: started.elapsed().as_secs_f64(),
+                ..KernelPaths::of(&mut weights, chosen)
+            }
         } else {
             KernelPaths::default()
         };
@@ -198,6 +208,13 @@ impl LanguageModel for Decoder {
 
     fn load_notes(&self) -> Vec<String> {
         self.kernels.notes.clone()
+    }
+
+    fn load_times(&self) -> super::LoadTimes {
+        super::LoadTimes {
+            kernels_s: self.kernels.seconds,
+            ..self.weights.times
+        }
     }
 
     fn kv_layout(&self) -> String {

@@ -173,6 +173,11 @@ pub trait LanguageModel {
         Vec::new()
     }
 
+    /// Where loading the weights went (the tokenizer's share is the loader's).
+    fn load_times(&self) -> LoadTimes {
+        LoadTimes::default()
+    }
+
     /// The keys and values of cache `blocks`, as bytes (kv_layout says how).
     fn read_kv_blocks(&self, _blocks: &[u32]) -> anyhow::Result<Vec<u8>> {
         anyhow::bail!("this model cannot save its KV cache")
@@ -228,12 +233,29 @@ pub fn check_batch(
 }
 
 /// A model file, loaded: the network, its tokenizer and its chat template.
+/// Where a model's load time went, in seconds (the report's model line, `--stats json`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct LoadTimes {
+    /// Reading tensors into memory: the small ones, every one for a device, and matrices
+    /// where the file could not be mapped. (Gen's CPU kernels repack matrices straight from
+    /// the mapped file: their pages come in as they are repacked, within `repack_s`.)
+    pub read_s: f64,
+    /// Making the weights ready to compute with: repacked into gen's tiles on the CPU,
+    /// widened or uploaded for a device.
+    pub repack_s: f64,
+    /// Measuring this CPU's kernel paths (the first load of a weight type on a CPU only).
+    pub kernels_s: f64,
+    /// Building the tokenizer (from a GGUF file: alongside the weights, on a thread of its own).
+    pub tokenizer_s: f64,
+}
+
 pub struct Loaded {
     pub model: Box<dyn LanguageModel>,
     pub tokenizer: crate::tokenizer::Tokenizer,
     pub chat_template: Option<crate::chat::ChatTemplate>,
     /// Whether the model expects a BOS token before a raw prompt.
     pub add_bos: bool,
+    pub times: LoadTimes,
 }
 
 /// Load a model onto `device`: a GGUF file, or a Hugging Face checkpoint folder (one with a
@@ -298,11 +320,28 @@ pub fn load_gguf(
             supported.join(", ")
         );
     }
-    let model = build_model(&ckpt, device).with_context(|| format!("loading {shown}"))?;
-    let tokenizer = match tokenizer_json {
-        Some(p) => crate::tokenizer::Tokenizer::from_file(p)?,
-        None => crate::tokenizer::Tokenizer::from_gguf_metadata(md)
-            .with_context(|| format!("{shown}: building the tokenizer from its metadata"))?,
+    // The tokenizer is built on a thread of its own while the weights load (a large
+    // vocabulary takes a second or more); the model's error, if any, is said first.
+    let (model, tokenizer, tokenizer_s) = std::thread::scope(|s| {
+        let building = s.spawn(|| {
+            let started = std::time::Instant::now();
+            let tokenizer = match tokenizer_json {
+                Some(p) => crate::tokenizer::Tokenizer::from_file(p),
+                None => crate::tokenizer::Tokenizer::from_gguf_metadata(md)
+                    .with_context(|| format!("{shown}: building the tokenizer from its metadata")),
+            };
+            (tokenizer, started.elapsed().as_secs_f64())
+        });
+        let model = build_model(&ckpt, device).with_context(|| format!("loading {shown}"));
+        let (tokenizer, seconds) = building
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        (model, tokenizer, seconds)
+    });
+    let (model, tokenizer) = (model?, tokenizer?);
+    let times = LoadTimes {
+        tokenizer_s,
+        ..model.load_times()
     };
     let add_bos = match tokenizer_json {
         // The file's add_bos_token or, without it, what llama.cpp assumes for the vocabulary
@@ -332,6 +371,7 @@ pub fn load_gguf(
         tokenizer,
         chat_template,
         add_bos,
+        times,
     })
 }
 
@@ -351,12 +391,17 @@ fn load_hf_dir(
     let shown = dir.display();
     let ckpt = checkpoint::Checkpoint::open_hf_dir(dir, dtype)?;
     let model = build_model(&ckpt, device).with_context(|| format!("loading {shown}"))?;
+    let tokenizer_start = std::time::Instant::now();
     let tokenizer_path = tokenizer_json
         .map(std::path::Path::to_path_buf)
         .unwrap_or_else(|| dir.join(TOKENIZER_FILE));
     let tokenizer = crate::tokenizer::Tokenizer::from_file(&tokenizer_path)?
         .with_eos_ids(&ckpt.eos_token_ids)
         .with_context(|| format!("{shown}/config.json: eos_token_id"))?;
+    let times = LoadTimes {
+        tokenizer_s: tokenizer_start.elapsed().as_secs_f64(),
+        ..model.load_times()
+    };
     let config_path = dir.join(TOKENIZER_CONFIG_FILE);
     let tok_cfg = match std::fs::read_to_string(&config_path) {
         Ok(text) => {
@@ -398,5 +443,6 @@ fn load_hf_dir(
         chat_template,
         // The tokenizer decided from add_bos_token or its post-processor; `encode` asks it.
         add_bos: true,
+        times,
     })
 }

@@ -4,7 +4,7 @@
 //! tensor of the file is accounted for: used, ignored where llama.cpp ignores it, or the file
 //! is refused naming it. Both backends read the result; neither owns it.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::BTreeSet;
 
 use anyhow::{bail, Context, Result};
@@ -92,6 +92,9 @@ pub struct Weights {
     pub rope_long: Option<Vec<f32>>,
     pub rope_short: Option<Vec<f32>>,
     pub vocab_size: usize,
+    /// Where loading them went: reading the file, and the rest (repacking into gen's tiles,
+    /// or widening for a device).
+    pub times: super::LoadTimes,
 }
 
 /// Where token embeddings come from.
@@ -111,6 +114,8 @@ struct Reader<'a> {
     device: &'a Device,
     kind: DeviceWeights,
     read: RefCell<BTreeSet<String>>,
+    /// Time spent reading tensors from the file.
+    reading: Cell<std::time::Duration>,
 }
 
 impl Reader<'_> {
@@ -120,9 +125,16 @@ impl Reader<'_> {
 
     fn tensor(&self, n: &str) -> Result<QTensor> {
         self.read.borrow_mut().insert(n.to_string());
-        self.ckpt
-            .tensor(n, self.device)
+        self.timed(|| self.ckpt.tensor(n, self.device))
             .with_context(|| format!("reading tensor {n}"))
+    }
+
+    /// `f`, a read from the file, with its time added to `reading`.
+    fn timed<T>(&self, f: impl FnOnce() -> T) -> T {
+        let t0 = std::time::Instant::now();
+        let out = f();
+        self.reading.set(self.reading.get() + t0.elapsed());
+        out
     }
 
     /// A norm's weight or a bias: `len` values, widened.
@@ -193,20 +205,32 @@ impl Reader<'_> {
 
     /// The matrix `n` of `rows` (any, if None) by `cols`, and its row count.
     fn matrix(&self, n: &str, rows: Option<usize>, cols: usize) -> Result<(QLinear, usize)> {
-        // A type gen reads itself (IQ4_NL, IQ4_XS): its blocks straight to our kernels on the
-        // CPU; widened elsewhere.
+        // On the CPU, gen's kernels repack the file's blocks straight from the mapped file
+        // (a type candle cannot read, IQ4_NL or IQ4_XS, must take this way); a type they do
+        // not run goes through candle below.
         if self.device.is_cpu() && self.kind == DeviceWeights::Quantized {
-            if let Some((ggml, r, c, raw)) = self.ckpt.own_matrix(n)? {
-                self.read.borrow_mut().insert(n.to_string());
-                if rows.is_some_and(|want| want != r) || c != cols {
+            if let Some(m) = self.timed(|| self.ckpt.matrix_bytes(n))? {
+                let own = self.ckpt.is_own_type(n);
+                let (r, c) = (m.rows, m.cols);
+                let fits = rows.is_none_or(|want| want == r) && c == cols;
+                if !fits && own {
                     bail!(
                         "{n} has shape [{r}, {c}], expected [{}, {cols}]",
                         rows.map_or("_".into(), |r| r.to_string())
                     );
                 }
-                let w = CpuQWeight::from_raw(ggml, &raw, r, c, Kernel::detect())?
-                    .with_context(|| format!("{n}: no kernel for its type"))?;
-                return Ok((QLinear::Cpu(w), r));
+                // Misshapen otherwise: candle's reading below says how.
+                if fits {
+                    match CpuQWeight::from_raw(m.ggml, &m.bytes, r, c, Kernel::detect())? {
+                        Some(w) => {
+                            self.read.borrow_mut().insert(n.to_string());
+                            self.ckpt.release(m);
+                            return Ok((QLinear::Cpu(w), r));
+                        }
+                        None if own => bail!("{n}: no kernel for its type"),
+                        None => {}
+                    }
+                }
             }
         }
         let q = self.tensor(n)?;
@@ -253,11 +277,13 @@ impl Weights {
         device: &Device,
         kind: DeviceWeights,
     ) -> Result<Self> {
+        let started = std::time::Instant::now();
         let r = Reader {
             ckpt,
             device,
             kind,
             read: RefCell::new(BTreeSet::new()),
+            reading: Cell::new(std::time::Duration::ZERO),
         };
         let rules = &cfg.tensors;
         let tied = match rules.output {
@@ -334,6 +360,11 @@ impl Weights {
             rope_long,
             rope_short,
             vocab_size,
+            times: super::LoadTimes {
+                read_s: r.reading.get().as_secs_f64(),
+                repack_s: (started.elapsed() - r.reading.get()).as_secs_f64(),
+                ..Default::default()
+            },
         };
         check_all_read(ckpt, cfg, &r.read.borrow())?;
         Ok(w)

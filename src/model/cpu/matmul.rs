@@ -178,42 +178,54 @@ struct Tile<'a> {
 }
 
 impl Tiles {
-    fn from_rows(b: &Blocks, ty: WeightType, rows: usize) -> Self {
-        let nb = b.row_blocks;
+    /// `rows` rows of `nb` GGUF blocks each (f16 d, [f16 m,] quants), straight into tiles, the
+    /// scales' bits as the file has them. Row groups are repacked in parallel.
+    fn from_gguf(raw: &[u8], ty: WeightType, rows: usize, nb: usize) -> Self {
+        use rayon::prelude::*;
+        let q4_1 = ty == WeightType::Q4_1;
+        let (block_bytes, header, per_block) = match q4_1 {
+            true => (Q4_1_BYTES, 4, 128),
+            false => (Q8_0_BYTES, 2, 256),
+        };
         let groups = rows.div_ceil(8);
-        let per_block = if ty == WeightType::Q4_1 { 128 } else { 256 };
         let mut t = Tiles {
             qs: vec![0; groups * nb * per_block],
             d: vec![0; groups * nb * 8],
-            m: vec![
-                0;
-                if ty == WeightType::Q4_1 {
-                    groups * nb * 8
-                } else {
-                    0
-                }
-            ],
+            m: vec![0; if q4_1 { groups * nb * 8 } else { 0 }],
             groups,
             nb,
             per_block,
         };
-        for row in 0..rows {
-            let (g, r) = (row / 8, row % 8);
-            let src = b.row(row);
-            for blk in 0..nb {
-                let at = (g * nb + blk) * 8 + r;
-                // Exact: the scales were f16 in the file.
-                t.d[at] = f16::from_f32(src.scale[blk]).to_bits();
-                if ty == WeightType::Q4_1 {
-                    t.m[at] = f16::from_f32(src.offset[blk]).to_bits();
+        let block = |row: usize, blk: usize| &raw[(row * nb + blk) * block_bytes..][..block_bytes];
+        let bits = |b: &[u8], at: usize| u16::from_le_bytes([b[at], b[at + 1]]);
+        let real = |g: usize| 8.min(rows - g * 8);
+        t.qs.par_chunks_mut(nb * per_block)
+            .zip(t.d.par_chunks_mut(nb * 8))
+            .enumerate()
+            .for_each(|(g, (qs, d))| {
+                // Block by block, so each tile block is written whole before the next.
+                for (blk, (qs, d)) in qs
+                    .chunks_exact_mut(per_block)
+                    .zip(d.chunks_exact_mut(8))
+                    .enumerate()
+                {
+                    for r in 0..real(g) {
+                        let b = block(g * 8 + r, blk);
+                        d[r] = bits(b, 0);
+                        for (c, q) in b[header..].chunks_exact(4).enumerate() {
+                            qs[c * 32 + r * 4..c * 32 + r * 4 + 4].copy_from_slice(q);
+                        }
+                    }
                 }
-                let q = &src.qs[blk * b.per_block..(blk + 1) * b.per_block];
-                let dst = (g * nb + blk) * per_block;
-                for c in 0..per_block / 32 {
-                    let to = dst + c * 32 + r * 4;
-                    t.qs[to..to + 4].copy_from_slice(&q[c * 4..c * 4 + 4]);
+            });
+        if q4_1 {
+            t.m.par_chunks_mut(nb * 8).enumerate().for_each(|(g, m)| {
+                for r in 0..real(g) {
+                    for blk in 0..nb {
+                        m[blk * 8 + r] = bits(block(g * 8 + r, blk), 2);
+                    }
                 }
-            }
+            });
         }
         t
     }
@@ -1025,11 +1037,10 @@ impl CpuQWeight {
             WeightType::Quant(q) => Layout::Quant(quants::Tiles::from_gguf(q, raw, rows, cols)),
             WeightType::Half(h) => Layout::Half(HalfTiles::from_raw(h, raw, rows, cols)),
             _ => {
-                let blocks = Blocks::from_gguf(raw, ty, cols / QK);
                 if kernel == Kernel::Scalar {
-                    Layout::Rows(blocks)
+                    Layout::Rows(Blocks::from_gguf(raw, ty, cols / QK))
                 } else {
-                    Layout::Tiles(Tiles::from_rows(&blocks, ty, rows))
+                    Layout::Tiles(Tiles::from_gguf(raw, ty, rows, cols / QK))
                 }
             }
         };

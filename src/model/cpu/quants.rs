@@ -475,6 +475,7 @@ fn q3k_scales(s: &[u8]) -> [i8; 16] {
 
 /// A super-block of `ty` (its GGUF bytes) into `per_super` canonical blocks; returns the f16
 /// bits of d and of the minimum's scale (dmin, Q5_1's m; 0 where the type has none).
+#[inline(always)]
 fn decode(ty: QType, raw: &[u8], out: &mut [Canon]) -> (u16, u16) {
     let nib = |qs: &[u8], v: &mut [u8; QK]| {
         for j in 0..16 {
@@ -610,31 +611,30 @@ impl Tiles {
         let groups = rows.div_ceil(8);
         let group_bytes = nsb * spec.sb_bytes();
         let mut buf = vec![0u8; groups * group_bytes];
+        // One copy of the repacking per type, every branch on the type folded away.
+        let group: fn(&[u8], usize, usize, &mut [u8]) = match ty {
+            QType::Q4_0 => repack_group::<0>,
+            QType::Q5_0 => repack_group::<1>,
+            QType::Q5_1 => repack_group::<2>,
+            QType::Q2K => repack_group::<3>,
+            QType::Q3K => repack_group::<4>,
+            QType::Q4K => repack_group::<5>,
+            QType::Q5K => repack_group::<6>,
+            QType::Q6K => repack_group::<7>,
+            QType::Iq4Nl => repack_group::<8>,
+            QType::Iq4Xs => repack_group::<9>,
+        };
         let row_bytes = nsb * spec.block_bytes;
         buf.par_chunks_mut(group_bytes)
             .enumerate()
             .for_each(|(g, out)| {
-                let mut canon = vec![Canon::default(); spec.per_super];
-                for r in 0..8.min(rows - g * 8) {
-                    let row = g * 8 + r;
-                    let src = &raw[row * row_bytes..(row + 1) * row_bytes];
-                    for s in 0..nsb {
-                        let sb = &src[s * spec.block_bytes..(s + 1) * spec.block_bytes];
-                        let (d, dm) = decode(ty, sb, &mut canon);
-                        let h = s * spec.sb_bytes();
-                        out[h + 2 * r..h + 2 * r + 2].copy_from_slice(&d.to_le_bytes());
-                        if spec.has_dm() {
-                            out[h + 16 + 2 * r..h + 18 + 2 * r].copy_from_slice(&dm.to_le_bytes());
-                        }
-                        if spec.biased() {
-                            let corr = super_corr(spec, d, &canon).to_le_bytes();
-                            out[h + 16 + 4 * r..h + 20 + 4 * r].copy_from_slice(&corr);
-                        }
-                        for (i, c) in canon.iter().enumerate() {
-                            put(spec, out, s * spec.per_super + i, r, c);
-                        }
-                    }
-                }
+                let real = 8.min(rows - g * 8);
+                group(
+                    &raw[g * 8 * row_bytes..(g * 8 + real) * row_bytes],
+                    real,
+                    nsb,
+                    out,
+                )
             });
         Tiles {
             ty,
@@ -679,10 +679,40 @@ impl Tiles {
     }
 }
 
+/// One group of rows (`real` of them, 8 but for the last group; `src`: their GGUF bytes, row
+/// after row, `nsb` super-blocks each) into its tile `out`, for type number `TY`.
+fn repack_group<const TY: u8>(src: &[u8], real: usize, nsb: usize, out: &mut [u8]) {
+    let spec = spec_of(TY);
+    let ty = QType::ALL[TY as usize];
+    let mut canon = [Canon::default(); 8];
+    let canon = &mut canon[..spec.per_super];
+    let row_bytes = nsb * spec.block_bytes;
+    for r in 0..real {
+        let row = &src[r * row_bytes..(r + 1) * row_bytes];
+        for s in 0..nsb {
+            let sb = &row[s * spec.block_bytes..(s + 1) * spec.block_bytes];
+            let (d, dm) = decode(ty, sb, canon);
+            let h = s * spec.sb_bytes();
+            out[h + 2 * r..h + 2 * r + 2].copy_from_slice(&d.to_le_bytes());
+            if spec.has_dm() {
+                out[h + 16 + 2 * r..h + 18 + 2 * r].copy_from_slice(&dm.to_le_bytes());
+            }
+            if spec.biased() {
+                let corr = super_corr(spec, d, canon).to_le_bytes();
+                out[h + 16 + 4 * r..h + 20 + 4 * r].copy_from_slice(&corr);
+            }
+            for (i, c) in canon.iter().enumerate() {
+                put(spec, out, s * spec.per_super + i, r, c);
+            }
+        }
+    }
+}
+
 /// What biasing the activations by 128 adds to one row's sums over a super-block of a
 /// `biased` type, in the units of the activation scale: d * (128 * sum over its blocks (or
 /// halves) of sub-scale * sum of the signed codes), rounded to f32 once. Every VNNI kernel
 /// subtracts it from the super-block's scaled sums before the activation scale.
+#[inline(always)]
 fn super_corr(spec: Spec, d: u16, canon: &[Canon]) -> f32 {
     let parts = if spec.halves { 2 } else { 1 };
     let per = QK / parts;
@@ -703,6 +733,7 @@ fn super_corr(spec: Spec, d: u16, canon: &[Canon]) -> f32 {
 }
 
 /// Block b of row r of a group (`out`: the group's bytes) into its planes and scale bytes.
+#[inline(always)]
 fn put(spec: Spec, out: &mut [u8], b: usize, r: usize, c: &Canon) {
     let at = spec.block_at(b);
     let pb = spec.plane_bytes();
