@@ -56,10 +56,21 @@ fn two_paths() -> bool {
 
 #[test]
 fn paths_are_measured_once_kept_and_give_the_same_text() {
-    let dir =
-        Scratch(std::env::temp_dir().join(format!("gen-kernel-choice-{}", std::process::id())));
+    // A measurement shared with other work is not kept (the first run says so): try again
+    // on a fresh cache, a few times, for one the machine had to itself.
+    let mut tries = 0;
+    let (dir, first, err1) = loop {
+        tries += 1;
+        let dir = Scratch(
+            std::env::temp_dir().join(format!("gen-kernel-choice-{}-{tries}", std::process::id())),
+        );
+        let (first, err1) = run(&dir.0, None);
+        if !err1.contains("the CPU was busy") || tries == 3 {
+            break (dir, first, err1);
+        }
+        assert!(kept_files(&dir.0).is_empty(), "a busy measurement kept");
+    };
     let cache = &dir.0;
-    let (first, err1) = run(cache, None);
     let (second, err2) = run(cache, None);
     assert_eq!(first, second, "the same seed, the same text");
     assert!(!err2.contains("measured this CPU's kernel paths"), "{err2}");

@@ -5,10 +5,12 @@
 //! of its instruction set: an Intel Ice Lake runs 512-bit operations on two full-width units
 //! and the 512-bit kernels win there, while an AMD Zen 4 executes them as two 256-bit halves and
 //! decoded a k256 Q4_K_M file 1.2-1.4x faster on the AVX2 path. So the first time gen loads a
-//! model on a CPU, it times both paths on that model's own matrices, for each weight type and
-//! each kind of call ([`Call`]: one token, a few, a prefill chunk), picks the faster, and keeps
-//! the choice in a file under gen's cache folder named by the CPU's identity and thread count.
-//! Later runs read it and measure only types not seen before.
+//! weight type on a CPU, it times both paths on the same work on every machine ([`workload`]:
+//! matrices of that type in a Llama 3.2 1B layer's shapes), for each kind of call ([`Call`]:
+//! one token, a few, a prefill chunk), picks the faster, and keeps the choice in a file under
+//! gen's cache folder named by the CPU's identity and thread count. Later runs read it and
+//! measure only types not seen before. A measurement during which other processes took the
+//! cores from gen's threads ([`busy`]) is not kept: that run takes the 512-bit path.
 //!
 //! The choice is kept, never re-measured, because the paths round differently in the last bits
 //! (their float sums run in another order): a machine that changed its mind between runs would
@@ -96,6 +98,7 @@ pub fn choose(ws: &mut [&mut CpuQWeight]) -> Chosen {
             return done;
         }
         let t0 = Instant::now();
+        let switches = involuntary_switches();
         let mut fresh = Kept::default();
         for ty in &missing {
             let Some(ggml) = ws
@@ -117,6 +120,18 @@ pub fn choose(ws: &mut [&mut CpuQWeight]) -> Chosen {
         }
         done.seconds = t0.elapsed().as_secs_f64();
         done.measured = missing;
+        let preempted = involuntary_switches() - switches;
+        if busy(preempted, done.seconds) {
+            // Other work shared the cores: the timings say more about it than about the
+            // paths, and a choice is kept for good. This run takes the rule by instruction
+            // set, as it would without a cache; a later run measures again.
+            done.warning = Some(format!(
+                "the CPU was busy while gen measured its kernel paths ({preempted} preemptions \
+                 in {:.2} s): the 512-bit path is used and nothing is kept; a later run measures again",
+                done.seconds
+            ));
+            return done;
+        }
         match fresh.merge_into(&file) {
             Ok(all) => kept = all,
             Err(why) => {
@@ -135,6 +150,26 @@ pub fn choose(ws: &mut [&mut CpuQWeight]) -> Chosen {
     }
     done.file = Some(file);
     done
+}
+
+/// Whether `preempted` involuntary switches in `seconds` of measuring mean other work shared
+/// the cores. Measured on a 2-core AMD EPYC Zen 5: idle, 2-23 in 0.2 s (up to ~115 a second,
+/// the kernel's own threads); beside one or two busy processes, 129-145 in 0.3 s (~400 a
+/// second). The line lies between, and below 20 nothing counts.
+fn busy(preempted: i64, seconds: f64) -> bool {
+    preempted > 20 && preempted as f64 > 250.0 * seconds
+}
+
+/// Times this process's threads were taken off a core for another process (not waiting on
+/// their own): how busy the machine was while they ran.
+fn involuntary_switches() -> i64 {
+    // SAFETY: an all-zero rusage is valid, and getrusage fills it.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: RUSAGE_SELF with a valid pointer.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return 0;
+    }
+    u.ru_nivcsw as i64
 }
 
 /// Matrices of ggml type `ggml` in the shapes of a Llama 3.2 1B layer (2048 wide: q and o
@@ -405,6 +440,18 @@ fn cpu_name() -> String {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_measurement_shared_with_other_work_is_not_taken_for_the_cpus() {
+        // Figures from the 2-core Zen 5 the line was drawn on: idle, then beside busy work.
+        for (n, secs) in [(2, 0.225), (6, 0.197), (23, 0.199), (0, 0.0), (15, 0.01)] {
+            assert!(!busy(n, secs), "{n} in {secs} s");
+        }
+        for (n, secs) in [(140, 0.311), (139, 0.298), (129, 0.359), (60, 0.1)] {
+            assert!(busy(n, secs), "{n} in {secs} s");
+        }
+    }
+
     use super::*;
 
     #[test]
