@@ -1,7 +1,10 @@
 //! Start-up: gen's whole process for one token against llama.cpp's llama-completion on the
 //! same file, the page cache warm, alternating run by run: wall time from start to exit, peak
 //! resident memory, and where gen's load went (reading the file, repacking the weights into its
-//! tiles, measuring kernel paths, the tokenizer), from its `--stats json` report.
+//! tiles, measuring kernel paths, the tokenizer), from its `--stats json` report. gen runs
+//! twice a round: with its tile cache (written by the untimed first round, mapped after) and
+//! with `GEN_TILE_CACHE=off` (every weight repacked), in a scratch cache folder of its own;
+//! the first round's time, which writes the cache, is shown too.
 //!
 //!     .ci/llama-server llama-completion     # once, the peer
 //!     cargo bench --bench startup
@@ -106,27 +109,37 @@ fn main() {
             .map_or("no peer".into(), |p| p.display().to_string())
     );
     println!();
-    println!("| file | MB | seconds llama.cpp / gen / ratio | peak RSS MB llama.cpp / gen / gen per file MB | gen's load: reading / repacking / kernels / tokenizer s |");
-    println!("|---|---|---|---|---|");
+    println!("| file | MB | seconds llama.cpp / gen / ratio | gen repacking: seconds / ratio | gen's first run (writes the cache) s | peak RSS MB llama.cpp / gen / gen per file MB | gen repacking: RSS per file MB | gen repacking's load: reading / repacking / kernels / tokenizer s |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let xdg = std::env::temp_dir().join(format!("gen-bench-startup-xdg-{}", std::process::id()));
+    let gen_run = |file: &Path, tiles: &str| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_gen"));
+        c.env("XDG_CACHE_HOME", &xdg)
+            .env("GEN_TILE_CACHE", tiles)
+            .arg("--model")
+            .arg(file)
+            .args(["--prompt", "Hello", "--max-new", "1", "--temperature", "0"])
+            .args(["--stats", "json", "--threads", &t]);
+        c
+    };
     for file in files() {
         warm(&file);
         let mb = std::fs::metadata(&file).map_or(0.0, |m| m.len() as f64 / 1e6);
-        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        let (mut ours, mut repack, mut theirs): (Vec<Run>, Vec<Run>, Vec<Run>) =
+            (Vec::new(), Vec::new(), Vec::new());
+        let mut first = 0.0;
         // One untimed round first: the first load of a weight type on a CPU measures gen's
-        // kernel paths (kept for every later run), which is not start-up as users see it.
+        // kernel paths (kept for every later run), and the first load of a file writes its
+        // tile cache, which is not start-up as users see it (its time is shown apart).
         for round in 0..=runs {
             if round == 1 {
+                first = ours[0].seconds;
                 ours.clear();
+                repack.clear();
                 theirs.clear();
             }
-            ours.push(run(
-                Command::new(env!("CARGO_BIN_EXE_gen"))
-                    .arg("--model")
-                    .arg(&file)
-                    .args(["--prompt", "Hello", "--max-new", "1", "--temperature", "0"])
-                    .args(["--stats", "json", "--threads", &t]),
-                &scratch,
-            ));
+            ours.push(run(&mut gen_run(&file, "on"), &scratch));
+            repack.push(run(&mut gen_run(&file, "off"), &scratch));
             if let Some(bin) = &peer {
                 theirs.push(run(
                     Command::new(bin)
@@ -141,19 +154,22 @@ fn main() {
         let rss = |v: &[Run]| median(v.iter().map(|r| r.peak_rss as f64 / 1e6).collect());
         let part = |key: &str| {
             median(
-                ours.iter()
+                repack
+                    .iter()
                     .filter_map(|r| common::last_json(&r.stderr)?["load"][key].as_f64())
                     .collect(),
             )
         };
-        let (g, l) = (secs(&ours), secs(&theirs));
+        let (g, r, l) = (secs(&ours), secs(&repack), secs(&theirs));
         println!(
-            "| {} | {mb:.0} | {l:.2} / {g:.2} / {:.2}x | {:.0} / {:.0} / {:.2} | {:.2} / {:.2} / {:.2} / {:.2} |",
+            "| {} | {mb:.0} | {l:.2} / {g:.2} / {:.2}x | {r:.2} / {:.2}x | {first:.2} | {:.0} / {:.0} / {:.2} | {:.2} | {:.2} / {:.2} / {:.2} / {:.2} |",
             file.file_name().unwrap_or_default().to_string_lossy(),
             g / l,
+            r / l,
             rss(&theirs),
             rss(&ours),
             rss(&ours) / mb,
+            rss(&repack) / mb,
             part("read_s"),
             part("repack_s"),
             part("kernels_s"),
@@ -161,4 +177,5 @@ fn main() {
         );
     }
     std::fs::remove_file(&scratch).ok();
+    std::fs::remove_dir_all(&xdg).ok();
 }

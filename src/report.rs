@@ -418,9 +418,10 @@ fn write_model_line(
     writeln!(w)?;
     // The parts that took a centisecond or more (the tokenizer's alone, on a run that did
     // not measure them).
-    let parts: Vec<String> = [
+    let mut parts: Vec<String> = [
         (load.read_s, "reading"),
         (load.repack_s, "repacking"),
+        (load.tile_cache_write_s, "writing the tile cache"),
         (load.kernels_s, "measuring kernels"),
         (load.tokenizer_s, "tokenizer"),
     ]
@@ -428,6 +429,9 @@ fn write_model_line(
     .filter(|(s, _)| *s >= 0.005)
     .map(|(s, what)| format!("{what} {s:.2}"))
     .collect();
+    if load.tile_cache == "mapped" {
+        parts.insert(0, "weights mapped from the tile cache".into());
+    }
     let split = match parts.is_empty() {
         true => String::new(),
         false => format!(": {}", parts.join(", ")),

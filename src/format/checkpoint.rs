@@ -68,6 +68,10 @@ enum Store {
         /// Tensors of a type candle cannot read (name -> ggml type): gen reads their bytes
         /// itself ([`Checkpoint::matrix_bytes`]).
         own: HashMap<String, u32>,
+        /// What names this file's contents ([`Checkpoint::fingerprint`]).
+        fingerprint: [u8; 32],
+        /// The file, as opened.
+        path: PathBuf,
     },
     Safetensors(Safetensors),
 }
@@ -94,6 +98,42 @@ pub struct RawMatrix<'a> {
     at: std::ops::Range<usize>,
 }
 
+/// See [`Checkpoint::fingerprint`]. Without a mapping, the samples are read from the file.
+fn fingerprint(
+    file: &File,
+    header: &[u8],
+    map: Option<&super::mapped::Mapped>,
+    summary: &crate::format::gguf::GgufSummary,
+) -> Result<[u8; 32]> {
+    use sha2::{Digest, Sha256};
+    let meta = file.metadata()?;
+    let modified = meta
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    let mut h = Sha256::new();
+    h.update(b"gen gguf fingerprint\0");
+    h.update(meta.len().to_le_bytes());
+    h.update(modified.to_le_bytes());
+    h.update(header);
+    let mut sample = [0u8; 64];
+    for &(start, len) in &summary.tensor_spans {
+        let end = start + len;
+        for at in [start, end.saturating_sub(64).max(start)] {
+            let n = 64.min(end - at) as usize;
+            match map {
+                Some(m) => h.update(m.bytes(at as usize..at as usize + n)),
+                None => {
+                    std::os::unix::fs::FileExt::read_exact_at(file, &mut sample[..n], at)?;
+                    h.update(&sample[..n]);
+                }
+            }
+        }
+    }
+    Ok(h.finalize().into())
+}
+
 impl Checkpoint {
     /// Open a GGUF file: validate every count and size in it, then read its header.
     pub fn open_gguf(path: &Path) -> Result<Self> {
@@ -111,6 +151,8 @@ impl Checkpoint {
         std::io::Read::read_exact(&mut file, &mut header)
             .with_context(|| format!("reading the header of {shown}"))?;
         std::io::Seek::rewind(&mut file)?;
+        let map = super::mapped::Mapped::new(&file);
+        let fingerprint = fingerprint(&file, &header, map.as_ref(), &summary)?;
         for t in &summary.own_types {
             let at = t.type_pos as usize;
             header[at..at + 4].copy_from_slice(&0u32.to_le_bytes());
@@ -127,7 +169,6 @@ impl Checkpoint {
             .into_iter()
             .map(|(name, ggml, _)| (name, ggml))
             .collect();
-        let map = super::mapped::Mapped::new(&file);
         let arch = content
             .metadata
             .get("general.architecture")
@@ -149,8 +190,36 @@ impl Checkpoint {
                 map,
                 types,
                 own,
+                fingerprint,
+                path: path.to_path_buf(),
             },
         })
+    }
+
+    /// For a GGUF file: a SHA-256 of its size, modification time, header (metadata and tensor
+    /// index) and the first and last 64 bytes of every tensor's data, which names what gen
+    /// derives from the file (the tile cache). None for checkpoint folders.
+    pub fn fingerprint(&self) -> Option<[u8; 32]> {
+        match &self.store {
+            Store::Gguf { fingerprint, .. } => Some(*fingerprint),
+            Store::Safetensors(_) => None,
+        }
+    }
+
+    /// A GGUF file's path, as opened; None for checkpoint folders.
+    pub fn gguf_path(&self) -> Option<&Path> {
+        match &self.store {
+            Store::Gguf { path, .. } => Some(path),
+            Store::Safetensors(_) => None,
+        }
+    }
+
+    /// A GGUF file's size in bytes; None for checkpoint folders.
+    pub fn file_bytes(&self) -> Option<u64> {
+        match &self.store {
+            Store::Gguf { file, .. } => file.borrow().metadata().ok().map(|m| m.len()),
+            Store::Safetensors(_) => None,
+        }
     }
 
     /// Open a Hugging Face checkpoint folder: `config.json` and `model.safetensors`, or
@@ -236,6 +305,7 @@ impl Checkpoint {
             map,
             types,
             own,
+            ..
         } = &self.store
         else {
             return Ok(None);

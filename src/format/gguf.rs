@@ -50,6 +50,8 @@ pub struct GgufSummary {
     /// Every tensor's name, ggml type number ([`type_label`] names it) and size in bytes, in
     /// file order.
     pub tensor_bytes: Vec<(String, u32, u64)>,
+    /// Every tensor's data as (file offset, bytes), in file order.
+    pub tensor_spans: Vec<(u64, u64)>,
 }
 
 /// A tensor whose type candle cannot read: where its type field is in the header (so a copy
@@ -561,6 +563,10 @@ fn check(file: &mut File) -> Check<GgufSummary> {
         .iter()
         .map(|t| (t.name.clone(), t.ty, t.size))
         .collect();
+    let tensor_spans = tensors
+        .iter()
+        .map(|t| (data_offset + t.offset, t.size))
+        .collect();
     Ok(GgufSummary {
         version,
         tensor_count,
@@ -569,6 +575,7 @@ fn check(file: &mut File) -> Check<GgufSummary> {
         data_offset,
         own_types,
         tensor_bytes,
+        tensor_spans,
     })
 }
 

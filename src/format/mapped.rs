@@ -42,6 +42,16 @@ impl Mapped {
         (ptr != libc::MAP_FAILED).then_some(Self { ptr, len })
     }
 
+    /// The file's length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never true: an empty file is not mapped.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// The bytes in `range` (within the file: the caller checked it).
     pub fn bytes(&self, range: Range<usize>) -> &[u8] {
         assert!(range.start <= range.end && range.end <= self.len);

@@ -247,6 +247,14 @@ pub struct LoadTimes {
     pub kernels_s: f64,
     /// Building the tokenizer (from a GGUF file: alongside the weights, on a thread of its own).
     pub tokenizer_s: f64,
+    /// The tile cache ([`cpu::tile_cache`]): "off" (not used for this file or device),
+    /// "mapped" (the weights came from it), "written" (repacked, then written), or "missed"
+    /// (repacked; it could not be written).
+    pub tile_cache: &'static str,
+    /// The cache file's size in bytes, when mapped or written.
+    pub tile_cache_bytes: u64,
+    /// Writing it (within the load time), when written.
+    pub tile_cache_write_s: f64,
 }
 
 pub struct Loaded {

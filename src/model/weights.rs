@@ -13,6 +13,7 @@ use candle_core::{Device, Tensor};
 
 use super::config::{DecoderConfig, Need, NormRule, Output, QkNorm, RopeFactors};
 use super::cpu::matmul::{CpuQWeight, Kernel};
+use super::cpu::tile_cache::{self, TileCache};
 use super::qlinear::{DeviceWeights, Projections, QLinear};
 use crate::format::checkpoint::Checkpoint;
 
@@ -116,6 +117,8 @@ struct Reader<'a> {
     read: RefCell<BTreeSet<String>>,
     /// Time spent reading tensors from the file.
     reading: Cell<std::time::Duration>,
+    /// Matrices repacked by an earlier run, when there is a usable cache.
+    tiles: &'a TileCache,
 }
 
 impl Reader<'_> {
@@ -220,9 +223,14 @@ impl Reader<'_> {
                     );
                 }
                 // Misshapen otherwise: candle's reading below says how.
+                if let (true, Some(w)) = (fits, self.tiles.take(n, m.ggml, r, c)) {
+                    self.read.borrow_mut().insert(n.to_string());
+                    return Ok((QLinear::Cpu(w), r));
+                }
                 if fits {
                     match CpuQWeight::from_raw(m.ggml, &m.bytes, r, c, Kernel::detect())? {
-                        Some(w) => {
+                        Some(mut w) => {
+                            w.set_name(n);
                             self.read.borrow_mut().insert(n.to_string());
                             self.ckpt.release(m);
                             return Ok((QLinear::Cpu(w), r));
@@ -278,12 +286,17 @@ impl Weights {
         kind: DeviceWeights,
     ) -> Result<Self> {
         let started = std::time::Instant::now();
+        let tiles = match device.is_cpu() && kind == DeviceWeights::Quantized {
+            true => TileCache::open(ckpt, Kernel::detect()),
+            false => TileCache::Off,
+        };
         let r = Reader {
             ckpt,
             device,
             kind,
             read: RefCell::new(BTreeSet::new()),
-            reading: Cell::new(std::time::Duration::ZERO),
+            reading: Cell::new(started.elapsed()),
+            tiles: &tiles,
         };
         let rules = &cfg.tensors;
         let tied = match rules.output {
@@ -349,7 +362,7 @@ impl Weights {
                 r.values("rope_factors_short.weight", half)?,
             ),
         };
-        let w = Self {
+        let mut w = Self {
             embedding,
             layers,
             out_norm,
@@ -367,7 +380,53 @@ impl Weights {
             },
         };
         check_all_read(ckpt, cfg, &r.read.borrow())?;
+        let t = &mut w.times;
+        match &tiles {
+            TileCache::Off => t.tile_cache = "off",
+            TileCache::Hit(hit) => {
+                (t.tile_cache, t.tile_cache_bytes) = ("mapped", hit.bytes as u64)
+            }
+            TileCache::Miss { path, id } => {
+                let t0 = std::time::Instant::now();
+                let written = tile_cache::write(path, id, &w.cpu_matrices());
+                let t = &mut w.times;
+                t.tile_cache_write_s = t0.elapsed().as_secs_f64();
+                (t.tile_cache, t.tile_cache_bytes) = match written {
+                    Ok(0) => ("missed", 0),
+                    Ok(bytes) => ("written", bytes),
+                    Err(e) => {
+                        eprintln!("warning: {e:#}");
+                        ("missed", 0)
+                    }
+                };
+            }
+        }
         Ok(w)
+    }
+
+    /// Every matrix on gen's CPU kernels (what the tile cache keeps).
+    fn cpu_matrices(&self) -> Vec<&CpuQWeight> {
+        fn of(l: &QLinear) -> Option<&CpuQWeight> {
+            match l {
+                QLinear::Cpu(w) => Some(w),
+                QLinear::Candle(_) | QLinear::Dense(_) => None,
+            }
+        }
+        fn of_all(p: &Projections) -> Vec<&CpuQWeight> {
+            match p {
+                Projections::Fused { linear, .. } => of(linear).into_iter().collect(),
+                Projections::Separate(ls) => ls.iter().filter_map(of).collect(),
+            }
+        }
+        let mut all = Vec::new();
+        for l in &self.layers {
+            all.extend(of_all(&l.qkv));
+            all.extend(of(&l.wo));
+            all.extend(of_all(&l.gate_up));
+            all.extend(of(&l.w_down));
+        }
+        all.extend(of(&self.output));
+        all
     }
 
     /// Every matrix on gen's CPU kernels, to choose their paths ([`super::cpu::choice`]).

@@ -21,6 +21,7 @@ use candle_core::{Device, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
+use super::buf::Buf;
 use super::ops::SharedOut;
 pub use super::q8::Kernel;
 use super::q8::{quantize_block, through_f16, Call, PREFETCH_AHEAD};
@@ -156,12 +157,12 @@ impl Blocks {
 /// Q8_0 has 8 chunks, chunk c holding values 4c..4c+4 of each row. Then the 8 rows' d (and m)
 /// as f16, as the file has them. Rows past N (the last group's padding) are zero.
 struct Tiles {
-    qs: Vec<u8>,
+    qs: Buf<u8>,
     /// f16 bits, as in the file: widened in the kernel (one instruction per 8 rows and block),
     /// so a decode step, which reads every weight once from memory, reads 20 bytes per 32
     /// Q4_1 weights instead of 24 (34 instead of 36 for Q8_0).
-    d: Vec<u16>,
-    m: Vec<u16>,
+    d: Buf<u16>,
+    m: Buf<u16>,
     groups: usize,
     /// Blocks in a row: K / 32.
     nb: usize,
@@ -188,19 +189,14 @@ impl Tiles {
             false => (Q8_0_BYTES, 2, 256),
         };
         let groups = rows.div_ceil(8);
-        let mut t = Tiles {
-            qs: vec![0; groups * nb * per_block],
-            d: vec![0; groups * nb * 8],
-            m: vec![0; if q4_1 { groups * nb * 8 } else { 0 }],
-            groups,
-            nb,
-            per_block,
-        };
+        let mut qs = vec![0u8; groups * nb * per_block];
+        let mut d = vec![0u16; groups * nb * 8];
+        let mut m = vec![0u16; if q4_1 { groups * nb * 8 } else { 0 }];
         let block = |row: usize, blk: usize| &raw[(row * nb + blk) * block_bytes..][..block_bytes];
         let bits = |b: &[u8], at: usize| u16::from_le_bytes([b[at], b[at + 1]]);
         let real = |g: usize| 8.min(rows - g * 8);
-        t.qs.par_chunks_mut(nb * per_block)
-            .zip(t.d.par_chunks_mut(nb * 8))
+        qs.par_chunks_mut(nb * per_block)
+            .zip(d.par_chunks_mut(nb * 8))
             .enumerate()
             .for_each(|(g, (qs, d))| {
                 // Block by block, so each tile block is written whole before the next.
@@ -219,7 +215,7 @@ impl Tiles {
                 }
             });
         if q4_1 {
-            t.m.par_chunks_mut(nb * 8).enumerate().for_each(|(g, m)| {
+            m.par_chunks_mut(nb * 8).enumerate().for_each(|(g, m)| {
                 for r in 0..real(g) {
                     for blk in 0..nb {
                         m[blk * 8 + r] = bits(block(g * 8 + r, blk), 2);
@@ -227,7 +223,14 @@ impl Tiles {
                 }
             });
         }
-        t
+        Tiles {
+            qs: qs.into(),
+            d: d.into(),
+            m: m.into(),
+            groups,
+            nb,
+            per_block,
+        }
     }
 
     fn tile(&self, g: usize) -> Tile<'_> {
@@ -245,9 +248,9 @@ impl Tiles {
 
     /// Groups of `other` after ours (both hold whole groups of 8 real rows).
     fn append(&mut self, other: Tiles) {
-        self.qs.extend_from_slice(&other.qs);
-        self.d.extend_from_slice(&other.d);
-        self.m.extend_from_slice(&other.m);
+        self.qs.append(&other.qs);
+        self.d.append(&other.d);
+        self.m.append(&other.m);
         self.groups += other.groups;
     }
 }
@@ -273,6 +276,9 @@ pub struct CpuQWeight {
     /// The path each kind of call takes ([`Call`]): `kernel` until [`Self::set_paths`]
     /// gives the ones measured fastest on this machine ([`super::choice`]).
     paths: [Kernel; 3],
+    /// The file's tensors these rows are, in order, with their row counts (several for a
+    /// fused projection): what the tile cache files them under. Empty when not named.
+    parts: Vec<(String, usize)>,
 }
 
 impl CpuQWeight {
@@ -1051,7 +1057,118 @@ impl CpuQWeight {
             layout,
             kernel,
             paths: [kernel; 3],
+            parts: Vec::new(),
         }))
+    }
+
+    /// The type of ggml type number `ggml`, on gen's kernels; None for another.
+    fn weight_type(ggml: u32) -> Option<WeightType> {
+        Some(match ggml {
+            1 => WeightType::Half(Half::F16),
+            30 => WeightType::Half(Half::Bf16),
+            3 => WeightType::Q4_1,
+            8 => WeightType::Q8_0,
+            _ => WeightType::Quant(QType::from_ggml(ggml)?),
+        })
+    }
+
+    /// Name these rows as the file's tensor `name` (the tile cache files them so).
+    pub fn set_name(&mut self, name: &str) {
+        self.parts = vec![(name.to_string(), self.rows)];
+    }
+
+    /// The file's tensors these rows are, with their row counts (see `parts`).
+    pub fn parts(&self) -> &[(String, usize)] {
+        &self.parts
+    }
+
+    /// The instruction set the layout was made for.
+    pub fn kernel(&self) -> Kernel {
+        self.kernel
+    }
+
+    /// The buffers the tile cache keeps of this weight, in a fixed order: each one's bytes;
+    /// None for the scalar rows layout, which is not cached.
+    pub fn cached_buffers(&self) -> Option<Vec<&[u8]>> {
+        match &self.layout {
+            Layout::Rows(_) => None,
+            Layout::Tiles(t) => Some(vec![t.qs.bytes(), t.d.bytes(), t.m.bytes()]),
+            Layout::Quant(t) => Some(vec![t.buffer().bytes()]),
+            Layout::Half(t) => Some(vec![t.buffer().bytes()]),
+        }
+    }
+
+    /// Bytes a group of 8 rows takes in each of [`Self::cached_buffers`] for a weight of ggml
+    /// type `ggml` and `cols` columns on a SIMD layout; None for a type or width these
+    /// kernels do not run.
+    pub fn group_bytes(ggml: u32, cols: usize) -> Option<Vec<usize>> {
+        Some(match Self::weight_type(ggml)? {
+            WeightType::Q4_1 if cols.is_multiple_of(QK) => {
+                vec![cols / QK * 128, cols / QK * 16, cols / QK * 16]
+            }
+            WeightType::Q8_0 if cols.is_multiple_of(QK) => vec![cols / QK * 256, cols / QK * 16, 0],
+            WeightType::Quant(q) => {
+                let spec = q.spec();
+                let per = spec.per_super * QK;
+                if !cols.is_multiple_of(per) {
+                    return None;
+                }
+                vec![cols / per * spec.sb_bytes()]
+            }
+            WeightType::Half(_) if cols.is_multiple_of(2) => vec![cols * 16],
+            _ => return None,
+        })
+    }
+
+    /// A weight of `rows` x `cols` of ggml type `ggml` whose buffers (in the order of
+    /// [`Self::cached_buffers`]) start at byte offsets `at` of the mapped tile-cache `file`,
+    /// laid out for `kernel` (a SIMD path); None where that does not fit the file.
+    pub fn from_cached(
+        ggml: u32,
+        rows: usize,
+        cols: usize,
+        kernel: Kernel,
+        file: &std::sync::Arc<crate::format::mapped::Mapped>,
+        at: &[usize],
+    ) -> Option<Self> {
+        let ty = Self::weight_type(ggml)?;
+        let sizes = Self::group_bytes(ggml, cols)?;
+        let groups = rows.div_ceil(8);
+        if kernel == Kernel::Scalar && matches!(ty, WeightType::Q4_1 | WeightType::Q8_0) {
+            return None;
+        }
+        if at.len() != sizes.len() || rows == 0 {
+            return None;
+        }
+        let u8s = |i: usize| Buf::<u8>::mapped(file, at[i], groups * sizes[i]);
+        let u16s = |i: usize| Buf::<u16>::mapped(file, at[i], groups * sizes[i] / 2);
+        let layout = match ty {
+            WeightType::Q4_1 | WeightType::Q8_0 => Layout::Tiles(Tiles {
+                qs: u8s(0)?,
+                d: u16s(1)?,
+                m: u16s(2)?,
+                groups,
+                nb: cols / QK,
+                per_block: if ty == WeightType::Q4_1 { 128 } else { 256 },
+            }),
+            WeightType::Quant(q) => Layout::Quant(quants::Tiles::from_buffer(
+                q,
+                u8s(0)?,
+                groups,
+                cols,
+                sizes[0],
+            )?),
+            WeightType::Half(h) => Layout::Half(HalfTiles::from_buffer(h, u16s(0)?, groups, cols)?),
+        };
+        Some(CpuQWeight {
+            ty,
+            rows,
+            cols,
+            layout,
+            kernel,
+            paths: [kernel; 3],
+            parts: Vec::new(),
+        })
     }
 
     /// Row `row` of the weight matrix, widened to f32 as ggml dequantizes it (an embedding
@@ -1172,6 +1289,7 @@ impl CpuQWeight {
         for w in ws {
             widths.push(w.rows);
             all.rows += w.rows;
+            all.parts.extend(w.parts);
             match (&mut all.layout, w.layout) {
                 (Layout::Rows(a), Layout::Rows(b)) => {
                     a.scale.extend_from_slice(&b.scale);

@@ -8,6 +8,7 @@
 //! chunk through the causal prefill kernel) and its fused steps.
 
 pub mod attention;
+pub mod buf;
 pub mod choice;
 pub mod kv_store;
 pub mod matmul;
@@ -18,6 +19,7 @@ pub mod quants;
 mod quants_x86;
 #[cfg(target_arch = "x86_64")]
 mod quants_zmm;
+pub mod tile_cache;
 pub mod wide16;
 
 use anyhow::Result;

@@ -29,6 +29,8 @@
 
 use half::f16;
 
+use super::buf::Buf;
+
 use super::q8::{quantize_block, round_half_even, through_f16, Kernel};
 
 /// Values in a block: the unit of tiles and activations.
@@ -581,7 +583,7 @@ fn decode(ty: QType, raw: &[u8], out: &mut [Canon]) -> (u16, u16) {
 /// sequence of addresses in a decode step, which reads every weight once from memory.
 pub struct Tiles {
     pub ty: QType,
-    buf: Vec<u8>,
+    buf: Buf<u8>,
     pub groups: usize,
     /// Blocks of 32 in a row.
     pub nb: usize,
@@ -638,7 +640,7 @@ impl Tiles {
             });
         Tiles {
             ty,
-            buf,
+            buf: buf.into(),
             groups,
             nb,
             group_bytes,
@@ -651,9 +653,37 @@ impl Tiles {
         }
     }
 
+    /// The tiles' one buffer (what the tile cache keeps).
+    pub fn buffer(&self) -> &Buf<u8> {
+        &self.buf
+    }
+
+    /// Tiles of `groups` groups of 8 rows of `cols` values of `ty` held in `buf` (as
+    /// [`Self::buffer`] gave them), `group_bytes` a group; None where the sizes disagree.
+    pub fn from_buffer(
+        ty: QType,
+        buf: Buf<u8>,
+        groups: usize,
+        cols: usize,
+        group_bytes: usize,
+    ) -> Option<Self> {
+        let spec = ty.spec();
+        let nb = cols / QK;
+        let fits = cols.is_multiple_of(QK * spec.per_super)
+            && group_bytes == nb / spec.per_super * spec.sb_bytes()
+            && buf.len() == groups * group_bytes;
+        fits.then_some(Tiles {
+            ty,
+            buf,
+            groups,
+            nb,
+            group_bytes,
+        })
+    }
+
     /// Groups of `other` after ours (both whole groups of 8 real rows, one type and width).
     pub fn append(&mut self, other: Tiles) {
-        self.buf.extend_from_slice(&other.buf);
+        self.buf.append(&other.buf);
         self.groups += other.groups;
     }
 

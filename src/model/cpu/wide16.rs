@@ -12,6 +12,8 @@
 
 use half::{bf16, f16};
 
+use super::buf::Buf;
+
 /// Which 16-bit type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Half {
@@ -23,7 +25,7 @@ pub enum Half {
 /// are zero. Rows have an even number of columns (odd widths are refused at load).
 pub struct HalfTiles {
     pub ty: Half,
-    bits: Vec<u16>,
+    bits: Buf<u16>,
     pub groups: usize,
     pub cols: usize,
 }
@@ -46,10 +48,26 @@ impl HalfTiles {
             });
         HalfTiles {
             ty,
-            bits,
+            bits: bits.into(),
             groups,
             cols,
         }
+    }
+
+    /// The tiles' one buffer (what the tile cache keeps).
+    pub fn buffer(&self) -> &Buf<u16> {
+        &self.bits
+    }
+
+    /// Tiles of `groups` groups of 8 rows of `cols` values of `ty` held in `bits` (as
+    /// [`Self::buffer`] gave them); None where the sizes disagree.
+    pub fn from_buffer(ty: Half, bits: Buf<u16>, groups: usize, cols: usize) -> Option<Self> {
+        (bits.len() == groups * cols * 8 && cols.is_multiple_of(2)).then_some(HalfTiles {
+            ty,
+            bits,
+            groups,
+            cols,
+        })
     }
 
     pub fn tile(&self, g: usize) -> &[u16] {
@@ -57,7 +75,7 @@ impl HalfTiles {
     }
 
     pub fn append(&mut self, other: HalfTiles) {
-        self.bits.extend_from_slice(&other.bits);
+        self.bits.append(&other.bits);
         self.groups += other.groups;
     }
 }

@@ -1,0 +1,413 @@
+//! The tile cache: the weights of a GGUF file as gen's CPU kernels lay them out, kept in a file
+//! under gen's cache folder (`tiles/<hash of the model's path>.tiles`) and mapped by later runs, which then read no
+//! weight from the GGUF file and repack nothing: the page cache holds the tiles once for every
+//! process that runs the model.
+//!
+//! The first run of a file repacks its weights as before and then writes the cache (a
+//! temporary file renamed into place, so it is whole or absent). The file's id is a SHA-256
+//! of the GGUF file's fingerprint ([`Checkpoint::fingerprint`]: size, modification time,
+//! header, samples of every tensor's data), this layout's [`VERSION`] and the instruction set
+//! the tiles were made for. A cache file is used only if its header says the same id and
+//! version, its index fits the file and every buffer's CRC-32 matches (checked in parallel
+//! when it is opened); otherwise one warning line, and the run repacks and writes it again.
+//!
+//! `GEN_TILE_CACHE`: `off` never reads or writes it; `on` always; unset (`auto`), for GGUF
+//! files of 256 MiB or more (below that, repacking takes a few tens of milliseconds).
+//! `GEN_TILE_CACHE_MAX_GB` (default 20) caps the folder: after a write, the least recently
+//! used files go until it fits. A write that would leave less than 1 GB of disk free is skipped.
+//!
+//! Layout (little-endian): magic `gentiles`, u32 version, 32-byte id, u64 index length, the
+//! index (JSON: per weight its ggml type, width, the file's tensors it holds with their row
+//! counts, and per buffer its offset, length and CRC-32), then the buffers, each at a multiple
+//! of 64 bytes.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::matmul::{CpuQWeight, Kernel};
+use crate::format::checkpoint::Checkpoint;
+use crate::format::mapped::Mapped;
+
+const MAGIC: &[u8; 8] = b"gentiles";
+/// Bumped whenever a layout of [`super::matmul`], [`super::quants`] or [`super::wide16`]
+/// changes, or what this file holds: files of another version are not used.
+pub const VERSION: u32 = 1;
+const HEAD: usize = 8 + 4 + 32 + 8;
+const ALIGN: usize = 64;
+/// Files at least this large are cached unless `GEN_TILE_CACHE=off`.
+const AUTO_MIN_BYTES: u64 = 256 << 20;
+
+#[derive(Serialize, Deserialize)]
+struct Entry {
+    ggml: u32,
+    cols: usize,
+    /// The file's tensors these rows are, in order, with their row counts.
+    parts: Vec<(String, usize)>,
+    bufs: Vec<BufEntry>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct BufEntry {
+    at: usize,
+    len: usize,
+    crc: u32,
+}
+
+/// A tile cache as this run found it.
+pub enum TileCache {
+    /// Not used for this file (off, too small, a checkpoint folder).
+    Off,
+    /// Usable: weights come from it.
+    Hit(Hit),
+    /// To be written once the weights are repacked.
+    Miss { path: PathBuf, id: [u8; 32] },
+}
+
+/// An opened, checked cache file.
+pub struct Hit {
+    file: Arc<Mapped>,
+    entries: Vec<Entry>,
+    /// Tensor name -> (entry, first row).
+    parts: HashMap<String, (usize, usize)>,
+    kernel: Kernel,
+    pub path: PathBuf,
+    /// Bytes of tiles it holds.
+    pub bytes: usize,
+}
+
+impl TileCache {
+    /// The cache for `ckpt`'s weights laid out for `kernel` (a file that is there and cannot
+    /// be used is one warning on stderr).
+    pub fn open(ckpt: &Checkpoint, kernel: Kernel) -> Self {
+        let mode = std::env::var("GEN_TILE_CACHE").unwrap_or_default();
+        let on = match mode.as_str() {
+            "off" | "0" => false,
+            "on" | "1" => true,
+            _ => ckpt.file_bytes().is_some_and(|n| n >= AUTO_MIN_BYTES),
+        };
+        let Some(fingerprint) = ckpt.fingerprint().filter(|_| on) else {
+            return TileCache::Off;
+        };
+        let id = cache_id(&fingerprint, kernel);
+        let Some(path) = ckpt.gguf_path().map(|p| file_for(p, kernel)) else {
+            return TileCache::Off;
+        };
+        match Hit::open(&path, &id, kernel) {
+            Ok(Some(hit)) => {
+                // Used now: the last to go when the folder is trimmed.
+                if let Ok(f) = std::fs::File::options().append(true).open(&path) {
+                    let _ = f.set_modified(std::time::SystemTime::now());
+                }
+                TileCache::Hit(hit)
+            }
+            Ok(None) => TileCache::Miss { path, id },
+            Err(why) => {
+                eprintln!(
+                    "warning: tile cache {} cannot be used ({why:#}); repacking the weights and \
+                     writing it again",
+                    path.display()
+                );
+                TileCache::Miss { path, id }
+            }
+        }
+    }
+
+    /// The cached weight for tensor `name` (`rows` x `cols` of ggml type `ggml`), if the cache
+    /// holds it so.
+    pub fn take(&self, name: &str, ggml: u32, rows: usize, cols: usize) -> Option<CpuQWeight> {
+        match self {
+            TileCache::Hit(h) => h.take(name, ggml, rows, cols),
+            _ => None,
+        }
+    }
+}
+
+impl Hit {
+    /// Ok(None): no file there.
+    fn open(path: &Path, id: &[u8; 32], kernel: Kernel) -> Result<Option<Self>> {
+        let f = match std::fs::File::open(path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e).context("cannot open it"),
+        };
+        let file = Arc::new(Mapped::new(&f).context("empty or cannot be mapped")?);
+        if file.len() < HEAD || file.bytes(0..8) != MAGIC {
+            bail!("not a gen tile cache");
+        }
+        let head = file.bytes(0..HEAD);
+        let version = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes"));
+        if version != VERSION {
+            bail!("layout version {version}, this gen writes {VERSION}");
+        }
+        if head[12..44] != id[..] {
+            bail!("made from another file or for other kernels");
+        }
+        let index_len = u64::from_le_bytes(head[44..52].try_into().expect("8 bytes"));
+        let index_end = usize::try_from(index_len)
+            .ok()
+            .and_then(|n| n.checked_add(HEAD))
+            .filter(|&e| e <= file.len())
+            .context("cut short")?;
+        let entries: Vec<Entry> =
+            serde_json::from_slice(file.bytes(HEAD..index_end)).context("damaged index")?;
+        let mut parts = HashMap::new();
+        let mut bytes = 0;
+        for (i, e) in entries.iter().enumerate() {
+            let sizes = CpuQWeight::group_bytes(e.ggml, e.cols).context("damaged index")?;
+            let rows: usize = e.parts.iter().map(|p| p.1).sum();
+            let groups = rows.div_ceil(8);
+            let fits = sizes.len() == e.bufs.len()
+                && e.bufs.iter().zip(&sizes).all(|(b, s)| {
+                    b.len == groups * s
+                        && b.at >= index_end
+                        && b.at.checked_add(b.len).is_some_and(|end| end <= file.len())
+                });
+            if !fits {
+                bail!("cut short or damaged");
+            }
+            let mut row = 0;
+            for (name, n) in &e.parts {
+                parts.insert(name.clone(), (i, row));
+                row += n;
+            }
+            bytes += e.bufs.iter().map(|b| b.len).sum::<usize>();
+        }
+        check_sums(&file, &entries)?;
+        Ok(Some(Hit {
+            file,
+            entries,
+            parts,
+            kernel,
+            path: path.to_path_buf(),
+            bytes,
+        }))
+    }
+
+    fn take(&self, name: &str, ggml: u32, rows: usize, cols: usize) -> Option<CpuQWeight> {
+        let &(i, row) = self.parts.get(name)?;
+        let e = &self.entries[i];
+        let n = e.parts.iter().find(|p| p.0 == name)?.1;
+        // A part after the first starts on a whole group of 8 rows (fused parts are so).
+        if e.ggml != ggml || e.cols != cols || n != rows || !row.is_multiple_of(8) {
+            return None;
+        }
+        let sizes = CpuQWeight::group_bytes(ggml, cols)?;
+        let at: Vec<usize> = e
+            .bufs
+            .iter()
+            .zip(&sizes)
+            .map(|(b, s)| b.at + row / 8 * s)
+            .collect();
+        let mut w = CpuQWeight::from_cached(ggml, rows, cols, self.kernel, &self.file, &at)?;
+        w.set_name(name);
+        Some(w)
+    }
+}
+
+/// Every buffer's CRC-32 against the index, the buffers shared out over the threads.
+fn check_sums(file: &Mapped, entries: &[Entry]) -> Result<()> {
+    use rayon::prelude::*;
+    const PIECE: usize = 8 << 20;
+    // Pieces of at most 8 MiB, so two threads share the work evenly; their CRCs combine.
+    let pieces: Vec<(usize, usize, usize)> = entries
+        .iter()
+        .flat_map(|e| e.bufs.iter())
+        .enumerate()
+        .flat_map(|(b, buf)| {
+            (0..buf.len.div_ceil(PIECE).max(1))
+                .map(move |p| (b, buf.at + p * PIECE, PIECE.min(buf.len - p * PIECE)))
+        })
+        .collect();
+    let sums: Vec<(usize, crc32fast::Hasher, usize)> = pieces
+        .par_iter()
+        .map(|&(b, at, len)| {
+            let mut h = crc32fast::Hasher::new();
+            h.update(file.bytes(at..at + len));
+            (b, h, len)
+        })
+        .collect();
+    let mut whole: Vec<crc32fast::Hasher> = Vec::new();
+    for (b, h, _) in sums {
+        if b == whole.len() {
+            whole.push(h);
+        } else {
+            whole[b].combine(&h);
+        }
+    }
+    let bufs = entries.iter().flat_map(|e| e.bufs.iter());
+    if bufs.zip(whole).any(|(buf, h)| h.finalize() != buf.crc) {
+        bail!("damaged (a checksum differs)");
+    }
+    Ok(())
+}
+
+/// Write the cache file for `weights` (every weight on gen's kernels, each naming the file's
+/// tensors it holds). Returns the bytes written; Ok(0) when skipped: no weight on a layout
+/// the cache keeps, or too little disk space.
+pub fn write(path: &Path, id: &[u8; 32], weights: &[&CpuQWeight]) -> Result<u64> {
+    let mut entries = Vec::new();
+    let mut data: Vec<&[u8]> = Vec::new();
+    let mut at = 0usize;
+    for w in weights {
+        let (Some(bufs), false) = (w.cached_buffers(), w.parts().is_empty()) else {
+            continue;
+        };
+        let mut list = Vec::new();
+        for b in bufs {
+            list.push(BufEntry {
+                at,
+                len: b.len(),
+                crc: crc32fast::hash(b),
+            });
+            at += b.len().div_ceil(ALIGN) * ALIGN;
+            data.push(b);
+        }
+        entries.push(Entry {
+            ggml: w.ggml_type(),
+            cols: w.dims().1,
+            parts: w.parts().to_vec(),
+            bufs: list,
+        });
+    }
+    if entries.is_empty() {
+        return Ok(0); // nothing on a cached layout (the scalar kernels' rows)
+    }
+    // Offsets so far are from the start of the data; the data starts after the index, at a
+    // multiple of ALIGN. The index's length depends on the offsets: grow the start until
+    // the index fits before it.
+    let mut start = ALIGN * (HEAD / ALIGN + 1);
+    let index = loop {
+        let shifted: Vec<Entry> = entries
+            .iter()
+            .map(|e| Entry {
+                ggml: e.ggml,
+                cols: e.cols,
+                parts: e.parts.clone(),
+                bufs: e
+                    .bufs
+                    .iter()
+                    .map(|b| BufEntry {
+                        at: b.at + start,
+                        len: b.len,
+                        crc: b.crc,
+                    })
+                    .collect(),
+            })
+            .collect();
+        let index = serde_json::to_vec(&shifted)?;
+        if HEAD + index.len() <= start {
+            break index;
+        }
+        start = (HEAD + index.len()).div_ceil(ALIGN) * ALIGN + 4096;
+    };
+    let total = (start + at) as u64;
+    let dir = path
+        .parent()
+        .context("the tile cache path names no folder")?;
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    if free_bytes(dir).is_some_and(|free| free < total + (1 << 30)) {
+        return Ok(0);
+    }
+    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+    let written = (|| -> Result<()> {
+        let mut f = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&tmp)?);
+        f.write_all(MAGIC)?;
+        f.write_all(&VERSION.to_le_bytes())?;
+        f.write_all(id)?;
+        f.write_all(&(index.len() as u64).to_le_bytes())?;
+        f.write_all(&index)?;
+        let zeros = [0u8; 4096 + ALIGN];
+        f.write_all(&zeros[..start - HEAD - index.len()])?;
+        for b in &data {
+            f.write_all(b)?;
+            f.write_all(&zeros[..b.len().div_ceil(ALIGN) * ALIGN - b.len()])?;
+        }
+        f.into_inner().map_err(|e| e.into_error())?;
+        std::fs::rename(&tmp, path)?;
+        Ok(())
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written.with_context(|| format!("cannot write the tile cache {}", path.display()))?;
+    trim(dir, path);
+    Ok(total)
+}
+
+/// Least recently used cache files leave until the folder holds at most
+/// `GEN_TILE_CACHE_MAX_GB` (default 20); `keep` stays.
+fn trim(dir: &Path, keep: &Path) {
+    let cap = std::env::var("GEN_TILE_CACHE_MAX_GB")
+        .ok()
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(20.0);
+    let cap = (cap.max(0.0) * 1e9) as u64;
+    let Ok(list) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut files: Vec<(std::time::SystemTime, u64, PathBuf)> = list
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().extension().is_some_and(|x| x == "tiles"))
+        .filter_map(|e| {
+            let m = e.metadata().ok()?;
+            Some((m.modified().ok()?, m.len(), e.path()))
+        })
+        .collect();
+    files.sort();
+    let mut total: u64 = files.iter().map(|f| f.1).sum();
+    for (_, len, p) in files {
+        if total <= cap {
+            break;
+        }
+        if p != keep && std::fs::remove_file(&p).is_ok() {
+            total -= len;
+        }
+    }
+}
+
+fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: a valid C string and a zeroed statvfs for the call to fill.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    (unsafe { libc::statvfs(c.as_ptr(), &mut st) } == 0)
+        .then(|| st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+/// `<gen's cache folder>/tiles`.
+pub fn folder() -> PathBuf {
+    crate::source::gen_cache_home().join("tiles")
+}
+
+/// The cache file for the GGUF file at `model` (one per file and instruction set: a changed
+/// model file replaces its cache rather than adding one).
+fn file_for(model: &Path, kernel: Kernel) -> PathBuf {
+    let canonical = std::fs::canonicalize(model).unwrap_or_else(|_| model.to_path_buf());
+    let mut h = Sha256::new();
+    h.update(b"gen tile cache file\0");
+    h.update(canonical.as_os_str().as_encoded_bytes());
+    h.update([0]);
+    h.update(kernel.name().as_bytes());
+    let name: [u8; 32] = h.finalize().into();
+    folder().join(format!("{}.tiles", hex(&name[..16])))
+}
+
+fn cache_id(fingerprint: &[u8; 32], kernel: Kernel) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(b"gen tile cache\0");
+    h.update(VERSION.to_le_bytes());
+    h.update(kernel.name().as_bytes());
+    h.update([0]);
+    h.update(fingerprint);
+    h.finalize().into()
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
