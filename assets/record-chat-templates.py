@@ -21,6 +21,9 @@ One line per (template, conversation, add_generation_prompt):
    "messages", and either "text" (the render) or "error" (what jinja2 raised):
    {"type": exception class, "message": text, "raised": true when the template called
    raise_exception}}.
+Templates with a thinking switch (their source reads `enable_thinking`) also get lines with
+"enable_thinking": true and false (what `--reasoning on|off` passes), for every conversation and
+for one whose earlier assistant turn holds its thinking (which most templates drop from history).
 """
 import datetime
 import json
@@ -47,6 +50,10 @@ CONVERSATIONS = {
     "user+assistant+user": [USER_1, ASSISTANT_1, USER_2],
     "system+user+assistant+user": [SYSTEM, USER_1, ASSISTANT_1, USER_2],
 }
+
+# An earlier reply that kept its thinking, as a client that stores whole replies sends it back.
+ASSISTANT_THOUGHT = {"role": "assistant", "content": "<think>\nThe user greets me.\n</think>\n\nI am an assistant."}
+THINKING_CONVERSATIONS = dict(CONVERSATIONS, **{"user+thought+user": [USER_1, ASSISTANT_THOUGHT, USER_2]})
 
 # Special tokens of the model a template comes from, by the start of its file name; the rest get
 # generic ones. Only bos_token and eos_token are read by these templates.
@@ -128,36 +135,42 @@ def main():
                 template, compile_error = env.from_string(source), None
             except jinja2.TemplateError as e:
                 template, compile_error = None, error(e)
-            for conversation, messages in CONVERSATIONS.items():
-                for add_generation_prompt in (True, False):
-                    record = {
-                        "template": name,
-                        "conversation": conversation,
-                        "add_generation_prompt": add_generation_prompt,
-                        "bos_token": bos,
-                        "eos_token": eos,
-                        "now": NOW.isoformat(),
-                        "messages": messages,
-                    }
-                    try:
-                        if compile_error:
-                            record["error"] = compile_error
-                        else:
-                            record["text"] = template.render(
-                                messages=[dict(m) for m in messages],
-                                add_generation_prompt=add_generation_prompt,
-                                bos_token=bos,
-                                eos_token=eos,
-                                tools=None,
-                                documents=None,
-                            )
-                    except Exception as e:  # noqa: BLE001 - any failure is the expected outcome
-                        record["error"] = error(e)
-                    if "text" in record:
-                        rendered += 1
+            cases = [(c, m, g, None) for c, m in CONVERSATIONS.items() for g in (True, False)]
+            if "enable_thinking" in source:
+                cases += [(c, m, True, t) for c, m in THINKING_CONVERSATIONS.items() for t in (True, False)]
+            for conversation, messages, add_generation_prompt, thinking in cases:
+                record = {
+                    "template": name,
+                    "conversation": conversation,
+                    "add_generation_prompt": add_generation_prompt,
+                    "bos_token": bos,
+                    "eos_token": eos,
+                    "now": NOW.isoformat(),
+                    "messages": messages,
+                }
+                switch = {}
+                if thinking is not None:
+                    record["enable_thinking"] = switch["enable_thinking"] = thinking
+                try:
+                    if compile_error:
+                        record["error"] = compile_error
                     else:
-                        raised += 1
-                    out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                        record["text"] = template.render(
+                            messages=[dict(m) for m in messages],
+                            add_generation_prompt=add_generation_prompt,
+                            bos_token=bos,
+                            eos_token=eos,
+                            tools=None,
+                            documents=None,
+                            **switch,
+                        )
+                except Exception as e:  # noqa: BLE001 - any failure is the expected outcome
+                    record["error"] = error(e)
+                if "text" in record:
+                    rendered += 1
+                else:
+                    raised += 1
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
     print(f"{out_path}: {rendered} renders, {raised} errors", file=sys.stderr)
 
 

@@ -85,6 +85,12 @@ pub struct Outcome {
 pub trait BatchSink {
     fn on_token(&mut self, index: usize, id: u32) -> Result<Flow>;
     fn on_done(&mut self, index: usize, outcome: Outcome) -> Result<()>;
+
+    /// How sequence `index`'s grammar (if any) applies to its next token: paused while it
+    /// thinks.
+    fn gate(&self, _index: usize) -> crate::sampler::Gate {
+        crate::sampler::Gate::Apply
+    }
     /// Asked before each pass: Some(reason) ends every sequence.
     fn cancelled(&self) -> Option<StopReason> {
         None
@@ -375,6 +381,7 @@ fn take_tokens(
 ) -> Result<Option<StopReason>> {
     let mut used = 0;
     let stop = loop {
+        s.sampler.set_gate(sink.gate(s.index));
         let next = if s.sampler.is_plain_argmax() {
             rows.argmax[used]
         } else {

@@ -40,6 +40,8 @@ pub struct ChatTemplate {
     source: String,
     bos_token: String,
     eos_token: String,
+    /// `enable_thinking` for templates that read it (None: not set, the template's default).
+    enable_thinking: Option<bool>,
 }
 
 impl ChatTemplate {
@@ -48,7 +50,24 @@ impl ChatTemplate {
             source,
             bos_token,
             eos_token,
+            enable_thinking: None,
         }
+    }
+
+    /// Render with `enable_thinking` set (`--reasoning on|off`), or not set (None).
+    pub fn with_thinking(mut self, enable_thinking: Option<bool>) -> Self {
+        self.enable_thinking = enable_thinking;
+        self
+    }
+
+    /// The template's source.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// The thinking format the template writes, if any ([`crate::reasoning`]).
+    pub fn reasoning_format(&self) -> Option<crate::reasoning::Format> {
+        crate::reasoning::Format::of_template(&self.source)
     }
 
     /// Render `messages` and, with `add_generation_prompt`, the opening of the assistant's turn.
@@ -75,15 +94,19 @@ impl ChatTemplate {
             .map_err(|e| {
                 anyhow::anyhow!("the model's chat template does not parse: {}", one_line(&e))
             })?;
-        tmpl.render(context! {
+        let ctx = context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
             tools => Value::from_object(python::PyNone),
             documents => Value::from_object(python::PyNone),
-        })
-        .map_err(|e| {
+        };
+        let ctx = match self.enable_thinking {
+            Some(on) => context! { enable_thinking => on, ..ctx },
+            None => ctx,
+        };
+        tmpl.render(ctx).map_err(|e| {
             anyhow::anyhow!(
                 "rendering the model's chat template failed: {}",
                 one_line(&e)

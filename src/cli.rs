@@ -140,6 +140,18 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     pub chat_template: Option<PathBuf>,
 
+    /// Thinking models (a chat template with a thinking block): `on` or `off` render the
+    /// template with thinking enabled or disabled (its `enable_thinking` switch), `auto` as the
+    /// template defaults. Whatever the model thinks is kept out of the answer: stdout and
+    /// `text` carry the answer, the thinking goes to stderr and a `reasoning` field.
+    #[arg(long, value_enum, default_value_t = ReasoningArg::Auto, value_name = "MODE")]
+    pub reasoning: ReasoningArg,
+
+    /// After this many thinking tokens the thinking block is closed (its end marker is fed to
+    /// the model) and the answer begins.
+    #[arg(long, value_name = "N")]
+    pub reasoning_budget: Option<usize>,
+
     /// Print the exact text the model would see (after the chat template) to stdout and its
     /// token count to stderr, and exit without generating.
     #[arg(long, conflicts_with = "batch")]
@@ -281,6 +293,24 @@ pub struct Args {
     pub verbose: bool,
 }
 
+/// `--reasoning`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ReasoningArg {
+    On,
+    Off,
+    Auto,
+}
+
+impl ReasoningArg {
+    fn mode(self) -> crate::reasoning::Mode {
+        match self {
+            ReasoningArg::On => crate::reasoning::Mode::On,
+            ReasoningArg::Off => crate::reasoning::Mode::Off,
+            ReasoningArg::Auto => crate::reasoning::Mode::Auto,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Command {
     /// A multi-turn conversation.
@@ -409,6 +439,10 @@ pub struct Config {
     pub messages: Option<PathBuf>,
     /// A chat template file replacing the model's (--chat-template).
     pub chat_template: Option<PathBuf>,
+    /// --reasoning.
+    pub reasoning: crate::reasoning::Mode,
+    /// --reasoning-budget: thinking tokens before the block is closed.
+    pub reasoning_budget: Option<usize>,
     pub dry_run: bool,
     pub echo: bool,
     pub max_new: usize,
@@ -452,6 +486,9 @@ impl Args {
         }
         if self.batch_size == Some(0) {
             bail!("--batch-size must be at least 1");
+        }
+        if self.reasoning_budget.is_some_and(|b| b > 0) && self.batch.is_some() {
+            bail!("--reasoning-budget closes one reply's thinking; with --batch it is not supported yet (each line's thinking goes to its \"reasoning\" field)");
         }
         if self.draft_max == 0 {
             bail!("--draft-max must be at least 1");
@@ -540,6 +577,12 @@ impl Args {
             system: self.system,
             messages: self.messages,
             chat_template: self.chat_template,
+            // A budget of nothing: the template's switch turns thinking off, as llama.cpp does.
+            reasoning: match (self.reasoning, self.reasoning_budget) {
+                (ReasoningArg::Auto, Some(0)) => crate::reasoning::Mode::Off,
+                (r, _) => r.mode(),
+            },
+            reasoning_budget: self.reasoning_budget,
             dry_run: self.dry_run,
             echo: self.echo,
             max_new: self.max_new,
@@ -580,6 +623,9 @@ fn remote_config(a: &Args, interactive: bool, constrained: bool) -> Result<Optio
     }
     if a.prompt_cache.is_some() || a.no_prefix_cache {
         bail!("--prompt-cache and --no-prefix-cache are about the local KV cache; with --endpoint the server keeps its own");
+    }
+    if a.reasoning != ReasoningArg::Auto || a.reasoning_budget.is_some() {
+        bail!("--reasoning and --reasoning-budget run on local models only for now; drop them with --endpoint");
     }
     if a.speculate.is_some() {
         bail!("--speculate runs on local models only (a server decodes as it is configured to); drop it with --endpoint");

@@ -84,7 +84,20 @@ pub trait TokenSink {
     fn cancelled(&self) -> Option<StopReason> {
         None
     }
+
+    /// Tokens the reply must go on with now, fed to the model as if sampled (the end marker of
+    /// a thinking block whose budget is spent); asked after each token.
+    fn forced(&mut self) -> Vec<u32> {
+        Vec::new()
+    }
+
+    /// How a grammar (if any) applies to the next token: paused while the model thinks.
+    fn gate(&self) -> Gate {
+        Gate::Apply
+    }
 }
+
+pub use crate::sampler::Gate;
 
 /// Limits of one generation.
 #[derive(Debug, Clone)]
@@ -247,6 +260,7 @@ impl Run<'_> {
         let logits = self.model.forward(&[step])?;
         gen.forward_passes += 1;
         self.model.kv_mut().publish(seq, prompt);
+        self.sampler.set_gate(self.sink.gate());
         let mut next = self.sampler.sample(&logits, &history)?;
         gen.sampled += 1;
         gen.time_to_first_token = start.elapsed();
@@ -259,6 +273,20 @@ impl Run<'_> {
             if let Some(reason) = self.emit(next, &mut gen, &mut history)? {
                 break reason;
             }
+            let forced = self.sink.forced();
+            if !forced.is_empty() {
+                if let Some(p) = pass.take() {
+                    self.record(&p);
+                }
+                match self.force(next, &forced, &mut gen, &mut history)? {
+                    Ok(n) => {
+                        next = n;
+                        continue;
+                    }
+                    Err(reason) => break reason,
+                }
+            }
+            self.sampler.set_gate(self.sink.gate());
             if let Some(p) = pass.as_mut() {
                 if p.used < p.fed.len() && p.fed[p.used] == next {
                     // The proposal fed after the last row is the token sampled from it: the
@@ -334,6 +362,41 @@ impl Run<'_> {
         gen.forward_passes += 1;
         let rows = Rows::new(&logits, self.sampler)?;
         Ok(Pass { rows, fed, used: 0 })
+    }
+
+    /// One decode pass feeding `next` (the last token of `history`) and then `forced`, each
+    /// forced token going through [`Self::emit`] as if sampled; the token after them is sampled
+    /// from the last row. Ok(next token) or Err(why the reply ended).
+    fn force(
+        &mut self,
+        next: u32,
+        forced: &[u32],
+        gen: &mut Generation,
+        history: &mut Vec<u32>,
+    ) -> Result<std::result::Result<u32, StopReason>> {
+        let pos = history.len() - 1;
+        if self.model.kv().len(self.seq) != Some(pos) {
+            self.model.truncate(self.seq, pos);
+        }
+        // No further than max_new and the context window allow: the last row fed is sampled.
+        let room = (self.limits.max_new.saturating_sub(gen.tokens.len()))
+            .min(self.limits.context_len.saturating_sub(history.len()));
+        let mut fed = vec![next];
+        fed.extend(forced.iter().take(room));
+        let logits = self
+            .model
+            .forward(&[SeqStep::decode(self.seq, &fed, pos)])?;
+        gen.forward_passes += 1;
+        for &t in &fed[1..] {
+            if let Some(reason) = self.emit(t, gen, history)? {
+                return Ok(Err(reason));
+            }
+        }
+        self.sampler.set_gate(self.sink.gate());
+        let mut rows = Rows::new(&logits, self.sampler)?;
+        let n = rows.sample(fed.len() - 1, self.sampler, history)?;
+        gen.sampled += 1;
+        Ok(Ok(n))
     }
 
     /// Tell the drafter how the pass's proposals went: rows used beyond the first were kept.

@@ -17,6 +17,7 @@ pub mod interrupt;
 pub mod model;
 pub mod output;
 pub mod prompt_cache;
+pub mod reasoning;
 pub mod remote;
 pub mod report;
 pub mod sampler;

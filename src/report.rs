@@ -40,6 +40,23 @@ pub struct Report {
     /// What speculation proposed and kept, with --speculate.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub speculate: Option<SpeculateReport>,
+    /// The reply's thinking, when the chat template has a thinking block.
+    #[serde(skip_serializing_if = "Option::is_none", flatten)]
+    pub reasoning: Option<Reasoning>,
+}
+
+/// A reply's thinking, kept apart from its text ([`crate::reasoning`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct Reasoning {
+    /// Tokens generated inside the thinking block (within `generated_tokens`).
+    #[serde(rename = "reasoning_tokens")]
+    pub tokens: usize,
+    /// The thinking.
+    #[serde(rename = "reasoning")]
+    pub text: String,
+    /// The reply stopped while thinking: there is no answer.
+    #[serde(rename = "stopped_while_thinking")]
+    pub unfinished: bool,
 }
 
 /// What --speculate did.
@@ -168,6 +185,7 @@ impl Report {
                 .speculation
                 .as_ref()
                 .map(|(max, stats)| SpeculateReport::new(*max, stats)),
+            reasoning: None,
         }
     }
 
@@ -178,6 +196,11 @@ impl Report {
 
     pub fn with_prompt_cache(mut self, load: Option<std::time::Duration>) -> Self {
         self.prompt_cache_load_s = load.map(|d| d.as_secs_f64());
+        self
+    }
+
+    pub fn with_reasoning(mut self, reasoning: Option<Reasoning>) -> Self {
+        self.reasoning = reasoning;
         self
     }
 
@@ -218,6 +241,13 @@ impl Report {
         )?;
         if let Some(seed) = self.seed {
             writeln!(w, "seed           {seed}")?;
+        }
+        if let Some(r) = &self.reasoning {
+            let note = match r.unfinished {
+                true => " (the reply stopped while thinking: no answer)",
+                false => "",
+            };
+            writeln!(w, "reasoning      {} tokens{note}", r.tokens)?;
         }
         if let Some(c) = &self.constraint {
             c.write_human(w)?;

@@ -77,6 +77,22 @@ pub struct Sampler {
     candidates: Vec<(u32, f32)>,
     /// A grammar the reply must follow: its mask comes before every other step.
     constraint: Option<Constraint>,
+    /// How the grammar applies to the next token ([`Gate`]).
+    gate: Gate,
+}
+
+/// How a grammar applies to the next token. A reply that thinks first is held to its grammar
+/// only once its thinking is over: the grammar constrains the answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Gate {
+    /// The grammar masks the token and is told of it.
+    #[default]
+    Apply,
+    /// Thinking: the grammar neither masks nor sees the token.
+    Pause,
+    /// The grammar's tokens, or this one (a thinking block's open marker); the grammar is told
+    /// of the token only if it is one of its own.
+    ApplyOr(u32),
 }
 
 impl Sampler {
@@ -86,7 +102,13 @@ impl Sampler {
             params,
             candidates: Vec::new(),
             constraint: None,
+            gate: Gate::Apply,
         }
+    }
+
+    /// How the grammar (if any) applies to the next token.
+    pub fn set_gate(&mut self, gate: Gate) {
+        self.gate = gate;
     }
 
     /// Sample only what `constraint` allows, and tell it each token sampled.
@@ -135,11 +157,21 @@ impl Sampler {
         if row.is_empty() {
             bail!("the model returned no logits");
         }
-        let Some(constraint) = self.constraint.as_mut() else {
+        let (Some(constraint), false) = (self.constraint.as_mut(), self.gate == Gate::Pause) else {
             return self.draw(row, history);
         };
+        let also = match self.gate {
+            Gate::ApplyOr(id) => row.get(id as usize).map(|&v| (id, v)),
+            _ => None,
+        };
         constraint.apply(row)?;
+        if let Some((id, v)) = also {
+            row[id as usize] = v;
+        }
         let id = self.draw(row, history)?;
+        if also.is_some_and(|(open, _)| open == id) {
+            return Ok(id); // the thinking block opens: the grammar waits for the answer
+        }
         let constraint = self.constraint.as_mut().expect("checked");
         constraint.commit(id)?;
         Ok(id)

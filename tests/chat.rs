@@ -534,3 +534,65 @@ fn a_terminal_that_goes_away_ends_the_chat_without_a_panic() {
     assert!(!text.contains("panicked"), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A thinking model's template on a real terminal: the thinking shows (NO_COLOR: plain), the
+/// answer follows it, and the conversation saved holds the answer alone.
+#[test]
+fn a_terminal_chat_shows_the_thinking_and_keeps_only_the_answer() {
+    let dir = temp("think");
+    let saved = dir.join("saved.json");
+    let template = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("assets/chat-templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja");
+    let extra = format!(
+        "--max-new 12 --chat-template {} --reasoning on --reasoning-budget 4",
+        template.display()
+    );
+    let t = Tmux::start("think", &chat_command(&dir, &extra));
+    t.wait(60, "the prompt", |s| {
+        s.contains("chatting with") && s.contains("> ")
+    });
+    t.keys(&["What is 2 + 2?", "Enter"]);
+    let screen = t.wait(60, "the reply", |s| s.contains(" tokens prefilled, "));
+    t.keys(&[&format!("/save {}", saved.display()), "Enter"]);
+    t.wait(10, "/save", |s| s.contains("saved to"));
+    t.keys(&["C-d"]);
+    assert_eq!(exit_status(&dir), "exit=0", "{}", t.screen());
+    let conv = messages(&saved);
+    let reply = &conv[1].1;
+    // The one-shot run of the same turn: its thinking is on the screen before the answer.
+    let out = common::gen()
+        .arg("--model")
+        .arg(common::smollm2())
+        .arg("--chat-template")
+        .arg(&template)
+        .args(["--chat", "--prompt", "What is 2 + 2?", "--temperature", "0"])
+        .args([
+            "--max-new",
+            "12",
+            "--reasoning",
+            "on",
+            "--reasoning-budget",
+            "4",
+        ])
+        .args(["--stats", "json"])
+        .output()
+        .unwrap();
+    let stats: serde_json::Value =
+        serde_json::from_str(common::text(&out.stderr).lines().last().unwrap()).unwrap();
+    let thinking = stats["reasoning"].as_str().unwrap().trim();
+    assert_eq!(
+        *reply,
+        common::text(&out.stdout),
+        "the answer alone is kept"
+    );
+    let after_prompt = screen
+        .split_once("What is 2 + 2?")
+        .map_or("", |(_, rest)| rest);
+    let at_thinking = after_prompt.find(thinking).expect("the thinking on screen");
+    let at_answer = after_prompt[at_thinking + thinking.len()..].find(reply.trim());
+    assert!(
+        at_answer.is_some(),
+        "the answer after the thinking:\n{screen}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

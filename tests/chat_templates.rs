@@ -6,6 +6,8 @@
 //! `assets/record-chat-templates.py`). Every render must be byte-identical, and where jinja2
 //! raised, gen must fail too (with the template's own message where the template raised it).
 //! All mismatches are listed, each with where the texts first differ, before the test fails.
+//! Templates with a thinking switch are also rendered with `enable_thinking` true and false
+//! (`--reasoning on|off`), and with an earlier reply that kept its thinking.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -93,7 +95,8 @@ fn check(r: &Value) -> Option<String> {
         source,
         field(r, "bos_token").into(),
         field(r, "eos_token").into(),
-    );
+    )
+    .with_thinking(r.get("enable_thinking").and_then(Value::as_bool));
     let add = r["add_generation_prompt"]
         .as_bool()
         .expect("add_generation_prompt");
@@ -137,10 +140,11 @@ fn real_templates_render_as_transformers_renders_them() {
         }
         if let Some(what) = check(r) {
             mismatches.push(format!(
-                "{} [{}, add_generation_prompt={}]: {what}",
+                "{} [{}, add_generation_prompt={}, enable_thinking={}]: {what}",
                 field(r, "template"),
                 field(r, "conversation"),
-                r["add_generation_prompt"]
+                r["add_generation_prompt"],
+                r.get("enable_thinking").unwrap_or(&Value::Null)
             ));
         }
     }
@@ -187,6 +191,11 @@ fn every_template_has_expected_renders() {
         .collect();
     assert_eq!(files, recorded);
     assert!(files.len() >= 60, "{} templates", files.len());
+    let switched = records()
+        .iter()
+        .filter(|r| r.get("enable_thinking").is_some())
+        .count();
+    assert!(switched >= 200, "{switched} renders with enable_thinking");
 }
 
 #[test]

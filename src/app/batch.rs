@@ -29,6 +29,8 @@ struct Prepared {
     max_new: usize,
     sampling: SamplingParams,
     constraint: Option<Spec>,
+    /// Where the reply starts, when the chat template has a thinking block.
+    start: Option<super::thinking::Start>,
 }
 
 pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
@@ -109,13 +111,21 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
     let mut sink = Sink {
         texts: ran
             .iter()
-            .map(|p| SeqText {
-                stream: tokenizer.stream(),
-                stops: StopMatcher::new(p.entry.stop.clone().unwrap_or_else(|| cfg.stops.clone())),
-                text: String::new(),
-                stopped: false,
+            .map(|p| {
+                Ok(SeqText {
+                    stream: tokenizer.stream(),
+                    stops: StopMatcher::new(
+                        p.entry.stop.clone().unwrap_or_else(|| cfg.stops.clone()),
+                    ),
+                    text: String::new(),
+                    stopped: false,
+                    thinking: p
+                        .start
+                        .map(|s| super::thinking::Thinking::new(s, tokenizer, None, false))
+                        .transpose()?,
+                })
             })
-            .collect(),
+            .collect::<Result<_>>()?,
         ran: &ran,
         out: &mut out,
         progress: progress.as_ref(),
@@ -241,9 +251,9 @@ fn prepare(
         return Err(fail(anyhow::anyhow!("the prompt is empty")));
     }
     let max_new = entry.max_new.unwrap_or(cfg.max_new);
-    let ids = match &entry.messages {
-        Some(conv) => session.conversation_ids(cfg, &conv.messages(), max_new),
-        None => session.prompt_ids(cfg, &entry.prompt, max_new),
+    let (ids, start) = match &entry.messages {
+        Some(conv) => session.conversation(cfg, &conv.messages(), max_new),
+        None => session.prompt(cfg, &entry.prompt, max_new),
     }
     .map_err(fail)?;
     let mut sampling = cfg.sampling.clone();
@@ -267,6 +277,7 @@ fn prepare(
         max_new,
         sampling,
         constraint,
+        start,
     })
 }
 
@@ -276,6 +287,8 @@ struct SeqText<'t> {
     stops: StopMatcher,
     text: String,
     stopped: bool,
+    /// Some: the reply may think first; its thinking is kept apart from `text`.
+    thinking: Option<super::thinking::Thinking>,
 }
 
 struct Sink<'a, 't> {
@@ -294,7 +307,10 @@ impl BatchSink for Sink<'_, '_> {
     fn on_token(&mut self, index: usize, id: u32) -> Result<Flow> {
         self.tokens += 1;
         let t = &mut self.texts[index];
-        let piece = t.stream.push(id)?;
+        let mut piece = t.stream.push(id)?;
+        if let Some(th) = t.thinking.as_mut() {
+            piece = th.push(&piece);
+        }
         let release = t.stops.push(&piece);
         t.text.push_str(&release.text);
         if release.stopped {
@@ -306,8 +322,13 @@ impl BatchSink for Sink<'_, '_> {
 
     fn on_done(&mut self, index: usize, o: SeqOutcome) -> Result<()> {
         let t = &mut self.texts[index];
+        let mut rest = t.stream.finish();
+        if let Some(th) = t.thinking.as_mut() {
+            let mut answer = th.push_text(&rest);
+            answer.push_str(&th.finish());
+            rest = answer;
+        }
         if !t.stopped {
-            let rest = t.stream.finish();
             let release = t.stops.push(&rest);
             t.text.push_str(&release.text);
             t.text.push_str(&t.stops.finish());
@@ -334,6 +355,8 @@ impl BatchSink for Sink<'_, '_> {
             ttft_ms: Some(ms(o.time_to_first_token)),
             wait_ms: Some(ms(o.wait)),
             seed: (!p.sampling.is_greedy()).then_some(p.sampling.seed),
+            reasoning: t.thinking.as_ref().map(|th| th.text.as_str()),
+            reasoning_tokens: t.thinking.as_ref().map(|th| th.tokens),
         };
         let json = self.out.shape.render(&line)?;
         t.text = String::new();
@@ -352,6 +375,13 @@ impl BatchSink for Sink<'_, '_> {
             }
         }
         Ok(())
+    }
+
+    fn gate(&self, index: usize) -> crate::sampler::Gate {
+        self.texts[index]
+            .thinking
+            .as_ref()
+            .map_or(crate::sampler::Gate::Apply, super::thinking::Thinking::gate)
     }
 
     fn cancelled(&self) -> Option<StopReason> {

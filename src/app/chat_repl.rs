@@ -55,6 +55,8 @@ struct Chat {
     colour: bool,
     quiet: bool,
     ignore_eos: bool,
+    /// --reasoning-budget.
+    reasoning_budget: Option<usize>,
     speculate: Option<usize>,
 }
 
@@ -105,6 +107,7 @@ impl Chat {
             colour: stderr_tty && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
             quiet: cfg.quiet,
             ignore_eos: cfg.ignore_eos,
+            reasoning_budget: cfg.reasoning_budget,
             speculate: cfg.speculate.map(|(_, k)| k),
         })
     }
@@ -191,8 +194,8 @@ impl Chat {
     /// One exchange: the user's message, the reply streamed to stdout.
     fn turn(&mut self, user: &str) -> Result<Turn> {
         self.conv.push("user", user);
-        let ids = match self.fit() {
-            Ok(ids) => ids,
+        let (ids, start) = match self.fit() {
+            Ok(fit) => fit,
             Err(e) => {
                 self.conv.undo();
                 return Err(e);
@@ -208,6 +211,13 @@ impl Chat {
         } else {
             loaded.tokenizer.eos_ids().to_vec()
         };
+        // The thinking shows on stderr (dim); the reply kept in the conversation is the
+        // answer alone, as the templates expect of earlier turns.
+        let thinking = start
+            .map(|s| {
+                super::thinking::Thinking::new(s, &loaded.tokenizer, self.reasoning_budget, true)
+            })
+            .transpose()?;
         let stdout = std::io::stdout();
         let mut out = TextOut::new(stdout.lock());
         let mut sink = StreamSink {
@@ -215,6 +225,7 @@ impl Chat {
             stops: StopMatcher::new(self.stops.clone()),
             out: &mut out,
             kept: Some(String::new()),
+            thinking,
         };
         let result = generate::generate_with(
             loaded.model.as_mut(),
@@ -253,11 +264,11 @@ impl Chat {
 
     /// The conversation rendered and tokenized with room for a reply; the oldest exchanges go
     /// (the system message stays) while it does not fit.
-    fn fit(&mut self) -> Result<Vec<u32>> {
+    fn fit(&mut self) -> Result<(Vec<u32>, Option<super::thinking::Start>)> {
         let context = self.session.context_len;
         let mut dropped = 0;
         loop {
-            let ids = self.render_ids()?;
+            let (ids, start) = self.render_ids()?;
             if ids.len() + self.max_new.min(context / 2) <= context {
                 if dropped > 0 {
                     self.note(&format!(
@@ -266,7 +277,7 @@ impl Chat {
                         if dropped == 1 { "" } else { "s" }
                     ));
                 }
-                return Ok(ids);
+                return Ok((ids, start));
             }
             if !self.conv.drop_oldest() {
                 bail!(
@@ -279,15 +290,22 @@ impl Chat {
         }
     }
 
-    fn render_ids(&self) -> Result<Vec<u32>> {
+    /// The conversation's ids, and where the reply starts when the template thinks.
+    fn render_ids(&self) -> Result<(Vec<u32>, Option<super::thinking::Start>)> {
         let loaded = &self.session.loaded;
         let template = loaded
             .chat_template
             .as_ref()
             .context("the model has no chat template")?;
         let text = template.render(&self.conv.messages(), true)?;
+        let start = template
+            .reasoning_format()
+            .map(|format| super::thinking::Start {
+                format,
+                opened: format.opened_by(&text),
+            });
         // The template writes its own BOS where it wants one.
-        loaded.tokenizer.encode(&text, false)
+        Ok((loaded.tokenizer.encode(&text, false)?, start))
     }
 
     /// A slash command (without its slash). False: the chat ends.

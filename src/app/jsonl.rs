@@ -36,6 +36,12 @@ pub(crate) struct Line<'a> {
     pub wait_ms: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
+    /// The reply's thinking, kept out of `text` (a chat template with a thinking block).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning: Option<&'a str>,
+    /// Of `tokens`, those inside the thinking block.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_tokens: Option<usize>,
 }
 
 /// The shape of each output line (`--batch-output`).
@@ -77,12 +83,19 @@ impl Shape {
             let finish = if stop == "max-new" { "length" } else { "stop" };
             let text = l.text.unwrap_or("");
             let choice = if *chat {
-                serde_json::json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish})
+                let mut message = serde_json::json!({"role": "assistant", "content": text});
+                if let Some(r) = l.reasoning {
+                    message["reasoning_content"] = r.into();
+                }
+                serde_json::json!({"index": 0, "message": message, "finish_reason": finish})
             } else {
                 serde_json::json!({"index": 0, "text": text, "finish_reason": finish})
             };
             let (p, c) = (l.prompt_tokens.unwrap_or(0), l.tokens.unwrap_or(0));
             let mut usage = serde_json::json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
+            if let Some(r) = l.reasoning_tokens {
+                usage["completion_tokens_details"] = serde_json::json!({"reasoning_tokens": r});
+            }
             if let Some(cached) = l.cached_tokens {
                 usage["prompt_tokens_details"] = serde_json::json!({"cached_tokens": cached});
             }
@@ -265,6 +278,8 @@ impl Writer {
             ttft_ms: None,
             wait_ms: None,
             seed: None,
+            reasoning: None,
+            reasoning_tokens: None,
         };
         let json = self.shape.render(&line)?;
         self.put(index, json)

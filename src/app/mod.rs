@@ -23,6 +23,7 @@ mod batch;
 mod chat_repl;
 mod jsonl;
 mod remote;
+mod thinking;
 
 /// How a run ended, for the exit status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,6 +83,12 @@ impl Session {
                 .with_context(|| format!("chat template {}", file.display()))?;
             loaded.chat_template = Some(template);
         }
+        if let Some(t) = loaded.chat_template.take() {
+            if cfg.chat && !cfg.quiet {
+                note_reasoning(cfg.reasoning, &t);
+            }
+            loaded.chat_template = Some(t.with_thinking(cfg.reasoning.enable_thinking()));
+        }
         loaded.model.kv_mut().set_prefix_cache(cfg.prefix_cache);
         if cfg.verbose {
             for note in loaded.model.load_notes() {
@@ -109,31 +116,45 @@ impl Session {
 
     /// The token ids of a prompt as the model will see it (through the chat template with
     /// --chat), checked against the context window with room for `max_new` tokens (or for one
-    /// with --stop-at-context).
-    pub fn prompt_ids(&self, cfg: &Config, prompt_text: &str, max_new: usize) -> Result<Vec<u32>> {
+    /// with --stop-at-context), and where the reply starts when the chat template has a
+    /// thinking block.
+    pub fn prompt(
+        &self,
+        cfg: &Config,
+        prompt_text: &str,
+        max_new: usize,
+    ) -> Result<(Vec<u32>, Option<thinking::Start>)> {
         if cfg.chat {
             let messages = chat::one_shot(cfg.system.as_deref(), prompt_text);
-            return self.conversation_ids(cfg, &messages, max_new);
+            return self.conversation(cfg, &messages, max_new);
         }
-        self.text_ids(cfg, prompt_text, max_new, false)
+        Ok((self.text_ids(cfg, prompt_text, max_new, false)?, None))
     }
 
     /// The token ids of a conversation through the model's chat template, with the opening of
-    /// the assistant's turn, checked like [`Self::prompt_ids`].
-    pub fn conversation_ids(
+    /// the assistant's turn, checked like [`Self::prompt`], and where the reply starts.
+    pub fn conversation(
         &self,
         cfg: &Config,
         messages: &[chat::Message],
         max_new: usize,
-    ) -> Result<Vec<u32>> {
-        let template = self.loaded.chat_template.as_ref().with_context(|| {
+    ) -> Result<(Vec<u32>, Option<thinking::Start>)> {
+        let template = self.template()?;
+        let text = template.render(messages, true)?;
+        let start = template.reasoning_format().map(|format| thinking::Start {
+            format,
+            opened: format.opened_by(&text),
+        });
+        Ok((self.text_ids(cfg, &text, max_new, true)?, start))
+    }
+
+    fn template(&self) -> Result<&chat::ChatTemplate> {
+        self.loaded.chat_template.as_ref().with_context(|| {
             format!(
                 "{} has no chat template: drop --chat, or use a chat model",
                 self.path.display()
             )
-        })?;
-        let text = template.render(messages, true)?;
-        self.text_ids(cfg, &text, max_new, true)
+        })
     }
 
     /// `templated`: the text came from the chat template, which writes its own BOS.
@@ -185,6 +206,22 @@ impl Session {
     }
 }
 
+/// Say where `--reasoning on|off` cannot do what it asks of this template.
+fn note_reasoning(mode: crate::reasoning::Mode, t: &chat::ChatTemplate) {
+    use crate::reasoning::{has_switch, Mode};
+    let thinks = t.reasoning_format().is_some();
+    match mode {
+        Mode::On if !thinks => {
+            eprintln!("gen: note: this model's chat template has no thinking block; --reasoning on changes nothing")
+        }
+        Mode::Off if thinks && !has_switch(t.source()) => eprintln!(
+            "gen: note: this model's chat template has no switch to turn thinking off \
+             (enable_thinking); it may still think, and its thinking is kept out of the answer"
+        ),
+        _ => {}
+    }
+}
+
 pub fn run(cfg: &Config) -> Result<Outcome> {
     if let Some(rc) = &cfg.remote {
         return match &cfg.batch {
@@ -214,9 +251,9 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
     let Some(mut session) = Session::open(cfg)? else {
         return Ok(Outcome::Interrupted);
     };
-    let prompt = match &conversation {
-        Some(conv) => session.conversation_ids(cfg, &conv.messages(), cfg.max_new)?,
-        None => session.prompt_ids(cfg, &prompt_text, cfg.max_new)?,
+    let (prompt, start) = match &conversation {
+        Some(conv) => session.conversation(cfg, &conv.messages(), cfg.max_new)?,
+        None => session.prompt(cfg, &prompt_text, cfg.max_new)?,
     };
     if cfg.dry_run {
         // The exact text the model would see: the ids decoded back (special tokens included).
@@ -235,11 +272,15 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
     if cfg.echo {
         out.write(&prompt_text)?;
     }
+    let thinking = start
+        .map(|s| thinking::Thinking::new(s, &loaded.tokenizer, cfg.reasoning_budget, !cfg.quiet))
+        .transpose()?;
     let mut sink = StreamSink {
         text: loaded.tokenizer.stream(),
         stops: StopMatcher::new(cfg.stops.clone()),
         out: &mut out,
         kept: None,
+        thinking,
     };
     let limits = Limits {
         max_new: cfg.max_new,
@@ -282,6 +323,11 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         &mut sink,
     )?;
     sink.finish(gen.stop)?;
+    let reasoning = sink.thinking.take().map(|t| crate::report::Reasoning {
+        tokens: t.tokens,
+        unfinished: t.unfinished(),
+        text: t.text,
+    });
     if let Some(cache) = &cache {
         // The first token waited for the file too.
         gen.time_to_first_token += cache.load_time;
@@ -310,7 +356,8 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         )
         .with_load_times(session.load_times)
         .with_constraint(sampler.constraint())
-        .with_prompt_cache(cache.as_ref().map(|c| c.load_time));
+        .with_prompt_cache(cache.as_ref().map(|c| c.load_time))
+        .with_reasoning(reasoning);
         let mut err = std::io::stderr().lock();
         match cfg.stats {
             StatsFormat::Human => report.write_human(&mut err)?,
@@ -463,6 +510,8 @@ struct StreamSink<'a, 'w, W: Write> {
     out: &'w mut TextOut<W>,
     /// Some: also keep the text written (gen chat keeps each reply in the conversation).
     kept: Option<String>,
+    /// Some: the reply may think first; its thinking is kept apart from the text written.
+    thinking: Option<thinking::Thinking>,
 }
 
 impl<W: Write> StreamSink<'_, '_, W> {
@@ -476,10 +525,15 @@ impl<W: Write> StreamSink<'_, '_, W> {
 
     /// Flush what is still held back, unless a stop string or a closed pipe ended the run.
     fn finish(&mut self, stop: StopReason) -> Result<()> {
+        let mut rest = self.text.finish();
+        if let Some(t) = self.thinking.as_mut() {
+            let mut answer = t.push_text(&rest);
+            answer.push_str(&t.finish());
+            rest = answer;
+        }
         if matches!(stop, StopReason::Stop | StopReason::OutputClosed) {
             return Ok(());
         }
-        let mut rest = self.text.finish();
         rest.push_str(&self.stops.push("").text);
         rest.push_str(&self.stops.finish());
         self.emit(&rest)?;
@@ -489,7 +543,10 @@ impl<W: Write> StreamSink<'_, '_, W> {
 
 impl<W: Write> TokenSink for StreamSink<'_, '_, W> {
     fn on_token(&mut self, id: u32) -> Result<Flow> {
-        let piece = self.text.push(id)?;
+        let mut piece = self.text.push(id)?;
+        if let Some(t) = self.thinking.as_mut() {
+            piece = t.push(&piece);
+        }
         let release = self.stops.push(&piece);
         if !self.emit(&release.text)? {
             return Ok(Flow::Stop(StopReason::OutputClosed));
@@ -502,6 +559,18 @@ impl<W: Write> TokenSink for StreamSink<'_, '_, W> {
 
     fn cancelled(&self) -> Option<StopReason> {
         interrupt::requested().then_some(StopReason::Interrupted)
+    }
+
+    fn forced(&mut self) -> Vec<u32> {
+        self.thinking
+            .as_mut()
+            .map_or_else(Vec::new, thinking::Thinking::forced)
+    }
+
+    fn gate(&self) -> generate::Gate {
+        self.thinking
+            .as_ref()
+            .map_or(generate::Gate::Apply, thinking::Thinking::gate)
     }
 }
 

@@ -396,6 +396,8 @@ impl Tally {
             ttft_ms: (reply.attempts > 0).then(|| ms(reply.ttft)),
             wait_ms: None,
             seed: sampled.then_some(job.params.sampling.seed),
+            reasoning: None,
+            reasoning_tokens: None,
         })
     }
 }

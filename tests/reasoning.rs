@@ -1,0 +1,242 @@
+//! Thinking kept apart from the answer (src/reasoning.rs, src/app/thinking.rs), through the
+//! binary on the real default model given a thinking model's real chat template
+//! (assets/chat-templates: the DeepSeek-R1 distill's, which opens `<think>` at the end of the
+//! prompt with `enable_thinking`, and closes it at once without). Greedy, so every run of the
+//! same arguments writes the same reply. The model was not trained to think, so it never closes
+//! the block itself in these few tokens: the budget closes it (its end marker fed to the model),
+//! and a regex holds the answer, not the thinking, to its shape.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{gen, jsonl, smollm2, text};
+use serde_json::Value;
+
+fn template() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("assets/chat-templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja")
+}
+
+/// `gen --chat` with the thinking template and `args`: (stdout, stderr, the --stats json).
+fn run(args: &[&str]) -> (String, String, Value) {
+    let out = gen()
+        .arg("--model")
+        .arg(smollm2())
+        .arg("--chat-template")
+        .arg(template())
+        .args(["--chat", "--prompt", "What is 2 + 2?", "--temperature", "0"])
+        .args(["--stats", "json"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    let stats: Value = serde_json::from_str(err.lines().last().unwrap()).unwrap();
+    (text(&out.stdout), err, stats)
+}
+
+#[test]
+fn the_budget_closes_the_thinking_and_the_grammar_holds_the_answer_only() {
+    let (answer, err, stats) = run(&[
+        "--reasoning",
+        "on",
+        "--reasoning-budget",
+        "6",
+        "--regex",
+        "[0-9]{1,3}",
+        "--max-new",
+        "40",
+    ]);
+    // stdout: the answer alone, whole under the regex; the thinking went to stderr.
+    assert!(
+        !answer.is_empty() && answer.len() <= 3 && answer.bytes().all(|b| b.is_ascii_digit()),
+        "{answer:?}"
+    );
+    let thinking = stats["reasoning"].as_str().unwrap();
+    assert!(!thinking.trim().is_empty(), "{stats}");
+    assert!(
+        !thinking.contains("think>"),
+        "markers stay out: {thinking:?}"
+    );
+    assert!(
+        err.starts_with(thinking),
+        "the thinking streams to stderr first: {err:?}"
+    );
+    // Six tokens of thinking, then the end marker's tokens (fed, not sampled).
+    let tokens = stats["reasoning_tokens"].as_u64().unwrap();
+    assert!((7..=12).contains(&tokens), "{stats}");
+    assert_eq!(stats["stopped_while_thinking"], false);
+    assert_eq!(stats["stop_reason"], "grammar");
+    // The forced marker took no pass of its own: fewer passes than tokens after the first.
+    let (passes, generated) = (
+        stats["forward_passes"].as_u64().unwrap(),
+        stats["generated_tokens"].as_u64().unwrap(),
+    );
+    assert!(passes < generated, "{stats}");
+}
+
+#[test]
+fn reasoning_off_renders_the_block_closed_and_the_reply_is_all_answer() {
+    let (answer, _, stats) = run(&["--reasoning", "off", "--regex", "[0-9]{1,3}"]);
+    assert!(answer.bytes().all(|b| b.is_ascii_digit()) && !answer.is_empty());
+    assert_eq!(stats["reasoning_tokens"], 0, "{stats}");
+    assert_eq!(stats["reasoning"], "");
+    // --dry-run shows why: the template closed the block in the prompt.
+    let out = gen()
+        .arg("--model")
+        .arg(smollm2())
+        .arg("--chat-template")
+        .arg(template())
+        .args([
+            "--chat",
+            "--prompt",
+            "Hi",
+            "--dry-run",
+            "--reasoning",
+            "off",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        text(&out.stdout).ends_with("<think>\n</think>"),
+        "{}",
+        text(&out.stdout)
+    );
+}
+
+#[test]
+fn a_reply_cut_while_thinking_has_no_answer_and_the_report_says_so() {
+    let (answer, err, stats) = run(&["--reasoning", "on", "--max-new", "5"]);
+    assert_eq!(answer, "", "nothing of the thinking on stdout");
+    assert_eq!(stats["stopped_while_thinking"], true, "{stats}");
+    assert_eq!(stats["reasoning_tokens"], 5);
+    assert_eq!(stats["stop_reason"], "max-new");
+    assert!(!stats["reasoning"].as_str().unwrap().is_empty());
+    // The human report too.
+    let out = gen()
+        .arg("--model")
+        .arg(smollm2())
+        .arg("--chat-template")
+        .arg(template())
+        .args(["--chat", "--prompt", "What is 2 + 2?", "--temperature", "0"])
+        .args(["--reasoning", "on", "--max-new", "5"])
+        .output()
+        .unwrap();
+    let human = text(&out.stderr);
+    assert!(
+        human.contains("reasoning      5 tokens (the reply stopped while thinking: no answer)"),
+        "{human}"
+    );
+    assert!(err.contains(stats["reasoning"].as_str().unwrap()));
+}
+
+#[test]
+fn batch_lines_carry_the_thinking_apart_in_both_shapes() {
+    let (_, _, single) = run(&["--reasoning", "on", "--max-new", "8"]);
+    let input = "What is 2 + 2?\nName a colour.\n";
+    let batch = |shape: &str| -> Vec<Value> {
+        let mut cmd = gen();
+        cmd.arg("--model")
+            .arg(smollm2())
+            .arg("--chat-template")
+            .arg(template())
+            .args(["--chat", "--batch", "-", "--temperature", "0"])
+            .args(["--reasoning", "on", "--max-new", "8", "--quiet"])
+            .args(["--batch-output", shape]);
+        let out = common::with_stdin(cmd, input);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        jsonl(&text(&out.stdout))
+    };
+    let lines = batch("gen");
+    assert_eq!(lines.len(), 2);
+    // The first line is the single run's reply: all thinking, no text.
+    assert_eq!(lines[0]["reasoning"], single["reasoning"], "{}", lines[0]);
+    assert_eq!(lines[0]["reasoning_tokens"], 8);
+    assert_eq!(lines[0]["text"], "");
+    let openai = batch("openai");
+    let message = &openai[0]["response"]["body"]["choices"][0]["message"];
+    assert_eq!(
+        message["reasoning_content"], single["reasoning"],
+        "{message}"
+    );
+    assert_eq!(message["content"], "");
+    let usage = &openai[0]["response"]["body"]["usage"];
+    assert_eq!(usage["completion_tokens_details"]["reasoning_tokens"], 8);
+}
+
+#[test]
+fn gen_chat_keeps_the_thinking_out_of_the_conversation() {
+    let dir = std::env::temp_dir().join(format!("gen-reasoning-chat-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let saved = dir.join("conv.json");
+    let mut cmd = gen();
+    cmd.arg("chat")
+        .arg("--model")
+        .arg(smollm2())
+        .arg("--chat-template")
+        .arg(template())
+        .args(["--temperature", "0", "--max-new", "12"])
+        .args(["--reasoning", "on", "--reasoning-budget", "4"]);
+    let out = common::with_stdin(cmd, &format!("What is 2 + 2?\n/save {}\n", saved.display()));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let conv: Value = serde_json::from_str(&std::fs::read_to_string(&saved).unwrap()).unwrap();
+    let reply = conv[1]["content"].as_str().unwrap();
+    // The one-shot run of the same turn: its answer is the reply kept, its thinking is not.
+    let (answer, _, stats) = run(&[
+        "--reasoning",
+        "on",
+        "--reasoning-budget",
+        "4",
+        "--max-new",
+        "12",
+    ]);
+    assert_eq!(reply, answer, "{conv}");
+    let thinking = stats["reasoning"].as_str().unwrap();
+    assert!(!thinking.trim().is_empty(), "{stats}");
+    assert!(!reply.contains("think>"), "{reply:?}");
+    assert!(
+        text(&out.stderr).contains(thinking.trim()),
+        "shown on stderr"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn reasoning_flags_are_refused_where_they_cannot_work() {
+    for (args, want) in [
+        (
+            vec!["--batch", "x", "--reasoning-budget", "5"],
+            "--reasoning-budget",
+        ),
+        (
+            vec![
+                "--prompt",
+                "Hi",
+                "--endpoint",
+                "http://127.0.0.1:9",
+                "--reasoning",
+                "off",
+            ],
+            "local models only",
+        ),
+    ] {
+        let out = gen()
+            .args(&args)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+        assert!(
+            common::one_error_line(&out).contains(want),
+            "{}",
+            text(&out.stderr)
+        );
+    }
+}
