@@ -21,6 +21,9 @@ One line per (template, conversation, add_generation_prompt):
    "messages", and either "text" (the render) or "error" (what jinja2 raised):
    {"type": exception class, "message": text, "raised": true when the template called
    raise_exception}}.
+Templates that mention tools also get lines with "tools" (OpenAI's tools array, passed as `tools`) for a user
+question and for a conversation with an assistant tool call (arguments as an object, as transformers documents
+them) and the tool's result.
 Templates with a thinking switch (their source reads `enable_thinking`) also get lines with
 "enable_thinking": true and false (what `--reasoning on|off` passes), for every conversation and
 for one whose earlier assistant turn holds its thinking (which most templates drop from history).
@@ -53,6 +56,15 @@ CONVERSATIONS = {
 
 # An earlier reply that kept its thinking, as a client that stores whole replies sends it back.
 ASSISTANT_THOUGHT = {"role": "assistant", "content": "<think>\nThe user greets me.\n</think>\n\nI am an assistant."}
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city's name."}},
+                   "required": ["city"]}}}]
+USER_W = {"role": "user", "content": "What is the weather in Paris?"}
+ASSISTANT_CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+TOOL_RESULT = {"role": "tool", "tool_call_id": "call_0", "name": "get_weather", "content": "{\"temperature\": 18}"}
+TOOL_CONVERSATIONS = {"tools:user": [USER_W], "tools:call+result": [USER_W, ASSISTANT_CALL, TOOL_RESULT]}
 THINKING_CONVERSATIONS = dict(CONVERSATIONS, **{"user+thought+user": [USER_1, ASSISTANT_THOUGHT, USER_2]})
 
 # Special tokens of the model a template comes from, by the start of its file name; the rest get
@@ -136,6 +148,8 @@ def main():
             except jinja2.TemplateError as e:
                 template, compile_error = None, error(e)
             cases = [(c, m, g, None) for c, m in CONVERSATIONS.items() for g in (True, False)]
+            if "tool" in source:
+                cases += [(c, m, True, "tools") for c, m in TOOL_CONVERSATIONS.items()]
             if "enable_thinking" in source:
                 cases += [(c, m, True, t) for c, m in THINKING_CONVERSATIONS.items() for t in (True, False)]
             for conversation, messages, add_generation_prompt, thinking in cases:
@@ -149,7 +163,10 @@ def main():
                     "messages": messages,
                 }
                 switch = {}
-                if thinking is not None:
+                tools = None
+                if thinking == "tools":
+                    record["tools"] = tools = TOOLS
+                elif thinking is not None:
                     record["enable_thinking"] = switch["enable_thinking"] = thinking
                 try:
                     if compile_error:
@@ -160,7 +177,7 @@ def main():
                             add_generation_prompt=add_generation_prompt,
                             bos_token=bos,
                             eos_token=eos,
-                            tools=None,
+                            tools=tools,
                             documents=None,
                             **switch,
                         )

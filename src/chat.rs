@@ -28,10 +28,31 @@ const TEMPLATE_FUEL: u64 = 2_000_000;
 /// What `{% generation %}` blocks become: a call block of this function, which renders its body.
 const GENERATION_FN: &str = "__gen_generation_block";
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize, Default)]
 pub struct Message {
     pub role: String,
     pub content: String,
+    /// An assistant turn's calls, in OpenAI's shape (`{"id", "type", "function": {"name",
+    /// "arguments"}}`), as the templates read them.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A tool result's call id (role `tool`).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub tool_call_id: Option<String>,
+    /// A tool result's function name (role `tool`).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub name: Option<String>,
+}
+
+impl Message {
+    /// A plain message of `role` holding `content`.
+    pub fn new(role: &str, content: &str) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+            ..Self::default()
+        }
+    }
 }
 
 /// A chat template with the special tokens it may refer to.
@@ -42,6 +63,8 @@ pub struct ChatTemplate {
     eos_token: String,
     /// `enable_thinking` for templates that read it (None: not set, the template's default).
     enable_thinking: Option<bool>,
+    /// The tools offered (OpenAI's `tools` array), or None.
+    tools: Option<serde_json::Value>,
 }
 
 impl ChatTemplate {
@@ -51,7 +74,19 @@ impl ChatTemplate {
             bos_token,
             eos_token,
             enable_thinking: None,
+            tools: None,
         }
+    }
+
+    /// Render with `tools` (OpenAI's `tools` array) offered to the model, or none.
+    pub fn with_tools(mut self, tools: Option<serde_json::Value>) -> Self {
+        self.tools = tools;
+        self
+    }
+
+    /// The tool-call format the template describes, if any ([`crate::tool_calls`]).
+    pub fn tool_format(&self) -> Option<crate::tool_calls::Format> {
+        crate::tool_calls::Format::of_template(&self.source)
     }
 
     /// Render with `enable_thinking` set (`--reasoning on|off`), or not set (None).
@@ -94,12 +129,18 @@ impl ChatTemplate {
             .map_err(|e| {
                 anyhow::anyhow!("the model's chat template does not parse: {}", one_line(&e))
             })?;
+        // Tool-call arguments as OpenAI sends them (a JSON string) become the object they
+        // hold, as the templates read them (llama.cpp's server does the same).
+        let messages: Vec<Message> = messages.iter().map(with_argument_objects).collect();
         let ctx = context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
-            tools => Value::from_object(python::PyNone),
+            tools => match &self.tools {
+                Some(t) => Value::from_serialize(t),
+                None => Value::from_object(python::PyNone),
+            },
             documents => Value::from_object(python::PyNone),
         };
         let ctx = match self.enable_thinking {
@@ -133,6 +174,7 @@ fn environment(now: LocalTime) -> Environment<'static> {
     });
     env.add_filter("string", |v: &Value| python::py_str(v));
     env.add_filter("tojson", python::tojson);
+    env.add_filter("indent", python::indent);
     python::add_empty_on_false_filters(&mut env);
     env.add_test("none", python::is_none);
     env.add_test("iterable", python::is_iterable);
@@ -216,19 +258,30 @@ fn one_line(e: &Error) -> String {
     e.to_string().replace(['\n', '\r'], " ")
 }
 
+/// `m` with each tool call's `function.arguments`, when a JSON string holding an object, as
+/// that object.
+fn with_argument_objects(m: &Message) -> Message {
+    let mut m = m.clone();
+    for call in m.tool_calls.iter_mut().flatten() {
+        let args = &mut call["function"]["arguments"];
+        if let Some(obj) = args
+            .as_str()
+            .and_then(|s| serde_json::from_str::<serde_json::Value>(s).ok())
+            .filter(serde_json::Value::is_object)
+        {
+            *args = obj;
+        }
+    }
+    m
+}
+
 /// The conversation for a one-shot prompt: an optional system message, then the user's text.
 pub fn one_shot(system: Option<&str>, user: &str) -> Vec<Message> {
     let mut m = Vec::new();
     if let Some(s) = system {
-        m.push(Message {
-            role: "system".into(),
-            content: s.into(),
-        });
+        m.push(Message::new("system", s));
     }
-    m.push(Message {
-        role: "user".into(),
-        content: user.into(),
-    });
+    m.push(Message::new("user", user));
     m
 }
 

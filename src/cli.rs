@@ -147,6 +147,12 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = ReasoningArg::Auto, value_name = "MODE")]
     pub reasoning: ReasoningArg,
 
+    /// Tools the model may call: a JSON file holding OpenAI's `tools` array. They go to the chat
+    /// template, and the calls a reply makes come back as OpenAI `tool_calls` (in --stats json,
+    /// --batch lines and OpenAI-shaped output).
+    #[arg(long, value_name = "FILE")]
+    pub tools: Option<PathBuf>,
+
     /// After this many thinking tokens the thinking block is closed (its end marker is fed to
     /// the model) and the answer begins.
     #[arg(long, value_name = "N")]
@@ -443,6 +449,8 @@ pub struct Config {
     pub reasoning: crate::reasoning::Mode,
     /// --reasoning-budget: thinking tokens before the block is closed.
     pub reasoning_budget: Option<usize>,
+    /// --tools: OpenAI's `tools` array, read and checked.
+    pub tools: Option<serde_json::Value>,
     pub dry_run: bool,
     pub echo: bool,
     pub max_new: usize,
@@ -497,6 +505,9 @@ impl Args {
             bail!("--kv-blocks must be at least 1");
         }
         let interactive = self.command == Some(Command::Chat);
+        if self.tools.is_some() && !(self.chat || interactive) {
+            bail!("--tools offers tools through the chat template: add --chat (or use gen chat)");
+        }
         if interactive
             && (self.batch.is_some() || self.prompt.is_some() || self.prompt_file.is_some())
         {
@@ -583,6 +594,11 @@ impl Args {
                 (r, _) => r.mode(),
             },
             reasoning_budget: self.reasoning_budget,
+            tools: self
+                .tools
+                .as_deref()
+                .map(crate::tool_calls::read_tools)
+                .transpose()?,
             dry_run: self.dry_run,
             echo: self.echo,
             max_new: self.max_new,
@@ -623,6 +639,9 @@ fn remote_config(a: &Args, interactive: bool, constrained: bool) -> Result<Optio
     }
     if a.prompt_cache.is_some() || a.no_prefix_cache {
         bail!("--prompt-cache and --no-prefix-cache are about the local KV cache; with --endpoint the server keeps its own");
+    }
+    if a.tools.is_some() {
+        bail!("--tools runs on local models only for now; drop it with --endpoint");
     }
     if a.reasoning != ReasoningArg::Auto || a.reasoning_budget.is_some() {
         bail!("--reasoning and --reasoning-budget run on local models only for now; drop them with --endpoint");

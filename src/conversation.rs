@@ -25,7 +25,28 @@ pub struct Conversation {
 #[derive(Deserialize)]
 struct Entry {
     role: String,
-    content: String,
+    /// Null or absent in an assistant turn that only calls tools.
+    #[serde(default)]
+    content: Option<String>,
+    #[serde(default)]
+    tool_calls: Option<Vec<serde_json::Value>>,
+    #[serde(default)]
+    tool_call_id: Option<String>,
+    #[serde(default)]
+    name: Option<String>,
+}
+
+/// A tool call as OpenAI writes it: `{"function": {"name": string, "arguments": string or
+/// object}}` (an `id` and `"type": "function"` usually beside).
+fn check_call(c: &serde_json::Value) -> Result<()> {
+    let f = &c["function"];
+    if !f["name"].is_string() {
+        bail!("not {{\"function\": {{\"name\", \"arguments\"}}}}");
+    }
+    if !(f["arguments"].is_string() || f["arguments"].is_object() || f["arguments"].is_null()) {
+        bail!("its arguments are neither a JSON string nor an object");
+    }
+    Ok(())
 }
 
 impl Conversation {
@@ -40,19 +61,21 @@ impl Conversation {
     pub fn messages(&self) -> Vec<Message> {
         let mut m = Vec::with_capacity(self.turns.len() + 1);
         if let Some(s) = &self.system {
-            m.push(Message {
-                role: "system".into(),
-                content: s.clone(),
-            });
+            m.push(Message::new("system", s));
         }
         m.extend(self.turns.iter().cloned());
         m
     }
 
     pub fn push(&mut self, role: &str, content: &str) {
+        self.turns.push(Message::new(role, content));
+    }
+
+    /// An assistant turn that calls tools (OpenAI-shaped `tool_calls`), with its text.
+    pub fn push_calls(&mut self, content: &str, calls: Vec<serde_json::Value>) {
         self.turns.push(Message {
-            role: role.into(),
-            content: content.into(),
+            tool_calls: Some(calls),
+            ..Message::new("assistant", content)
         });
     }
 
@@ -96,12 +119,34 @@ impl Conversation {
         }
         let mut conv = Conversation::default();
         for (i, e) in entries.into_iter().enumerate() {
+            let calls = e.tool_calls.filter(|c| !c.is_empty());
+            let content = match (e.content, &calls, e.role.as_str()) {
+                (Some(c), _, _) => c,
+                (None, Some(_), "assistant") => String::new(),
+                (None, _, _) => bail!("{what}: message {i} has no \"content\""),
+            };
             match e.role.as_str() {
-                "system" if i == 0 => conv.system = Some(e.content),
+                "system" if i == 0 => conv.system = Some(content),
                 "system" => bail!("{what}: message {i} is a system message; only the first may be"),
-                "user" | "assistant" => conv.push(&e.role, &e.content),
+                "user" => conv.push("user", &content),
+                "assistant" => match calls {
+                    Some(calls) => {
+                        for (j, c) in calls.iter().enumerate() {
+                            check_call(c).with_context(|| {
+                                format!("{what}: message {i}'s tool call {j}")
+                            })?;
+                        }
+                        conv.push_calls(&content, calls);
+                    }
+                    None => conv.push("assistant", &content),
+                },
+                "tool" => conv.turns.push(Message {
+                    tool_call_id: e.tool_call_id,
+                    name: e.name,
+                    ..Message::new("tool", &content)
+                }),
                 other => bail!(
-                    "{what}: message {i} has role {other:?}; gen knows system, user and assistant"
+                    "{what}: message {i} has role {other:?}; gen knows system, user, assistant and tool"
                 ),
             }
         }
@@ -112,7 +157,7 @@ impl Conversation {
         let all: Vec<serde_json::Value> = self
             .messages()
             .iter()
-            .map(|m| serde_json::json!({ "role": m.role, "content": m.content }))
+            .map(|m| serde_json::to_value(m).expect("strings always serialise"))
             .collect();
         serde_json::to_string_pretty(&all).expect("strings always serialise") + "\n"
     }
@@ -195,7 +240,12 @@ mod tests {
         for (text, want) in [
             ("not json", "not a JSON array"),
             ("[]", "holds no messages"),
-            (r#"[{"role": "tool", "content": "x"}]"#, "role \"tool\""),
+            (r#"[{"role": "robot", "content": "x"}]"#, "role \"robot\""),
+            (r#"[{"role": "user"}]"#, "no \"content\""),
+            (
+                r#"[{"role": "assistant", "content": null, "tool_calls": [{"function": {}}]}]"#,
+                "tool call 0",
+            ),
             (
                 r#"[{"role": "user", "content": "x"}, {"role": "system", "content": "y"}]"#,
                 "only the first",
@@ -205,6 +255,24 @@ mod tests {
             let err = format!("{:#}", Conversation::from_json(text, "f").unwrap_err());
             assert!(err.contains(want), "{text}: {err}");
         }
+    }
+
+    #[test]
+    fn tool_calls_and_results_round_trip() {
+        let text = r#"[{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "call_0", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_0", "name": "get_weather", "content": "18 C"}]"#;
+        let c = Conversation::from_json(text, "f").unwrap();
+        assert_eq!(c.turns.len(), 3);
+        let calls = c.turns[1].tool_calls.as_ref().unwrap();
+        assert_eq!(calls[0]["function"]["name"], "get_weather");
+        assert_eq!(c.turns[2].tool_call_id.as_deref(), Some("call_0"));
+        let v: serde_json::Value = serde_json::from_str(&c.to_json()).unwrap();
+        assert_eq!(v[1]["tool_calls"][0]["id"], "call_0");
+        assert_eq!(v[2]["role"], "tool");
+        assert!(v[0].get("tool_calls").is_none());
+        assert_eq!(Conversation::from_json(&c.to_json(), "x").unwrap(), c);
     }
 
     #[test]

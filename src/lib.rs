@@ -24,3 +24,4 @@ pub mod sampler;
 pub mod source;
 pub mod speculate;
 pub mod tokenizer;
+pub mod tool_calls;

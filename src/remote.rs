@@ -636,10 +636,7 @@ mod tests {
             (json!(3), json!(["\n"]))
         );
         assert!(body.get("repetition_penalty").is_none());
-        let msgs = [Message {
-            role: "user".into(),
-            content: "yo".into(),
-        }];
+        let msgs = [Message::new("user", "yo")];
         let (url, body) = ep.request(&Prompt::Messages(&msgs), &params);
         assert_eq!(url, "http://h/v1/chat/completions");
         assert_eq!(body["messages"][0]["content"], "yo");

@@ -43,6 +43,12 @@ pub struct Report {
     /// The reply's thinking, when the chat template has a thinking block.
     #[serde(skip_serializing_if = "Option::is_none", flatten)]
     pub reasoning: Option<Reasoning>,
+    /// The calls the reply made (OpenAI's `tool_calls`), with --tools.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// Blocks that looked like tool calls and did not parse (cut, malformed), with --tools.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub malformed_tool_calls: Option<usize>,
 }
 
 /// A reply's thinking, kept apart from its text ([`crate::reasoning`]).
@@ -186,7 +192,23 @@ impl Report {
                 .as_ref()
                 .map(|(max, stats)| SpeculateReport::new(*max, stats)),
             reasoning: None,
+            tool_calls: None,
+            malformed_tool_calls: None,
         }
+    }
+
+    pub fn with_tool_calls(mut self, parsed: Option<&crate::tool_calls::Parsed>) -> Self {
+        if let Some(p) = parsed {
+            self.tool_calls = Some(
+                p.calls
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| c.to_openai(i))
+                    .collect(),
+            );
+            self.malformed_tool_calls = Some(p.malformed);
+        }
+        self
     }
 
     pub fn with_load_times(mut self, load: LoadTimes) -> Self {
@@ -248,6 +270,29 @@ impl Report {
                 false => "",
             };
             writeln!(w, "reasoning      {} tokens{note}", r.tokens)?;
+        }
+        if let Some(calls) = &self.tool_calls {
+            let list: Vec<String> = calls
+                .iter()
+                .map(|c| {
+                    let f = &c["function"];
+                    format!(
+                        "{}({})",
+                        f["name"].as_str().unwrap_or(""),
+                        f["arguments"].as_str().unwrap_or("")
+                    )
+                })
+                .collect();
+            let malformed = match self.malformed_tool_calls.unwrap_or(0) {
+                0 => String::new(),
+                n => format!(" ({n} malformed, left in the text)"),
+            };
+            let shown = if list.is_empty() {
+                "none".to_string()
+            } else {
+                list.join(", ")
+            };
+            writeln!(w, "tool calls     {shown}{malformed}")?;
         }
         if let Some(c) = &self.constraint {
             c.write_human(w)?;

@@ -7,7 +7,8 @@
 //! raised, gen must fail too (with the template's own message where the template raised it).
 //! All mismatches are listed, each with where the texts first differ, before the test fails.
 //! Templates with a thinking switch are also rendered with `enable_thinking` true and false
-//! (`--reasoning on|off`), and with an earlier reply that kept its thinking.
+//! (`--reasoning on|off`), and with an earlier reply that kept its thinking; templates that
+//! mention tools with `tools` offered, an assistant tool call and the tool's result.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -82,21 +83,14 @@ fn check(r: &Value) -> Option<String> {
     let name = field(r, "template");
     let source = std::fs::read_to_string(assets().join("chat-templates").join(name))
         .unwrap_or_else(|e| panic!("cannot read template {name}: {e}"));
-    let messages: Vec<Message> = r["messages"]
-        .as_array()
-        .expect("messages")
-        .iter()
-        .map(|m| Message {
-            role: field(m, "role").into(),
-            content: field(m, "content").into(),
-        })
-        .collect();
+    let messages: Vec<Message> = serde_json::from_value(r["messages"].clone()).expect("messages");
     let template = ChatTemplate::new(
         source,
         field(r, "bos_token").into(),
         field(r, "eos_token").into(),
     )
-    .with_thinking(r.get("enable_thinking").and_then(Value::as_bool));
+    .with_thinking(r.get("enable_thinking").and_then(Value::as_bool))
+    .with_tools(r.get("tools").cloned());
     let add = r["add_generation_prompt"]
         .as_bool()
         .expect("add_generation_prompt");
@@ -125,6 +119,15 @@ fn check(r: &Value) -> Option<String> {
     }
 }
 
+/// Renders known to differ, and why: each must still differ (a fix updates this list).
+/// jinja2 escapes a plain string added to a `|safe` one (`Markup + str`, HTML escapes
+/// included, autoescaping off or not); minijinja concatenates them as they are. Only
+/// functionary v3.1's tool list meets this: it writes `"..."|safe + tool|tojson`.
+const KNOWN: [(&str, &str); 2] = [
+    ("meetkai-functionary-medium-v3.1.jinja", "tools:user"),
+    ("meetkai-functionary-medium-v3.1.jinja", "tools:call+result"),
+];
+
 #[test]
 fn real_templates_render_as_transformers_renders_them() {
     let records = records();
@@ -137,6 +140,14 @@ fn real_templates_render_as_transformers_renders_them() {
             texts += 1;
         } else {
             errors += 1;
+        }
+        let known = KNOWN.contains(&(field(r, "template"), field(r, "conversation")));
+        if known {
+            assert!(
+                check(r).is_some(),
+                "{r}: renders the same now; drop it from KNOWN"
+            );
+            continue;
         }
         if let Some(what) = check(r) {
             mismatches.push(format!(

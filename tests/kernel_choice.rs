@@ -57,7 +57,7 @@ fn two_paths() -> bool {
 #[test]
 fn paths_are_measured_once_kept_and_give_the_same_text() {
     // A measurement shared with other work is not kept (the first run says so): try again
-    // on a fresh cache, a few times, for one the machine had to itself.
+    // on a fresh cache, waiting longer each time, for one the machine had to itself.
     let mut tries = 0;
     let (dir, first, err1) = loop {
         tries += 1;
@@ -65,9 +65,16 @@ fn paths_are_measured_once_kept_and_give_the_same_text() {
             std::env::temp_dir().join(format!("gen-kernel-choice-{}-{tries}", std::process::id())),
         );
         let (first, err1) = run(&dir.0, None);
-        if !err1.contains("the CPU was busy") || tries == 3 {
+        let busy = err1.contains("the CPU was busy");
+        assert!(
+            !busy || tries < 8,
+            "8 measurements, each refused as made on a busy CPU: {err1}"
+        );
+        if !busy {
             break (dir, first, err1);
         }
+        // Let whatever else runs (other tests, a build) move on first.
+        std::thread::sleep(std::time::Duration::from_secs(2 * tries));
         assert!(kept_files(&dir.0).is_empty(), "a busy measurement kept");
     };
     let cache = &dir.0;

@@ -95,6 +95,7 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
     };
     let (requests, ran) = requests(&session, cfg, prepared, pool_blocks, &eos, &mut out)?;
 
+    let tool_format = session.tool_format(cfg);
     let loaded = &mut session.loaded;
     let tokenizer = &loaded.tokenizer;
     let progress = (std::io::stderr().is_terminal() && !cfg.quiet).then(|| {
@@ -133,6 +134,7 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
         masks: Vec::new(),
         tokens: 0,
         started: std::time::Instant::now(),
+        tool_format,
     };
     let opts = BatchOptions {
         batch_size,
@@ -301,6 +303,8 @@ struct Sink<'a, 't> {
     masks: Vec<(&'static str, MaskStats)>,
     tokens: usize,
     started: std::time::Instant,
+    /// With --tools: the format of the replies' calls.
+    tool_format: Option<crate::tool_calls::Format>,
 }
 
 impl BatchSink for Sink<'_, '_> {
@@ -341,6 +345,9 @@ impl BatchSink for Sink<'_, '_> {
             }
         }
         let ms = |d: Duration| (d.as_secs_f64() * 1e5).round() / 100.0;
+        let calls = self
+            .tool_format
+            .map(|f| crate::tool_calls::parse(f, &t.text));
         let line = Line {
             index: p.index,
             id: &p.entry.id,
@@ -357,6 +364,14 @@ impl BatchSink for Sink<'_, '_> {
             seed: (!p.sampling.is_greedy()).then_some(p.sampling.seed),
             reasoning: t.thinking.as_ref().map(|th| th.text.as_str()),
             reasoning_tokens: t.thinking.as_ref().map(|th| th.tokens),
+            tool_calls: calls.as_ref().map(|p| {
+                p.calls
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| c.to_openai(i))
+                    .collect()
+            }),
+            content: calls.map(|p| p.content),
         };
         let json = self.out.shape.render(&line)?;
         t.text = String::new();

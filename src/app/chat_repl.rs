@@ -39,6 +39,8 @@ commands:
   /set NAME VALUE       temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
                         seed, max_new
   /stats                the last reply's full report
+  /tool TEXT            the result of the model's pending tool call (with --tools); the
+                        model then replies
   /exit                 end the chat (also Ctrl-D, or Ctrl-C on an empty line)
 A line ending in \\ continues on the next line (also Alt-Enter); Ctrl-C stops a reply.";
 
@@ -58,6 +60,27 @@ struct Chat {
     /// --reasoning-budget.
     reasoning_budget: Option<usize>,
     speculate: Option<usize>,
+    /// With --tools: the format of the model's calls.
+    tool_format: Option<crate::tool_calls::Format>,
+}
+
+/// What a turn starts from.
+enum Input<'a> {
+    /// A user message.
+    User(&'a str),
+    /// The result of the model's pending tool call (`/tool TEXT`).
+    Tool(&'a str),
+}
+
+impl<'a> Input<'a> {
+    /// A line typed: `/tool TEXT` is a tool result, a line not starting with `/` a message.
+    fn of(line: &'a str) -> Option<Self> {
+        let t = line.trim_start();
+        if let Some(result) = t.strip_prefix("/tool ") {
+            return Some(Input::Tool(result.trim()));
+        }
+        (!t.starts_with('/')).then_some(Input::User(line))
+    }
 }
 
 /// How a turn ended, for the loop.
@@ -97,7 +120,6 @@ impl Chat {
         model.reserve_pool(blocks_for(context))?;
         let stderr_tty = std::io::stderr().is_terminal();
         Ok(Self {
-            session,
             conv,
             params: cfg.sampling.clone(),
             sampler: Sampler::new(cfg.sampling.clone()),
@@ -109,6 +131,8 @@ impl Chat {
             ignore_eos: cfg.ignore_eos,
             reasoning_budget: cfg.reasoning_budget,
             speculate: cfg.speculate.map(|(_, k)| k),
+            tool_format: session.tool_format(cfg),
+            session,
         })
     }
 
@@ -121,13 +145,13 @@ impl Chat {
             if line.trim().is_empty() {
                 continue;
             }
-            if let Some(cmd) = line.strip_prefix('/') {
-                if !self.command(cmd)? {
+            let Some(input) = Input::of(line) else {
+                if !self.command(&line[1..])? {
                     break;
                 }
                 continue;
-            }
-            if let Turn::Interrupted = self.turn(line)? {
+            };
+            if let Turn::Interrupted = self.turn(input)? {
                 return Ok(Outcome::Interrupted);
             }
             let mut out = std::io::stdout().lock();
@@ -167,8 +191,8 @@ impl Chat {
             if line.trim().is_empty() {
                 continue;
             }
-            if let Some(cmd) = line.trim_start().strip_prefix('/') {
-                match self.command(cmd) {
+            let Some(input) = Input::of(&line) else {
+                match self.command(&line.trim_start()[1..]) {
                     Ok(true) => continue,
                     Ok(false) => break,
                     Err(e) => {
@@ -176,8 +200,8 @@ impl Chat {
                         continue;
                     }
                 }
-            }
-            let done = self.turn(&line);
+            };
+            let done = self.turn(input);
             // The reply ends its line; its status follows, then the next prompt.
             let mut out = std::io::stdout().lock();
             let _ = out.write_all(b"\n");
@@ -191,13 +215,17 @@ impl Chat {
         Ok(Outcome::Done)
     }
 
-    /// One exchange: the user's message, the reply streamed to stdout.
-    fn turn(&mut self, user: &str) -> Result<Turn> {
-        self.conv.push("user", user);
+    /// One exchange: the user's message (or a tool's result), the reply streamed to stdout.
+    fn turn(&mut self, input: Input<'_>) -> Result<Turn> {
+        let before = self.conv.turns.len();
+        match input {
+            Input::User(user) => self.conv.push("user", user),
+            Input::Tool(result) => self.push_tool_result(result)?,
+        }
         let (ids, start) = match self.fit() {
             Ok(fit) => fit,
             Err(e) => {
-                self.conv.undo();
+                self.conv.turns.truncate(before);
                 return Err(e);
             }
         };
@@ -239,14 +267,14 @@ impl Chat {
         let gen = match result {
             Ok(gen) => gen,
             Err(e) => {
-                self.conv.undo();
+                self.conv.turns.truncate(before);
                 return Err(e);
             }
         };
         sink.finish(gen.stop)?;
         let reply = sink.kept.take().unwrap_or_default();
         drop(out);
-        self.conv.push("assistant", &reply);
+        self.keep_reply(&reply);
         // The next turn finds the conversation up to this reply in the prefix cache: blocks
         // prefill passes computed. The reply's own keys and values came from one-token decode
         // passes, whose attention sums in another order; they are not published, and the next
@@ -260,6 +288,63 @@ impl Chat {
             return Ok(Turn::Interrupted);
         }
         Ok(Turn::Replied)
+    }
+
+    /// The reply into the conversation: with --tools, the calls it makes as OpenAI
+    /// `tool_calls` (each shown, to be answered with /tool), else as text.
+    fn keep_reply(&mut self, reply: &str) {
+        let parsed = self
+            .tool_format
+            .map(|f| crate::tool_calls::parse(f, reply))
+            .filter(|p| !p.calls.is_empty());
+        let Some(p) = parsed else {
+            self.conv.push("assistant", reply);
+            return;
+        };
+        // Ids numbered through the conversation, so every call's result names one call.
+        let earlier: usize = self
+            .conv
+            .turns
+            .iter()
+            .filter_map(|m| m.tool_calls.as_ref().map(Vec::len))
+            .sum();
+        let calls: Vec<serde_json::Value> = p
+            .calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| c.to_openai(earlier + i))
+            .collect();
+        for c in &calls {
+            self.note(&format!(
+                "tool call {}({}) [{}]: answer with /tool RESULT",
+                c["function"]["name"].as_str().unwrap_or(""),
+                c["function"]["arguments"].as_str().unwrap_or(""),
+                c["id"].as_str().unwrap_or("")
+            ));
+        }
+        self.conv.push_calls(&p.content, calls);
+    }
+
+    /// `/tool TEXT`: the result of the first call of the last reply not answered yet.
+    fn push_tool_result(&mut self, result: &str) -> Result<()> {
+        let turns = &self.conv.turns;
+        let at = turns
+            .iter()
+            .rposition(|m| m.tool_calls.is_some())
+            .context("/tool: no tool call waits for a result")?;
+        let answered = turns[at + 1..].iter().filter(|m| m.role == "tool").count();
+        let calls = turns[at].tool_calls.as_deref().unwrap_or(&[]);
+        let call = calls
+            .get(answered)
+            .filter(|_| turns[at + 1..].iter().all(|m| m.role == "tool"))
+            .context("/tool: no tool call waits for a result")?;
+        let message = crate::chat::Message {
+            tool_call_id: call["id"].as_str().map(str::to_string),
+            name: call["function"]["name"].as_str().map(str::to_string),
+            ..crate::chat::Message::new("tool", result)
+        };
+        self.conv.turns.push(message);
+        Ok(())
     }
 
     /// The conversation rendered and tokenized with room for a reply; the oldest exchanges go

@@ -42,6 +42,12 @@ pub(crate) struct Line<'a> {
     /// Of `tokens`, those inside the thinking block.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reasoning_tokens: Option<usize>,
+    /// With --tools: the calls the reply made (OpenAI's shape); `text` stays as generated.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// With --tools: the text outside the calls (OpenAI's `content`).
+    #[serde(skip)]
+    pub content: Option<String>,
 }
 
 /// The shape of each output line (`--batch-output`).
@@ -80,12 +86,25 @@ impl Shape {
                 "error": {"code": code, "message": message},
             })
         } else {
-            let finish = if stop == "max-new" { "length" } else { "stop" };
+            let calls = l.tool_calls.as_ref().filter(|c| !c.is_empty());
+            let finish = match (stop, calls) {
+                (_, Some(_)) => "tool_calls",
+                ("max-new", _) => "length",
+                _ => "stop",
+            };
             let text = l.text.unwrap_or("");
             let choice = if *chat {
-                let mut message = serde_json::json!({"role": "assistant", "content": text});
+                let content = match (&l.content, calls) {
+                    (Some(c), Some(_)) if c.is_empty() => serde_json::Value::Null,
+                    (Some(c), _) => c.as_str().into(),
+                    (None, _) => text.into(),
+                };
+                let mut message = serde_json::json!({"role": "assistant", "content": content});
                 if let Some(r) = l.reasoning {
                     message["reasoning_content"] = r.into();
+                }
+                if let Some(c) = calls {
+                    message["tool_calls"] = c.clone().into();
                 }
                 serde_json::json!({"index": 0, "message": message, "finish_reason": finish})
             } else {
@@ -280,6 +299,8 @@ impl Writer {
             seed: None,
             reasoning: None,
             reasoning_tokens: None,
+            tool_calls: None,
+            content: None,
         };
         let json = self.shape.render(&line)?;
         self.put(index, json)

@@ -87,7 +87,16 @@ impl Session {
             if cfg.chat && !cfg.quiet {
                 note_reasoning(cfg.reasoning, &t);
             }
-            loaded.chat_template = Some(t.with_thinking(cfg.reasoning.enable_thinking()));
+            if cfg.tools.is_some() && t.tool_format().is_none() && !cfg.quiet {
+                eprintln!(
+                    "gen: note: this model's chat template describes no tool-call format gen \
+                     reads; the tools are offered, and calls stay in the reply's text"
+                );
+            }
+            loaded.chat_template = Some(
+                t.with_thinking(cfg.reasoning.enable_thinking())
+                    .with_tools(cfg.tools.clone()),
+            );
         }
         loaded.model.kv_mut().set_prefix_cache(cfg.prefix_cache);
         if cfg.verbose {
@@ -146,6 +155,12 @@ impl Session {
             opened: format.opened_by(&text),
         });
         Ok((self.text_ids(cfg, &text, max_new, true)?, start))
+    }
+
+    /// With --tools, the format the model's calls come in (from its chat template).
+    pub fn tool_format(&self, cfg: &Config) -> Option<crate::tool_calls::Format> {
+        cfg.tools.as_ref()?;
+        self.loaded.chat_template.as_ref()?.tool_format()
     }
 
     fn template(&self) -> Result<&chat::ChatTemplate> {
@@ -264,6 +279,7 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         eprintln!("{} tokens", prompt.len());
         return Ok(Outcome::Done);
     }
+    let tool_format = session.tool_format(cfg);
     let loaded = &mut session.loaded;
     let context_len = session.context_len;
 
@@ -275,11 +291,12 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
     let thinking = start
         .map(|s| thinking::Thinking::new(s, &loaded.tokenizer, cfg.reasoning_budget, !cfg.quiet))
         .transpose()?;
+    // With --tools, the answer is kept too: its calls are read from it at the end.
     let mut sink = StreamSink {
         text: loaded.tokenizer.stream(),
         stops: StopMatcher::new(cfg.stops.clone()),
         out: &mut out,
-        kept: None,
+        kept: tool_format.map(|_| String::new()),
         thinking,
     };
     let limits = Limits {
@@ -323,6 +340,9 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         &mut sink,
     )?;
     sink.finish(gen.stop)?;
+    let calls = tool_format
+        .zip(sink.kept.take())
+        .map(|(f, answer)| crate::tool_calls::parse(f, &answer));
     let reasoning = sink.thinking.take().map(|t| crate::report::Reasoning {
         tokens: t.tokens,
         unfinished: t.unfinished(),
@@ -357,7 +377,8 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         .with_load_times(session.load_times)
         .with_constraint(sampler.constraint())
         .with_prompt_cache(cache.as_ref().map(|c| c.load_time))
-        .with_reasoning(reasoning);
+        .with_reasoning(reasoning)
+        .with_tool_calls(calls.as_ref());
         let mut err = std::io::stderr().lock();
         match cfg.stats {
             StatsFormat::Human => report.write_human(&mut err)?,

@@ -398,6 +398,8 @@ impl Tally {
             seed: sampled.then_some(job.params.sampling.seed),
             reasoning: None,
             reasoning_tokens: None,
+            tool_calls: None,
+            content: None,
         })
     }
 }

@@ -40,58 +40,58 @@ pub fn is_iterable(value: &Value) -> bool {
 }
 
 /// jinja2's select, reject, selectattr, rejectattr and map give nothing for a false value
-/// (`None`, `0`, `''`) where minijinja's would fail: these wrap minijinja's own.
+/// (`None`, `0`, `''`) where minijinja's would fail: these wrap minijinja's own. Like jinja2's,
+/// what they give is a generator: iterated once, with no length, and not JSON (`tojson`
+/// refuses it as `json.dumps` does).
 pub fn add_empty_on_false_filters(env: &mut minijinja::Environment<'_>) {
     use minijinja::filters;
     use std::borrow::Cow::Owned;
-    type Seq = Result<Vec<Value>, Error>;
+    type Seq = Result<Value, Error>;
+    let gen = |v: Result<Vec<Value>, Error>| -> Seq {
+        v.map(|items| Value::make_one_shot_iterator(items.into_iter()))
+    };
     let empty = |v: &Value| !v.is_true();
     env.add_filter(
         "select",
         move |s: &State, v: Value, t: Option<String>, a: Rest<Value>| -> Seq {
-            if empty(&v) {
-                Ok(Vec::new())
-            } else {
-                filters::select(s, v, t.map(Owned), a)
-            }
+            gen(match empty(&v) {
+                true => Ok(Vec::new()),
+                false => filters::select(s, v, t.map(Owned), a),
+            })
         },
     );
     env.add_filter(
         "reject",
         move |s: &State, v: Value, t: Option<String>, a: Rest<Value>| -> Seq {
-            if empty(&v) {
-                Ok(Vec::new())
-            } else {
-                filters::reject(s, v, t.map(Owned), a)
-            }
+            gen(match empty(&v) {
+                true => Ok(Vec::new()),
+                false => filters::reject(s, v, t.map(Owned), a),
+            })
         },
     );
     env.add_filter(
         "selectattr",
         move |s: &State, v: Value, attr: String, t: Option<String>, a: Rest<Value>| -> Seq {
-            if empty(&v) {
-                Ok(Vec::new())
-            } else {
-                filters::selectattr(s, v, Owned(attr), t.map(Owned), a)
-            }
+            gen(match empty(&v) {
+                true => Ok(Vec::new()),
+                false => filters::selectattr(s, v, Owned(attr), t.map(Owned), a),
+            })
         },
     );
     env.add_filter(
         "rejectattr",
         move |s: &State, v: Value, attr: String, t: Option<String>, a: Rest<Value>| -> Seq {
-            if empty(&v) {
-                Ok(Vec::new())
-            } else {
-                filters::rejectattr(s, v, Owned(attr), t.map(Owned), a)
-            }
+            gen(match empty(&v) {
+                true => Ok(Vec::new()),
+                false => filters::rejectattr(s, v, Owned(attr), t.map(Owned), a),
+            })
         },
     );
     env.add_filter("map", move |s: &State, v: Value, a: Rest<Value>| -> Seq {
-        if empty(&v) {
-            Ok(Vec::new())
-        } else {
-            filters::map(s, v, a)
-        }
+        gen(match empty(&v) {
+            true => Ok(Vec::new()),
+            false => filters::map(s, v, a),
+        })
     });
 }
 
@@ -165,10 +165,90 @@ fn bad_arg(msg: &str) -> Error {
 }
 
 fn not_serializable(value: &Value) -> Error {
+    let kind = match value.kind() {
+        ValueKind::Iterable => "generator".to_string(), // what jinja2's filters give
+        k => k.to_string(),
+    };
     Error::new(
         ErrorKind::InvalidOperation,
-        format!("Object of type {} is not JSON serializable", value.kind()),
+        format!("Object of type {kind} is not JSON serializable"),
     )
+}
+
+/// jinja2's `indent(s, width=4, first=False, blank=False)`: every line but the first (and the
+/// first too with `first`) indented by `width` spaces (or that string), blank lines only with
+/// `blank`; a trailing newline is kept, as jinja2 keeps it.
+pub fn indent(s: &str, args: Rest<Value>, kwargs: Kwargs) -> Result<String, Error> {
+    const NAMES: [&str; 3] = ["width", "first", "blank"];
+    if args.len() > NAMES.len() {
+        return Err(Error::from(ErrorKind::TooManyArguments));
+    }
+    let arg = |i: usize| -> Result<Option<Value>, Error> {
+        let named: Option<Value> = kwargs.get(NAMES[i])?;
+        Ok(named.or_else(|| args.get(i).cloned()))
+    };
+    let unit = match arg(0)? {
+        None => "    ".to_string(),
+        Some(v) if v.kind() == ValueKind::String => v.as_str().unwrap_or("").to_string(),
+        Some(v) => {
+            let n = i64::try_from(v).map_err(|_| {
+                Error::new(
+                    ErrorKind::InvalidOperation,
+                    "indent: width must be a number",
+                )
+            })?;
+            " ".repeat(n.clamp(0, 256) as usize)
+        }
+    };
+    let first = arg(1)?.is_some_and(|v| v.is_true());
+    let blank = arg(2)?.is_some_and(|v| v.is_true());
+    kwargs.assert_all_used()?;
+    // Python: s += "\n"; lines = s.splitlines() (which ends no line with the added newline).
+    let text = format!("{s}\n");
+    let lines: Vec<&str> = py_splitlines(&text);
+    let mut rv = String::new();
+    for (i, line) in lines.iter().enumerate() {
+        if i > 0 {
+            rv.push('\n');
+            if blank || !line.is_empty() {
+                rv.push_str(&unit);
+            }
+        }
+        rv.push_str(line);
+    }
+    if first {
+        rv.insert_str(0, &unit);
+    }
+    Ok(rv)
+}
+
+/// Python's `str.splitlines()` for the line ends chat templates meet (`\n`, `\r\n`, `\r`).
+fn py_splitlines(s: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    let b = s.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'\n' => {
+                out.push(&s[start..i]);
+                start = i + 1;
+            }
+            b'\r' => {
+                out.push(&s[start..i]);
+                if b.get(i + 1) == Some(&b'\n') {
+                    i += 1;
+                }
+                start = i + 1;
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    if start < s.len() {
+        out.push(&s[start..]);
+    }
+    out
 }
 
 fn write_json(
@@ -423,6 +503,33 @@ mod tests {
         r#"{% set v = {"name": "café \"x\"\n", "n": [1, 2.5, none, true], "e": {}, "l": []} %}"#;
 
     /// Expected texts are what Python 3's json.dumps and str() write for the same values.
+    #[test]
+    fn indent_and_generators_behave_as_jinja2s() {
+        let mut env = minijinja::Environment::new();
+        env.add_filter("indent", indent);
+        env.add_filter("tojson", tojson);
+        add_empty_on_false_filters(&mut env);
+        let r = |src: &str| {
+            env.render_str(src, minijinja::context! { v => vec![1, 2] })
+                .map_err(|e| e.to_string())
+        };
+        // A trailing newline stays; blank lines are not indented unless asked.
+        assert_eq!(r("{{ '{\n'|indent(4, first=true) }}").unwrap(), "    {\n");
+        assert_eq!(r("{{ 'a\n\nb'|indent(2) }}").unwrap(), "a\n\n  b");
+        assert_eq!(
+            r("{{ 'a\n\nb'|indent(2, blank=true) }}").unwrap(),
+            "a\n  \n  b"
+        );
+        assert_eq!(r("{{ 'a\nb'|indent('> ') }}").unwrap(), "a\n> b");
+        // map and friends give generators: iterable, not JSON.
+        assert_eq!(r("{{ v|map('string')|join(',') }}").unwrap(), "1,2");
+        let e = r("{{ v|map('string')|tojson }}").unwrap_err();
+        assert!(
+            e.contains("Object of type generator is not JSON serializable"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn tojson_is_json_dumps() {
         assert_eq!(
