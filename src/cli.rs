@@ -640,11 +640,13 @@ fn remote_config(a: &Args, interactive: bool, constrained: bool) -> Result<Optio
     if a.prompt_cache.is_some() || a.no_prefix_cache {
         bail!("--prompt-cache and --no-prefix-cache are about the local KV cache; with --endpoint the server keeps its own");
     }
-    if a.tools.is_some() {
-        bail!("--tools runs on local models only for now; drop it with --endpoint");
+    if a.reasoning_budget.is_some() {
+        bail!("--reasoning-budget runs on local models only; with --endpoint the server sets its own (llama-server --reasoning-budget)");
     }
-    if a.reasoning != ReasoningArg::Auto || a.reasoning_budget.is_some() {
-        bail!("--reasoning and --reasoning-budget run on local models only for now; drop them with --endpoint");
+    if (a.tools.is_some() || a.reasoning != ReasoningArg::Auto)
+        && !(a.chat || a.messages.is_some() || a.batch.is_some())
+    {
+        bail!("--tools and --reasoning go to the server's chat template: add --chat");
     }
     if a.speculate.is_some() {
         bail!("--speculate runs on local models only (a server decodes as it is configured to); drop it with --endpoint");

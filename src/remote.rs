@@ -64,6 +64,11 @@ pub struct Params {
     pub stop: Vec<String>,
     /// --ignore-eos, as vLLM and llama.cpp's server read it.
     pub ignore_eos: bool,
+    /// --tools: OpenAI's `tools`, sent as they are (chat prompts).
+    pub tools: Option<Value>,
+    /// --reasoning on|off: `chat_template_kwargs.enable_thinking`, as vLLM and llama.cpp's
+    /// server read it (chat prompts).
+    pub enable_thinking: Option<bool>,
 }
 
 /// One completed (or cut) reply.
@@ -79,6 +84,10 @@ pub struct Reply {
     pub ttft: Duration,
     pub total: Duration,
     pub attempts: u32,
+    /// The thinking the server kept apart (`reasoning_content`, or vLLM's `reasoning`).
+    pub reasoning: String,
+    /// The calls the server parsed (`tool_calls`, OpenAI's shape), assembled from the stream.
+    pub tool_calls: Vec<Value>,
 }
 
 /// Why a try failed, and whether another may succeed.
@@ -254,10 +263,14 @@ impl Endpoint {
                 (format!("{}/completions", self.base), body)
             }
             Prompt::Messages(m) => {
-                body["messages"] = json!(m
-                    .iter()
-                    .map(|m| json!({"role": m.role, "content": m.content}))
-                    .collect::<Vec<_>>());
+                // With their tool calls and results, as the OpenAI API takes them.
+                body["messages"] = json!(m);
+                if let Some(t) = &p.tools {
+                    body["tools"] = t.clone();
+                }
+                if let Some(on) = p.enable_thinking {
+                    body["chat_template_kwargs"] = json!({"enable_thinking": on});
+                }
                 (format!("{}/chat/completions", self.base), body)
             }
         }
@@ -297,6 +310,8 @@ pub fn read_events(
     on_text: &mut dyn FnMut(&str) -> bool,
 ) -> std::result::Result<(), Failure> {
     reply.text.clear();
+    reply.reasoning.clear();
+    reply.tool_calls.clear();
     let mut done = false;
     for line in event_lines(BufReader::new(body)) {
         let line = line.map_err(|e| Failure::Retry {
@@ -342,6 +357,19 @@ pub fn read_events(
                 reply.stop = "interrupted".into();
                 return Err(Failure::Stopped);
             }
+        }
+        let delta = &choice["delta"];
+        if let Some(r) = delta["reasoning_content"]
+            .as_str()
+            .or_else(|| delta["reasoning"].as_str())
+        {
+            if reply.text.is_empty() && reply.reasoning.is_empty() {
+                reply.ttft = start.elapsed();
+            }
+            reply.reasoning.push_str(r);
+        }
+        if let Some(calls) = delta["tool_calls"].as_array() {
+            take_tool_calls(calls, &mut reply.tool_calls);
         }
         if let Some(f) = choice["finish_reason"].as_str() {
             reply.stop = finish_name(f).into();
@@ -409,6 +437,38 @@ fn finish_name(f: &str) -> &str {
         "length" => "max-new",
         "stop" | "eos" => "eos",
         other => other,
+    }
+}
+
+/// Streamed pieces of tool calls (`delta.tool_calls`: by `index`, the id, type and name once,
+/// the arguments in pieces) added to the calls so far.
+fn take_tool_calls(pieces: &[Value], calls: &mut Vec<Value>) {
+    for p in pieces {
+        let i = p["index"].as_u64().map_or(calls.len(), |i| i as usize);
+        if i > calls.len() + 64 {
+            continue; // a hostile index: not a call of this reply
+        }
+        while calls.len() <= i {
+            calls.push(
+                json!({"id": "", "type": "function", "function": {"name": "", "arguments": ""}}),
+            );
+        }
+        let c = &mut calls[i];
+        if let Some(id) = p["id"].as_str() {
+            c["id"] = json!(id);
+        }
+        let f = &p["function"];
+        if let Some(name) = f["name"].as_str() {
+            let name = format!("{}{name}", c["function"]["name"].as_str().unwrap_or(""));
+            c["function"]["name"] = json!(name);
+        }
+        if let Some(args) = f["arguments"].as_str() {
+            let all = format!(
+                "{}{args}",
+                c["function"]["arguments"].as_str().unwrap_or("")
+            );
+            c["function"]["arguments"] = json!(all);
+        }
     }
 }
 
@@ -604,6 +664,27 @@ mod tests {
     }
 
     #[test]
+    fn streamed_reasoning_and_tool_calls_are_assembled() {
+        let body = "data: {\"choices\":[{\"delta\":{\"reasoning_content\":\"Let me \"}}]}\n\n\
+             data: {\"choices\":[{\"delta\":{\"reasoning_content\":\"see.\"}}]}\n\n\
+             data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"c1\",\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"arguments\":\"{\\\"city\"}}]}}]}\n\n\
+             data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"\\\": \\\"Paris\\\"}\"}}]},\"finish_reason\":\"tool_calls\"}]}\n\n\
+             data: [DONE]\n\n";
+        let mut reply = Reply::default();
+        read_events(body.as_bytes(), &mut reply, Instant::now(), &mut |_| true).unwrap();
+        assert_eq!(reply.reasoning, "Let me see.");
+        assert_eq!(reply.stop, "tool_calls");
+        assert_eq!(reply.tool_calls.len(), 1);
+        assert_eq!(reply.tool_calls[0]["id"], "c1");
+        assert_eq!(reply.tool_calls[0]["function"]["name"], "get_weather");
+        assert_eq!(
+            reply.tool_calls[0]["function"]["arguments"],
+            "{\"city\": \"Paris\"}"
+        );
+        assert_eq!(reply.text, "");
+    }
+
+    #[test]
     fn requests_carry_the_sampling_flags() {
         let ep = Endpoint {
             base: "http://h/v1".into(),
@@ -623,6 +704,8 @@ mod tests {
             max_tokens: 9,
             stop: vec!["\n".into()],
             ignore_eos: false,
+            tools: None,
+            enable_thinking: Some(false),
         };
         let (url, body) = ep.request(&Prompt::Text("hi"), &params);
         assert_eq!(url, "http://h/v1/completions");
@@ -640,5 +723,8 @@ mod tests {
         let (url, body) = ep.request(&Prompt::Messages(&msgs), &params);
         assert_eq!(url, "http://h/v1/chat/completions");
         assert_eq!(body["messages"][0]["content"], "yo");
+        assert!(body["messages"][0].get("tool_calls").is_none());
+        assert_eq!(body["chat_template_kwargs"]["enable_thinking"], false);
+        assert!(body.get("tools").is_none());
     }
 }

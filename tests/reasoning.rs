@@ -216,10 +216,21 @@ fn reasoning_flags_are_refused_where_they_cannot_work() {
                 "Hi",
                 "--endpoint",
                 "http://127.0.0.1:9",
+                "--reasoning-budget",
+                "5",
+            ],
+            "local models only",
+        ),
+        (
+            vec![
+                "--prompt",
+                "Hi",
+                "--endpoint",
+                "http://127.0.0.1:9",
                 "--reasoning",
                 "off",
             ],
-            "local models only",
+            "add --chat",
         ),
     ] {
         let out = gen()

@@ -42,6 +42,11 @@ struct Server {
 impl Server {
     /// llama-server on a free port with the default model, `slots` sequences at once.
     fn start(slots: usize) -> Self {
+        Self::start_with(slots, &[])
+    }
+
+    /// [`Self::start`] with more of llama-server's arguments.
+    fn start_with(slots: usize, extra: &[&str]) -> Self {
         let port = TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -54,6 +59,7 @@ impl Server {
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
             .args(["-np", &slots.to_string(), "-c", &(2048 * slots).to_string()])
             .args(["-t", "2", "--alias", "smollm2"])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -259,4 +265,57 @@ fn a_server_killed_mid_batch_fails_the_rest_and_resume_finishes_with_no_duplicat
         "an item complete twice: {by_index:?}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A server that keeps thinking apart (`--jinja`, the DeepSeek-R1 distill's template, which
+/// opens `<think>` when asked to think, and `--reasoning-format deepseek`): `--reasoning on`
+/// reaches its template (`chat_template_kwargs.enable_thinking`), its `reasoning_content` goes
+/// to stderr and `--stats json`, never to stdout; `--reasoning off` closes the block in the
+/// prompt (three tokens more) and the reply is all answer.
+#[test]
+fn reasoning_maps_to_the_servers_reasoning_content_and_template_switch() {
+    let _one = one_server_at_a_time();
+    let template = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("assets/chat-templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja");
+    let server = Server::start_with(
+        1,
+        &[
+            "--jinja",
+            "--chat-template-file",
+            template.to_str().unwrap(),
+            "--reasoning-format",
+            "deepseek",
+        ],
+    );
+    let run = |mode: &str| {
+        let out = gen()
+            .args([
+                "--endpoint",
+                &server.url,
+                "--chat",
+                "--prompt",
+                "What is 2 + 2?",
+            ])
+            .args(["-n", "12", "--temperature", "0", "--stats", "json"])
+            .args(["--reasoning", mode])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let err = text(&out.stderr);
+        let stats: Value = serde_json::from_str(err.lines().last().unwrap()).unwrap();
+        (text(&out.stdout), err, stats)
+    };
+    let (answer, err, on) = run("on");
+    let thinking = on["reasoning"].as_str().expect("reasoning_content");
+    assert!(!thinking.trim().is_empty(), "{on}");
+    assert_eq!(answer, "", "the thinking stays off stdout");
+    assert!(err.contains(thinking.trim()), "{err}");
+    let (answer, _, off) = run("off");
+    assert!(off.get("reasoning").is_none(), "{off}");
+    assert!(!answer.trim().is_empty());
+    assert_eq!(
+        off["prompt_tokens"].as_u64().unwrap(),
+        on["prompt_tokens"].as_u64().unwrap() + 3,
+        "the prompt closed the block: {on} {off}"
+    );
 }

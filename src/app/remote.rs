@@ -41,6 +41,12 @@ struct RemoteReport {
     retries: u32,
     stop_reason: Option<String>,
     forward_passes: Option<usize>,
+    /// Single prompt: the thinking the server kept apart (`reasoning_content`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning: Option<String>,
+    /// Single prompt with --tools: the calls the server parsed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<Vec<serde_json::Value>>,
 }
 
 impl RemoteReport {
@@ -85,6 +91,22 @@ impl RemoteReport {
             "decode         {rate} tok/s; total {:.2} s; {} retries",
             self.total_s, self.retries
         )?;
+        if let Some(calls) = &self.tool_calls {
+            let list: Vec<String> = calls
+                .iter()
+                .map(|c| {
+                    let f = &c["function"];
+                    let (name, args) = (f["name"].as_str(), f["arguments"].as_str());
+                    format!("{}({})", name.unwrap_or(""), args.unwrap_or(""))
+                })
+                .collect();
+            let shown = if list.is_empty() {
+                "none".into()
+            } else {
+                list.join(", ")
+            };
+            writeln!(w, "tool calls     {shown}")?;
+        }
         Ok(())
     }
 }
@@ -99,6 +121,8 @@ fn params(cfg: &Config) -> Params {
         max_tokens: cfg.max_new,
         stop: cfg.stops.clone(),
         ignore_eos: cfg.ignore_eos,
+        tools: cfg.tools.clone(),
+        enable_thinking: cfg.reasoning.enable_thinking(),
     }
 }
 
@@ -136,6 +160,16 @@ pub fn run_one(cfg: &Config, rc: &RemoteConfig) -> Result<Outcome> {
         out.write("\n")?;
     }
     drop(out);
+    // The thinking the server kept apart, on stderr (dim on a terminal), after the answer:
+    // the stream gives it first, but stdout is the answer's alone.
+    if !reply.reasoning.is_empty() && !cfg.quiet {
+        let dim = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+        let r = reply.reasoning.trim_end();
+        match dim {
+            true => eprintln!("\x1b[2m{r}\x1b[0m"),
+            false => eprintln!("{r}"),
+        }
+    }
     if !cfg.quiet {
         let decode = reply.total.saturating_sub(reply.ttft).as_secs_f64();
         RemoteReport {
@@ -155,6 +189,8 @@ pub fn run_one(cfg: &Config, rc: &RemoteConfig) -> Result<Outcome> {
             retries: reply.attempts.saturating_sub(1),
             stop_reason: Some(reply.stop.clone()),
             forward_passes: None,
+            reasoning: (!reply.reasoning.is_empty()).then(|| reply.reasoning.clone()),
+            tool_calls: cfg.tools.as_ref().map(|_| reply.tool_calls.clone()),
         }
         .write(cfg.stats)?;
     }
@@ -272,6 +308,8 @@ pub fn run_batch(cfg: &Config, bc: &BatchConfig, rc: &RemoteConfig) -> Result<Ou
             retries: tally.retries,
             stop_reason: None,
             forward_passes: None,
+            reasoning: None,
+            tool_calls: None,
         }
         .write(cfg.stats)?;
     }
@@ -396,10 +434,10 @@ impl Tally {
             ttft_ms: (reply.attempts > 0).then(|| ms(reply.ttft)),
             wait_ms: None,
             seed: sampled.then_some(job.params.sampling.seed),
-            reasoning: None,
+            reasoning: (!reply.reasoning.is_empty()).then_some(reply.reasoning.as_str()),
             reasoning_tokens: None,
-            tool_calls: None,
-            content: None,
+            tool_calls: cfg.tools.as_ref().map(|_| reply.tool_calls.clone()),
+            content: cfg.tools.as_ref().map(|_| reply.text.clone()),
         })
     }
 }
