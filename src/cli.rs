@@ -153,6 +153,13 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     pub tools: Option<PathBuf>,
 
+    /// With --tools: `auto` (the model decides), `required` (the reply is a call of one of the
+    /// tools) or a tool's name (a call of that one); a grammar holds the call's arguments to
+    /// the tool's `parameters` schema.
+    #[arg(long, value_name = "CHOICE", requires = "tools",
+          conflicts_with_all = ["json", "json_schema", "grammar", "regex"])]
+    pub tool_choice: Option<String>,
+
     /// After this many thinking tokens the thinking block is closed (its end marker is fed to
     /// the model) and the answer begins.
     #[arg(long, value_name = "N")]
@@ -451,6 +458,8 @@ pub struct Config {
     pub reasoning_budget: Option<usize>,
     /// --tools: OpenAI's `tools` array, read and checked.
     pub tools: Option<serde_json::Value>,
+    /// --tool-choice, when the reply must be a call.
+    pub tool_choice: Option<crate::tool_calls::Choice>,
     pub dry_run: bool,
     pub echo: bool,
     pub max_new: usize,
@@ -505,6 +514,14 @@ impl Args {
             bail!("--kv-blocks must be at least 1");
         }
         let interactive = self.command == Some(Command::Chat);
+        let tools = self
+            .tools
+            .as_deref()
+            .map(crate::tool_calls::read_tools)
+            .transpose()?;
+        if self.tool_choice.is_some() && interactive {
+            bail!("--tool-choice holds one reply to a call: with gen chat use --tools alone (or gen --chat, or --batch)");
+        }
         if self.tools.is_some() && !(self.chat || interactive) {
             bail!("--tools offers tools through the chat template: add --chat (or use gen chat)");
         }
@@ -594,11 +611,11 @@ impl Args {
                 (r, _) => r.mode(),
             },
             reasoning_budget: self.reasoning_budget,
-            tools: self
-                .tools
-                .as_deref()
-                .map(crate::tool_calls::read_tools)
-                .transpose()?,
+            tool_choice: match (&tools, &self.tool_choice) {
+                (Some(t), Some(c)) => crate::tool_calls::Choice::parse(c, t)?,
+                _ => None,
+            },
+            tools,
             dry_run: self.dry_run,
             echo: self.echo,
             max_new: self.max_new,

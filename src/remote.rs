@@ -66,6 +66,8 @@ pub struct Params {
     pub ignore_eos: bool,
     /// --tools: OpenAI's `tools`, sent as they are (chat prompts).
     pub tools: Option<Value>,
+    /// --tool-choice, as OpenAI's `tool_choice` (`"required"`, or a function by name).
+    pub tool_choice: Option<Value>,
     /// --reasoning on|off: `chat_template_kwargs.enable_thinking`, as vLLM and llama.cpp's
     /// server read it (chat prompts).
     pub enable_thinking: Option<bool>,
@@ -267,6 +269,9 @@ impl Endpoint {
                 body["messages"] = json!(m);
                 if let Some(t) = &p.tools {
                     body["tools"] = t.clone();
+                }
+                if let Some(c) = &p.tool_choice {
+                    body["tool_choice"] = c.clone();
                 }
                 if let Some(on) = p.enable_thinking {
                     body["chat_template_kwargs"] = json!({"enable_thinking": on});
@@ -705,6 +710,7 @@ mod tests {
             stop: vec!["\n".into()],
             ignore_eos: false,
             tools: None,
+            tool_choice: None,
             enable_thinking: Some(false),
         };
         let (url, body) = ep.request(&Prompt::Text("hi"), &params);

@@ -253,6 +253,80 @@ fn parse_llama3(reply: &str) -> Parsed {
     }
 }
 
+/// `--tool-choice`: the reply must be a call (`Required`: of any tool offered; `Named`: of
+/// that one).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Choice {
+    Required,
+    Named(String),
+}
+
+impl Choice {
+    /// `--tool-choice VALUE`: None for `auto` (the model decides, nothing is held).
+    pub fn parse(value: &str, tools: &Value) -> Result<Option<Choice>> {
+        match value {
+            "auto" => Ok(None),
+            "required" => Ok(Some(Choice::Required)),
+            "none" => bail!(
+                "--tool-choice none: leave --tools out instead (gen holds replies to calls, not away from them)"
+            ),
+            name => {
+                let known = tools
+                    .as_array()
+                    .is_some_and(|ts| ts.iter().any(|t| t["function"]["name"] == name));
+                if !known {
+                    bail!("--tool-choice {name}: no tool of that name in --tools");
+                }
+                Ok(Some(Choice::Named(name.to_string())))
+            }
+        }
+    }
+}
+
+/// A grammar (llguidance's Lark syntax) holding a reply to one call in `format`, its
+/// arguments valid under the tool's `parameters` schema, as `choice` asks.
+pub fn choice_grammar(format: Format, tools: &Value, choice: &Choice) -> Result<String> {
+    let key = match format {
+        Format::Tagged => "arguments",
+        Format::Llama3 => "parameters",
+        Format::Mistral => bail!(
+            "--tool-choice: Mistral's calls begin with a control token gen cannot hold a reply to yet; use --tool-choice auto"
+        ),
+    };
+    let schemas: Vec<Value> = tools
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|t| match choice {
+            Choice::Required => true,
+            Choice::Named(n) => t["function"]["name"] == n.as_str(),
+        })
+        .map(|t| {
+            let f = &t["function"];
+            let params = match &f["parameters"] {
+                Value::Null => serde_json::json!({"type": "object"}),
+                p => p.clone(),
+            };
+            serde_json::json!({
+                "type": "object",
+                "properties": {"name": {"const": f["name"]}, key: params},
+                "required": ["name", key],
+                "additionalProperties": false,
+            })
+        })
+        .collect();
+    let schema = match schemas.len() {
+        0 => bail!("--tool-choice: no tool to call"),
+        1 => schemas.into_iter().next().unwrap_or_default(),
+        _ => serde_json::json!({"anyOf": schemas}),
+    };
+    let call = format!("call: %json {schema}");
+    Ok(match format {
+        Format::Tagged => format!("start: \"<tool_call>\\n\" call \"\\n</tool_call>\"\n{call}\n"),
+        _ => format!("start: call\n{call}\n"),
+    })
+}
+
 /// Read `--tools FILE`: OpenAI's `tools` array (or an object holding one under `"tools"`),
 /// each `{"type": "function", "function": {"name", "description"?, "parameters"?}}`.
 pub fn read_tools(path: &std::path::Path) -> Result<Value> {
@@ -391,6 +465,33 @@ mod tests {
         assert!(p.calls.is_empty() && p.malformed == 1);
         let p = parse(Format::Llama3, "The answer is 4.");
         assert_eq!((p.content.as_str(), p.malformed), ("The answer is 4.", 0));
+    }
+
+    #[test]
+    fn tool_choice_grammars_hold_a_call_to_its_schema() {
+        let tools = json!([
+            {"type": "function", "function": {"name": "a", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}},
+            {"type": "function", "function": {"name": "b"}}
+        ]);
+        assert_eq!(Choice::parse("auto", &tools).unwrap(), None);
+        assert_eq!(
+            Choice::parse("b", &tools).unwrap(),
+            Some(Choice::Named("b".into()))
+        );
+        assert!(Choice::parse("c", &tools).is_err());
+        assert!(Choice::parse("none", &tools).is_err());
+        let g = choice_grammar(Format::Tagged, &tools, &Choice::Named("a".into())).unwrap();
+        assert!(
+            g.starts_with("start: \"<tool_call>\\n\" call \"\\n</tool_call>\"\ncall: %json {"),
+            "{g}"
+        );
+        assert!(
+            g.contains("\"const\":\"a\"") && !g.contains("\"const\":\"b\""),
+            "{g}"
+        );
+        let g = choice_grammar(Format::Llama3, &tools, &Choice::Required).unwrap();
+        assert!(g.contains("anyOf") && g.contains("\"parameters\""), "{g}");
+        assert!(choice_grammar(Format::Mistral, &tools, &Choice::Required).is_err());
     }
 
     #[test]

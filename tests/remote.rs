@@ -319,3 +319,58 @@ fn reasoning_maps_to_the_servers_reasoning_content_and_template_switch() {
         "the prompt closed the block: {on} {off}"
     );
 }
+
+/// `--tools` reaches the server's own template (`--jinja`, Qwen3's): it renders the same prompt
+/// gen renders locally (the same token count), and the reply's `tool_calls` field is there.
+#[test]
+fn tools_go_to_the_server_as_its_template_reads_them() {
+    let _one = one_server_at_a_time();
+    let template =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/chat-templates/Qwen-Qwen3-0.6B.jinja");
+    let dir = std::env::temp_dir().join(format!("gen-remote-tools-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tools = dir.join("tools.json");
+    std::fs::write(
+        &tools,
+        r#"[{"type": "function", "function": {"name": "get_weather", "description": "The weather.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]"#,
+    )
+    .unwrap();
+    let server = Server::start_with(
+        1,
+        &[
+            "--jinja",
+            "--chat-template-file",
+            template.to_str().unwrap(),
+        ],
+    );
+    let stats = |extra: &[&str]| -> Value {
+        let out = gen()
+            .arg("--tools")
+            .arg(&tools)
+            .args(["--chat", "--prompt", "What is the weather in Paris?"])
+            .args(["-n", "4", "--temperature", "0", "--stats", "json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        serde_json::from_str(text(&out.stderr).lines().last().unwrap()).unwrap()
+    };
+    let remote = stats(&["--endpoint", &server.url]);
+    let local = stats(&[
+        "--model",
+        smollm2().to_str().unwrap(),
+        "--chat-template",
+        template.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        remote["prompt_tokens"], local["prompt_tokens"],
+        "{remote} {local}"
+    );
+    assert!(
+        remote["prompt_tokens"].as_u64().unwrap() > 100,
+        "the tools are in it"
+    );
+    assert!(remote["tool_calls"].is_array(), "{remote}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

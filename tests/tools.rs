@@ -90,6 +90,46 @@ fn a_call_in_the_reply_comes_back_as_openai_tool_calls() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `--tool-choice`: no regex needed, a grammar holds the reply to a call of the tool named
+/// (or of any, `required`), its arguments to the tool's schema.
+#[test]
+fn tool_choice_holds_the_reply_to_a_call_of_the_schema() {
+    let dir = scratch("choice");
+    for choice in ["get_weather", "required"] {
+        let out = base(&dir)
+            .args(["--chat", "--prompt", "What is the weather in Paris?"])
+            .args([
+                "--tool-choice",
+                choice,
+                "--max-new",
+                "60",
+                "--stats",
+                "json",
+            ])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let err = text(&out.stderr);
+        let stats: Value = serde_json::from_str(err.lines().last().unwrap()).unwrap();
+        assert_eq!(stats["stop_reason"], "grammar", "{stats}");
+        let calls = stats["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1, "{stats}");
+        assert_eq!(calls[0]["function"]["name"], "get_weather");
+        let args: Value =
+            serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+        let keys: Vec<&String> = args.as_object().unwrap().keys().collect();
+        assert_eq!(keys, ["city"], "only the schema's properties: {args}");
+        assert!(args["city"].is_string());
+    }
+    // A name not in --tools, and gen chat: refused.
+    let out = base(&dir)
+        .args(["--chat", "--prompt", "Hi", "--tool-choice", "get_time"])
+        .output()
+        .unwrap();
+    assert!(common::one_error_line(&out).contains("no tool of that name"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn batch_lines_carry_the_calls_in_both_shapes() {
     let dir = scratch("batch");
@@ -225,7 +265,7 @@ fn bad_tools_are_one_clear_error() {
     }
     let out = gen()
         .args(["--prompt", "Hi", "--tools"])
-        .arg(dir.join("t.json"))
+        .arg(dir.join("tools.json"))
         .output()
         .unwrap();
     assert!(common::one_error_line(&out).contains("add --chat"));

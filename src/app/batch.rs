@@ -270,7 +270,7 @@ fn prepare(
     sampling.validate().map_err(fail)?;
     let constraint = match &entry.constraint {
         Some(own) => own.clone(),
-        None => cfg.constraint.clone(),
+        None => session.constraint(cfg).map_err(fail)?,
     };
     Ok(Prepared {
         index,

@@ -157,6 +157,19 @@ impl Session {
         Ok((self.text_ids(cfg, &text, max_new, true)?, start))
     }
 
+    /// What the reply must be: `--tool-choice`'s call (held to its tool's schema, in the
+    /// template's call format), or --json/--json-schema/--grammar/--regex.
+    pub fn constraint(&self, cfg: &Config) -> Result<Option<crate::constraint::Spec>> {
+        let (Some(choice), Some(tools)) = (&cfg.tool_choice, &cfg.tools) else {
+            return Ok(cfg.constraint.clone());
+        };
+        let format = self.tool_format(cfg).context(
+            "--tool-choice: this model's chat template describes no tool-call format gen reads",
+        )?;
+        let grammar = crate::tool_calls::choice_grammar(format, tools, choice)?;
+        Ok(Some(crate::constraint::Spec::Grammar(grammar)))
+    }
+
     /// With --tools, the format the model's calls come in (from its chat template).
     pub fn tool_format(&self, cfg: &Config) -> Option<crate::tool_calls::Format> {
         cfg.tools.as_ref()?;
@@ -280,6 +293,7 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         return Ok(Outcome::Done);
     }
     let tool_format = session.tool_format(cfg);
+    let session_constraint = session.constraint(cfg)?;
     let loaded = &mut session.loaded;
     let context_len = session.context_len;
 
@@ -309,7 +323,8 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         loaded.tokenizer.eos_ids().to_vec()
     };
     let mut sampler = Sampler::new(cfg.sampling.clone());
-    if let Some(spec) = &cfg.constraint {
+    let constraint = session_constraint;
+    if let Some(spec) = &constraint {
         let grammars = Grammars::new(&loaded.tokenizer, &eos)?;
         sampler = sampler.with_constraint(grammars.constraint(spec)?);
     }
@@ -361,7 +376,7 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         out.write("\n")?;
     }
     drop(out);
-    if cfg.constraint.is_some() && !cfg.quiet {
+    if constraint.is_some() && !cfg.quiet {
         warn_incomplete(gen.stop, None);
     }
 

@@ -122,6 +122,12 @@ fn params(cfg: &Config) -> Params {
         stop: cfg.stops.clone(),
         ignore_eos: cfg.ignore_eos,
         tools: cfg.tools.clone(),
+        tool_choice: cfg.tool_choice.as_ref().map(|c| match c {
+            crate::tool_calls::Choice::Required => serde_json::json!("required"),
+            crate::tool_calls::Choice::Named(n) => {
+                serde_json::json!({"type": "function", "function": {"name": n}})
+            }
+        }),
         enable_thinking: cfg.reasoning.enable_thinking(),
     }
 }
