@@ -532,4 +532,37 @@ mod tests {
         }
         assert_eq!(seen.len(), 2, "both allowed tokens are drawn");
     }
+
+    #[test]
+    fn the_gate_holds_the_grammar_back_while_the_reply_thinks() {
+        use crate::constraint::{byte_constraint, Spec};
+        // 'z' stands for a thinking block's open marker (one token), '<' for thinking text.
+        let mut row = vec![0.0f32; 262];
+        row[usize::from(b'z')] = 10.0;
+        row[usize::from(b'<')] = 9.0;
+        row[usize::from(b'7')] = 5.0;
+        let mut s = Sampler::new(SamplingParams::default())
+            .with_constraint(byte_constraint(&Spec::Regex("[0-9]{2}".into())));
+        // Before anything is written: the grammar's tokens, or the open marker.
+        s.set_gate(Gate::ApplyOr(u32::from(b'z')));
+        assert_eq!(s.sample(&logits(&row), &[]).unwrap(), u32::from(b'z'));
+        // Thinking: no mask, and the grammar sees nothing.
+        s.set_gate(Gate::Pause);
+        assert_eq!(s.sample(&logits(&row), &[]).unwrap(), u32::from(b'z'));
+        assert!(!s.grammar_complete());
+        // The answer: held to the grammar from its start (two digits, not one).
+        s.set_gate(Gate::Apply);
+        assert_eq!(s.sample(&logits(&row), &[]).unwrap(), u32::from(b'7'));
+        assert!(
+            !s.grammar_complete(),
+            "the marker and the thinking were not committed"
+        );
+        assert_eq!(s.sample(&logits(&row), &[]).unwrap(), u32::from(b'7'));
+        assert!(s.grammar_complete());
+        // Once the answer began, the open marker is not let through.
+        let mut s = Sampler::new(SamplingParams::default())
+            .with_constraint(byte_constraint(&Spec::Regex("[0-9]{2}".into())));
+        s.set_gate(Gate::Apply);
+        assert_eq!(s.sample(&logits(&row), &[]).unwrap(), u32::from(b'7'));
+    }
 }
