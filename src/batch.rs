@@ -86,6 +86,12 @@ pub trait BatchSink {
     fn on_token(&mut self, index: usize, id: u32) -> Result<Flow>;
     fn on_done(&mut self, index: usize, outcome: Outcome) -> Result<()>;
 
+    /// Tokens sequence `index` must go on with now, fed as if sampled (the end marker of a
+    /// thinking block whose budget is spent); asked after each of its tokens.
+    fn forced(&mut self, _index: usize) -> Vec<u32> {
+        Vec::new()
+    }
+
     /// How sequence `index`'s grammar (if any) applies to its next token: paused while it
     /// thinks.
     fn gate(&self, _index: usize) -> crate::sampler::Gate {
@@ -142,6 +148,9 @@ struct Seq {
     drafter: Option<Drafter>,
     /// Proposals fed after its next token in this pass.
     proposals: Vec<u32>,
+    /// Tokens forced after its last sampled one in this pass (see [`BatchSink::forced`]):
+    /// the next pass feeds them, as a resumed reply is fed.
+    forced: usize,
 }
 
 /// Where a running sequence is. Its prompt's tokens are computed by a prefill step and its
@@ -237,6 +246,7 @@ pub fn run(
             error: None,
             drafter: opts.speculate.map(Drafter::new),
             proposals: Vec::new(),
+            forced: 0,
         })
         .collect();
     let mut running: Vec<Seq> = Vec::with_capacity(opts.batch_size);
@@ -319,9 +329,14 @@ pub fn run(
                 }
                 Some(reason) => ended.push((i, reason)),
                 None => {
-                    // The cache holds every token but the last sampled; rejected proposals'
-                    // keys and values are forgotten, to be overwritten.
-                    s.cached = s.history.len() - 1;
+                    // The cache holds every token but the last sampled (and those forced
+                    // after it); rejected proposals' keys and values are forgotten, to be
+                    // overwritten. Forced tokens go in with the last sampled one, as one step
+                    // whose last row gives the next token.
+                    s.cached = s.history.len() - 1 - s.forced;
+                    if std::mem::take(&mut s.forced) > 0 {
+                        s.phase = Phase::Reply;
+                    }
                     let seq = s.slot.expect("running");
                     if model.kv().len(seq).is_some_and(|l| l > s.cached) {
                         model.truncate(seq, s.cached);
@@ -412,6 +427,13 @@ fn take_tokens(
             }
             Flow::Continue => {}
         }
+        let forced = sink.forced(s.index);
+        if !forced.is_empty() {
+            if let Some(reason) = force(s, &forced, opts, stats, sink)? {
+                break Some(reason);
+            }
+            break None;
+        }
         if s.proposals.get(used - 1) != Some(&next) {
             break None;
         }
@@ -421,6 +443,32 @@ fn take_tokens(
     }
     s.proposals.clear();
     Ok(stop)
+}
+
+/// `forced` tokens after a sequence's last, each through the stop checks a sampled token
+/// goes through; `s.forced` counts those taken. Some(reason) when the sequence ends.
+fn force(
+    s: &mut Seq,
+    forced: &[u32],
+    opts: &BatchOptions,
+    stats: &mut BatchStats,
+    sink: &mut dyn BatchSink,
+) -> Result<Option<StopReason>> {
+    for &t in forced {
+        s.history.push(t);
+        s.forced += 1;
+        stats.generated_tokens += 1;
+        if let Flow::Stop(reason) = sink.on_token(s.index, t)? {
+            return Ok(Some(reason));
+        }
+        if s.history.len() - s.prompt_len >= s.max_new {
+            return Ok(Some(StopReason::MaxNew));
+        }
+        if s.history.len() >= opts.context_len {
+            return Ok(Some(StopReason::ContextFull));
+        }
+    }
+    Ok(None)
 }
 
 /// Start waiting sequences while a slot is free and the pool has room for their prefill and

@@ -504,9 +504,6 @@ impl Args {
         if self.batch_size == Some(0) {
             bail!("--batch-size must be at least 1");
         }
-        if self.reasoning_budget.is_some_and(|b| b > 0) && self.batch.is_some() {
-            bail!("--reasoning-budget closes one reply's thinking; with --batch it is not supported yet (each line's thinking goes to its \"reasoning\" field)");
-        }
         if self.draft_max == 0 {
             bail!("--draft-max must be at least 1");
         }

@@ -165,6 +165,47 @@ fn batch_lines_carry_the_thinking_apart_in_both_shapes() {
     assert_eq!(usage["completion_tokens_details"]["reasoning_tokens"], 8);
 }
 
+/// The budget in a batch: each line's thinking is closed after its budget, and each line is the
+/// single run's reply (greedy): the same thinking, the same answer under the same regex.
+#[test]
+fn the_budget_closes_each_batch_lines_thinking_as_a_single_run_does() {
+    let args = [
+        "--reasoning",
+        "on",
+        "--reasoning-budget",
+        "6",
+        "--regex",
+        "[0-9]{1,3}",
+        "--max-new",
+        "40",
+    ];
+    let (answer, _, single) = run(&args);
+    let mut cmd = gen();
+    cmd.arg("--model")
+        .arg(smollm2())
+        .arg("--chat-template")
+        .arg(template())
+        .args(["--chat", "--batch", "-", "--temperature", "0", "--quiet"])
+        .args(args);
+    let out = common::with_stdin(cmd, "What is 2 + 2?\nWhat is 3 + 5?\n");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let lines: Vec<Value> = jsonl(&text(&out.stdout));
+    assert_eq!(lines[0]["text"], answer.as_str(), "{}", lines[0]);
+    assert_eq!(lines[0]["reasoning"], single["reasoning"]);
+    assert_eq!(lines[0]["reasoning_tokens"], single["reasoning_tokens"]);
+    for l in &lines {
+        let t = l["text"].as_str().unwrap();
+        assert!(
+            !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()),
+            "{l}"
+        );
+        // Done by the regex (three digits) or by the model's end after one or two.
+        assert!(l["stop"] == "grammar" || l["stop"] == "eos", "{l}");
+        let r = l["reasoning_tokens"].as_u64().unwrap();
+        assert!((7..=12).contains(&r), "closed after 6 tokens: {l}");
+    }
+}
+
 #[test]
 fn gen_chat_keeps_the_thinking_out_of_the_conversation() {
     let dir = std::env::temp_dir().join(format!("gen-reasoning-chat-{}", std::process::id()));
@@ -206,10 +247,6 @@ fn gen_chat_keeps_the_thinking_out_of_the_conversation() {
 #[test]
 fn reasoning_flags_are_refused_where_they_cannot_work() {
     for (args, want) in [
-        (
-            vec!["--batch", "x", "--reasoning-budget", "5"],
-            "--reasoning-budget",
-        ),
         (
             vec![
                 "--prompt",

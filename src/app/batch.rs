@@ -122,7 +122,14 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
                     stopped: false,
                     thinking: p
                         .start
-                        .map(|s| super::thinking::Thinking::new(s, tokenizer, None, false))
+                        .map(|s| {
+                            super::thinking::Thinking::new(
+                                s,
+                                tokenizer,
+                                cfg.reasoning_budget,
+                                false,
+                            )
+                        })
                         .transpose()?,
                 })
             })
@@ -390,6 +397,13 @@ impl BatchSink for Sink<'_, '_> {
             }
         }
         Ok(())
+    }
+
+    fn forced(&mut self, index: usize) -> Vec<u32> {
+        self.texts[index]
+            .thinking
+            .as_mut()
+            .map_or_else(Vec::new, super::thinking::Thinking::forced)
     }
 
     fn gate(&self, index: usize) -> crate::sampler::Gate {
