@@ -129,22 +129,7 @@ fn write_model(path: &Path, types: [u32; 5], seed: u64) {
 fn logits(path: &Path, tokenizer: &Path) -> (Vec<Vec<f32>>, &'static str) {
     let tokens: Vec<u32> = (0..11).map(|i| (i * 13 + 5) % VOCAB as u32).collect();
     let mut loaded = gen::model::load(path, &Device::Cpu, Some(tokenizer), None).unwrap();
-    let m = loaded.model.as_mut();
-    m.reserve_pool(gen::model::kv_cache::blocks_for(tokens.len()))
-        .unwrap();
-    let seq = m.new_sequence();
-    assert!(m.reserve(seq, tokens.len()));
-    let mut out = Vec::new();
-    let mut chunks = vec![&tokens[..5]];
-    chunks.extend(tokens[5..].chunks(1));
-    let mut pos = 0;
-    for chunk in chunks {
-        let l = m
-            .forward(&[gen::model::SeqStep::auto(seq, chunk, pos)])
-            .unwrap();
-        pos += chunk.len();
-        out.push(l.flatten_all().unwrap().to_vec1::<f32>().unwrap());
-    }
+    let out = common::logits_of(&mut loaded, &tokens, 5);
     (out, loaded.times.tile_cache)
 }
 

@@ -221,6 +221,11 @@ pub fn gen_logits(
 ) -> Vec<Vec<f32>> {
     let mut loaded = gen::model::load(path, &candle_core::Device::Cpu, tokenizer, None)
         .unwrap_or_else(|e| panic!("loading {}: {e:#}", path.display()));
+    logits_of(&mut loaded, tokens, split)
+}
+
+/// [`gen_logits`] on a model already loaded.
+pub fn logits_of(loaded: &mut gen::model::Loaded, tokens: &[u32], split: usize) -> Vec<Vec<f32>> {
     let m = loaded.model.as_mut();
     m.reserve_pool(gen::model::kv_cache::blocks_for(tokens.len()))
         .unwrap();

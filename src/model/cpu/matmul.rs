@@ -1050,7 +1050,17 @@ impl CpuQWeight {
                 }
             }
         };
-        Ok(Some(CpuQWeight {
+        Ok(Some(Self::of_layout(ty, rows, cols, layout, kernel)))
+    }
+
+    fn of_layout(
+        ty: WeightType,
+        rows: usize,
+        cols: usize,
+        layout: Layout,
+        kernel: Kernel,
+    ) -> CpuQWeight {
+        CpuQWeight {
             ty,
             rows,
             cols,
@@ -1058,7 +1068,7 @@ impl CpuQWeight {
             kernel,
             paths: [kernel; 3],
             parts: Vec::new(),
-        }))
+        }
     }
 
     /// The type of ggml type number `ggml`, on gen's kernels; None for another.
@@ -1160,15 +1170,7 @@ impl CpuQWeight {
             )?),
             WeightType::Half(h) => Layout::Half(HalfTiles::from_buffer(h, u16s(0)?, groups, cols)?),
         };
-        Some(CpuQWeight {
-            ty,
-            rows,
-            cols,
-            layout,
-            kernel,
-            paths: [kernel; 3],
-            parts: Vec::new(),
-        })
+        Some(Self::of_layout(ty, rows, cols, layout, kernel))
     }
 
     /// Row `row` of the weight matrix, widened to f32 as ggml dequantizes it (an embedding
