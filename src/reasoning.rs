@@ -3,7 +3,8 @@
 //! Models that think before they answer write their deliberation between two markers that
 //! their chat template names (`<think>` ... `</think>` for Qwen3, QwQ, the DeepSeek-R1
 //! distills, SmolLM3, GLM, MiniMax and most others; `<seed:think>` for Seed-OSS, `[THINK]` for
-//! Magistral, `<|START_THINKING|>` for Command R7B). gen finds the format in the template
+//! Magistral, `<|START_THINKING|>` for Command R7B; gpt-oss's analysis channel, whose answer
+//! comes after its final channel's header). gen finds the format in the template
 //! ([`Format::of_template`]) and splits the reply as it streams ([`Splitter`]): the thinking
 //! goes one way (stderr, a `reasoning` field), the answer the other (stdout, `text`). A
 //! template that opens the block itself at the end of the prompt (the R1 distills) starts the
@@ -15,25 +16,38 @@
 pub struct Format {
     pub open: &'static str,
     pub close: &'static str,
+    /// Markers that may stand where the answer begins (after the block, or at the reply's
+    /// start), in this order, and are not part of it: gpt-oss's header of its final channel.
+    pub answer_markers: &'static [&'static str],
 }
 
 /// The formats gen knows, most specific first.
 const FORMATS: &[Format] = &[
+    // gpt-oss's Harmony: an analysis channel, then the final one after a new header.
+    Format {
+        open: "<|channel|>analysis<|message|>",
+        close: "<|end|>",
+        answer_markers: &["<|start|>assistant", "<|channel|>final<|message|>"],
+    },
     Format {
         open: "<seed:think>",
         close: "</seed:think>",
+        answer_markers: &[],
     },
     Format {
         open: "<|START_THINKING|>",
         close: "<|END_THINKING|>",
+        answer_markers: &[],
     },
     Format {
         open: "[THINK]",
         close: "[/THINK]",
+        answer_markers: &[],
     },
     Format {
         open: "<think>",
         close: "</think>",
+        answer_markers: &[],
     },
 ];
 
@@ -150,13 +164,18 @@ impl Splitter {
             match self.state {
                 State::Start => {
                     let rest = self.held.trim_start();
-                    if rest.is_empty() || self.format.open.starts_with(rest) {
-                        break; // whitespace, or maybe the open marker: wait
+                    let f = self.format;
+                    let maybe = |m: &str| m.starts_with(rest);
+                    if rest.is_empty() || maybe(f.open) || f.answer_markers.iter().any(|m| maybe(m))
+                    {
+                        break; // whitespace, or maybe a marker: wait
                     }
-                    if let Some(after) = rest.strip_prefix(self.format.open) {
+                    if let Some(after) = rest.strip_prefix(f.open) {
                         self.held = after.to_string();
                         self.state = State::Thinking;
                         self.thought = true;
+                    } else if f.answer_markers.iter().any(|m| rest.starts_with(m)) {
+                        self.state = State::Closed; // an answer's header: Closed strips it
                     } else {
                         self.state = State::Answer;
                     }
@@ -184,6 +203,14 @@ impl Splitter {
                     if rest.is_empty() {
                         self.held.clear();
                         break;
+                    }
+                    let markers = self.format.answer_markers;
+                    if let Some(m) = markers.iter().find(|m| rest.starts_with(**m)) {
+                        self.held = rest[m.len()..].to_string();
+                        continue;
+                    }
+                    if markers.iter().any(|m| m.starts_with(rest)) {
+                        break; // maybe a marker: wait
                     }
                     self.held = rest.to_string();
                     self.state = State::Answer;
@@ -255,7 +282,48 @@ mod tests {
     const THINK: Format = Format {
         open: "<think>",
         close: "</think>",
+        answer_markers: &[],
     };
+
+    #[test]
+    fn harmony_channels_come_apart_and_their_headers_go() {
+        let f = Format::of_template(
+            "<|start|>assistant<|channel|>analysis<|message|>{{ x }}<|end|> to=functions.",
+        )
+        .unwrap();
+        let reply = "<|channel|>analysis<|message|>Add them: 4.<|end|><|start|>assistant<|channel|>final<|message|>The answer is 4.";
+        for size in [1, 2, 5, 200] {
+            let mut s = Splitter::new(f, false);
+            let mut parts = Vec::new();
+            let chars: Vec<char> = reply.chars().collect();
+            for c in chars.chunks(size) {
+                parts.extend(s.push(&c.iter().collect::<String>()));
+            }
+            parts.extend(s.finish());
+            let (mut t, mut a) = (String::new(), String::new());
+            for (part, text) in parts {
+                match part {
+                    Part::Thinking => t.push_str(&text),
+                    Part::Answer => a.push_str(&text),
+                }
+            }
+            assert_eq!(
+                (t.as_str(), a.as_str()),
+                ("Add them: 4.", "The answer is 4."),
+                "size {size}"
+            );
+        }
+        // Straight to the final channel: no thinking, the header gone.
+        let (t, a) = Splitter::split(f, false, "<|channel|>final<|message|>Hi.");
+        assert_eq!((t.as_str(), a.as_str()), ("", "Hi."));
+        // A tool call after the analysis: its header stays for the call's parser.
+        let (_, a) = Splitter::split(
+            f,
+            false,
+            "<|channel|>analysis<|message|>x<|end|><|start|>assistant to=functions.f<|channel|>commentary json<|message|>{}",
+        );
+        assert_eq!(a, "to=functions.f<|channel|>commentary json<|message|>{}");
+    }
 
     /// `reply` pushed in pieces of `size` characters: (thinking, answer), and no piece given out
     /// ever held part of a marker.

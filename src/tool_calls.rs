@@ -27,12 +27,16 @@ pub enum Format {
     Mistral,
     /// The whole reply a JSON object `{"name", "parameters"}`.
     Llama3,
+    /// gpt-oss's Harmony: `to=functions.NAME<|channel|>commentary json<|message|>{...}`.
+    Harmony,
 }
 
 impl Format {
     /// The call format a chat template describes, if any.
     pub fn of_template(source: &str) -> Option<Format> {
-        if source.contains("<tool_call>") {
+        if source.contains("<|channel|>commentary") {
+            Some(Format::Harmony)
+        } else if source.contains("<tool_call>") {
             Some(Format::Tagged)
         } else if source.contains("[TOOL_CALLS]") {
             Some(Format::Mistral)
@@ -80,7 +84,46 @@ pub fn parse(format: Format, reply: &str) -> Parsed {
         Format::Tagged => parse_tagged(reply),
         Format::Mistral => parse_mistral(reply),
         Format::Llama3 => parse_llama3(reply),
+        Format::Harmony => parse_harmony(reply),
     }
+}
+
+fn parse_harmony(reply: &str) -> Parsed {
+    const HEAD: &str = "to=functions.";
+    const BODY: &str = "<|message|>";
+    let mut out = Parsed::default();
+    let Some(first) = reply.find(HEAD) else {
+        out.content = reply.trim().to_string();
+        return out;
+    };
+    out.content = reply[..first]
+        .trim()
+        .trim_end_matches("<|start|>assistant")
+        .trim()
+        .to_string();
+    for call in reply[first..].split(HEAD).skip(1) {
+        let name_len = call
+            .find(|c: char| !(c.is_alphanumeric() || "_-.".contains(c)))
+            .unwrap_or(call.len());
+        let args = call
+            .find(BODY)
+            .map(|at| &call[at + BODY.len()..])
+            .map(|a| a.split("<|call|>").next().unwrap_or(a))
+            .map(|a| a.trim().trim_end_matches("<|start|>assistant").trim());
+        let parsed = args
+            .and_then(|a| serde_json::from_str::<Value>(a).ok())
+            .filter(Value::is_object)
+            .and_then(|a| named(&call[..name_len], a));
+        match parsed {
+            Some(c) => out.calls.push(c),
+            None => out.malformed += 1,
+        }
+    }
+    if out.malformed > 0 {
+        out.calls.clear();
+        out.content = reply.trim().to_string();
+    }
+    out
 }
 
 fn parse_tagged(reply: &str) -> Parsed {
@@ -289,8 +332,8 @@ pub fn choice_grammar(format: Format, tools: &Value, choice: &Choice) -> Result<
     let key = match format {
         Format::Tagged => "arguments",
         Format::Llama3 => "parameters",
-        Format::Mistral => bail!(
-            "--tool-choice: Mistral's calls begin with a control token gen cannot hold a reply to yet; use --tool-choice auto"
+        Format::Mistral | Format::Harmony => bail!(
+            "--tool-choice: this format's calls begin with control tokens gen cannot hold a reply to yet; use --tool-choice auto"
         ),
     };
     let schemas: Vec<Value> = tools
@@ -447,6 +490,25 @@ mod tests {
         let p = parse(Format::Mistral, "[TOOL_CALLS][{\"name\": \"get_wea");
         assert!(p.calls.is_empty() && p.malformed == 1);
         assert_eq!(parse(Format::Mistral, "Hello").content, "Hello");
+    }
+
+    #[test]
+    fn harmony_calls() {
+        let p = parse(
+            Format::Harmony,
+            "to=functions.get_weather<|channel|>commentary json<|message|>{\"city\": \"Paris\"}",
+        );
+        assert_eq!(p.calls, vec![call("get_weather", json!({"city": "Paris"}))]);
+        assert_eq!(p.content, "");
+        let cut = "to=functions.get_weather<|channel|>commentary json<|message|>{\"ci";
+        let p = parse(Format::Harmony, cut);
+        assert!(p.calls.is_empty() && p.malformed == 1);
+        assert_eq!(p.content, cut);
+        assert_eq!(parse(Format::Harmony, "Hello.").content, "Hello.");
+        assert_eq!(
+            Format::of_template("<|channel|>commentary <|message|>"),
+            Some(Format::Harmony)
+        );
     }
 
     #[test]

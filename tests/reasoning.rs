@@ -206,6 +206,59 @@ fn the_budget_closes_each_batch_lines_thinking_as_a_single_run_does() {
     }
 }
 
+/// gpt-oss's Harmony template: the analysis channel is the thinking, the final channel's
+/// header is stripped from the answer. The regex writes the channel headers (the model does not
+/// know them); the budget closes the analysis with `<|end|>`.
+#[test]
+fn gpt_oss_channels_split_into_thinking_and_answer() {
+    let template = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("assets/chat-templates/openai-gpt-oss-120b.jinja");
+    let out = gen()
+        .arg("--model")
+        .arg(smollm2())
+        .arg("--chat-template")
+        .arg(&template)
+        .args(["--chat", "--prompt", "What is 2 + 2?", "--temperature", "0"])
+        .args(["--reasoning-budget", "5", "--max-new", "60", "--stats", "json"])
+        .args([
+            "--regex",
+            r"<\|channel\|>analysis<\|message\|>\n<\|start\|>assistant<\|channel\|>final<\|message\|>[0-9]{1,3}",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let answer = text(&out.stdout);
+    assert!(
+        !answer.is_empty() && answer.bytes().all(|b| b.is_ascii_digit()),
+        "the final channel's text alone: {answer:?}"
+    );
+    let err = text(&out.stderr);
+    let stats: Value = serde_json::from_str(err.lines().last().unwrap()).unwrap();
+    let thinking = stats["reasoning"].as_str().unwrap();
+    assert!(
+        !thinking.trim().is_empty() && !thinking.contains("<|"),
+        "{stats}"
+    );
+    assert!(stats["reasoning_tokens"].as_u64().unwrap() > 5, "{stats}");
+    // gpt-oss has no enable_thinking switch (it takes reasoning_effort): off says so.
+    let out = gen()
+        .arg("--model")
+        .arg(smollm2())
+        .arg("--chat-template")
+        .arg(&template)
+        .args([
+            "--chat",
+            "--prompt",
+            "Hi",
+            "--dry-run",
+            "--reasoning",
+            "off",
+        ])
+        .output()
+        .unwrap();
+    assert!(text(&out.stderr).contains("no switch to turn thinking off"));
+}
+
 #[test]
 fn gen_chat_keeps_the_thinking_out_of_the_conversation() {
     let dir = std::env::temp_dir().join(format!("gen-reasoning-chat-{}", std::process::id()));
