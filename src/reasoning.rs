@@ -3,8 +3,8 @@
 //! Models that think before they answer write their deliberation between two markers that
 //! their chat template names (`<think>` ... `</think>` for Qwen3, QwQ, the DeepSeek-R1
 //! distills, SmolLM3, GLM, MiniMax and most others; `<seed:think>` for Seed-OSS, `[THINK]` for
-//! Magistral, `<|START_THINKING|>` for Command R7B; gpt-oss's analysis channel, whose answer
-//! comes after its final channel's header). gen finds the format in the template
+//! Magistral, `<|START_THINKING|>` for Command R7B, `<|channel>thought` for Gemma 4; gpt-oss's
+//! analysis channel, whose answer comes after its final channel's header). gen finds the format in the template
 //! ([`Format::of_template`]) and splits the reply as it streams ([`Splitter`]): the thinking
 //! goes one way (stderr, a `reasoning` field), the answer the other (stdout, `text`). A
 //! template that opens the block itself at the end of the prompt (the R1 distills) starts the
@@ -28,6 +28,12 @@ const FORMATS: &[Format] = &[
         open: "<|channel|>analysis<|message|>",
         close: "<|end|>",
         answer_markers: &["<|start|>assistant", "<|channel|>final<|message|>"],
+    },
+    // Gemma 4: a thought channel.
+    Format {
+        open: "<|channel>thought",
+        close: "<channel|>",
+        answer_markers: &[],
     },
     Format {
         open: "<seed:think>",
@@ -401,6 +407,10 @@ mod tests {
         assert_eq!(t("{{ '<think>\\n' }}...{{ '</think>' }}"), Some("<think>"));
         assert_eq!(t("<seed:think>x</seed:think>"), Some("<seed:think>"));
         assert_eq!(t("[THINK]..[/THINK]"), Some("[THINK]"));
+        assert_eq!(
+            t("'<|channel>thought\\n<channel|>'"),
+            Some("<|channel>thought")
+        );
         assert_eq!(t("{{ messages }}"), None);
         assert!(THINK.opened_by("<|Assistant|><think>\n"));
         assert!(!THINK.opened_by("<|im_start|>assistant\n<think>\n\n</think>\n\n"));

@@ -259,6 +259,48 @@ fn gpt_oss_channels_split_into_thinking_and_answer() {
     assert!(text(&out.stderr).contains("no switch to turn thinking off"));
 }
 
+/// Gemma 4's thought channel (`<|channel>thought` ... `<channel|>`), thinking on by its switch.
+#[test]
+fn gemma4_thought_channel_is_the_thinking() {
+    let template = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("assets/chat-templates/google-gemma-4-31B-it.jinja");
+    let out = gen()
+        .arg("--model")
+        .arg(smollm2())
+        .arg("--chat-template")
+        .arg(&template)
+        .args(["--chat", "--prompt", "What is 2 + 2?", "--temperature", "0"])
+        .args([
+            "--reasoning",
+            "on",
+            "--reasoning-budget",
+            "5",
+            "--max-new",
+            "40",
+        ])
+        .args([
+            "--regex",
+            r"<\|channel>thought[0-9]{1,3}",
+            "--stats",
+            "json",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let answer = text(&out.stdout);
+    assert!(
+        !answer.is_empty() && answer.bytes().all(|b| b.is_ascii_digit()),
+        "{answer:?}"
+    );
+    let err = text(&out.stderr);
+    let stats: Value = serde_json::from_str(err.lines().last().unwrap()).unwrap();
+    assert!(stats["reasoning_tokens"].as_u64().unwrap() > 5, "{stats}");
+    assert!(
+        !stats["reasoning"].as_str().unwrap().contains("channel"),
+        "{stats}"
+    );
+}
+
 #[test]
 fn gen_chat_keeps_the_thinking_out_of_the_conversation() {
     let dir = std::env::temp_dir().join(format!("gen-reasoning-chat-{}", std::process::id()));
