@@ -3,7 +3,8 @@
 //! Models that think before they answer write their deliberation between two markers that
 //! their chat template names (`<think>` ... `</think>` for Qwen3, QwQ, the DeepSeek-R1
 //! distills, SmolLM3, GLM, MiniMax and most others; `<seed:think>` for Seed-OSS, `[THINK]` for
-//! Magistral, `<|START_THINKING|>` for Command R7B, `<|channel>thought` for Gemma 4; gpt-oss's
+//! Magistral, `<|START_THINKING|>` for Command R7B, `<|channel>thought` for Gemma 4, Apriel
+//! 1.6's `Here are my reasoning steps:` ... `[BEGIN FINAL RESPONSE]`; gpt-oss's
 //! analysis channel, whose answer comes after its final channel's header). gen finds the format in the template
 //! ([`Format::of_template`]) and splits the reply as it streams ([`Splitter`]): the thinking
 //! goes one way (stderr, a `reasoning` field), the answer the other (stdout, `text`). A
@@ -28,6 +29,12 @@ const FORMATS: &[Format] = &[
         open: "<|channel|>analysis<|message|>",
         close: "<|end|>",
         answer_markers: &["<|start|>assistant", "<|channel|>final<|message|>"],
+    },
+    // Apriel 1.6: the template opens the reasoning in words; the answer follows a marker.
+    Format {
+        open: "Here are my reasoning steps:",
+        close: "[BEGIN FINAL RESPONSE]",
+        answer_markers: &[],
     },
     // Gemma 4: a thought channel.
     Format {
@@ -411,6 +418,15 @@ mod tests {
             t("'<|channel>thought\\n<channel|>'"),
             Some("<|channel>thought")
         );
+        let apriel = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/assets/chat-templates/Apriel-1.6-15b-Thinker-fixed.jinja"
+        ))
+        .unwrap();
+        let f = Format::of_template(&apriel).unwrap();
+        assert!(f.opened_by("<|begin_assistant|>\nHere are my reasoning steps:\n"));
+        let (th, a) = Splitter::split(f, true, "\n1. Add.\n[BEGIN FINAL RESPONSE]\n4");
+        assert_eq!((th.as_str(), a.as_str()), ("\n1. Add.\n", "4"));
         assert_eq!(t("{{ messages }}"), None);
         assert!(THINK.opened_by("<|Assistant|><think>\n"));
         assert!(!THINK.opened_by("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
