@@ -225,7 +225,20 @@ fn mapped_tiles_give_the_repacked_logits_and_damage_is_rebuilt() {
     std::env::remove_var("GEN_KERNEL");
     // A changed model file (new weights, same name and shape): its cache is replaced, and
     // the logits are the new model's.
-    let before = cache_files(&cache).len();
+    // Temporary files of writes cut short: the next write takes those over an hour old.
+    let tiles = cache.join("gen/tiles");
+    let (stale_tmp, fresh_tmp) = (tiles.join("a.tmp-999"), tiles.join("b.tmp-998"));
+    for f in [&stale_tmp, &fresh_tmp] {
+        std::fs::write(f, b"partial").unwrap();
+    }
+    let two_hours = std::time::SystemTime::now() - std::time::Duration::from_secs(7200);
+    std::fs::File::options()
+        .write(true)
+        .open(&stale_tmp)
+        .unwrap()
+        .set_modified(two_hours)
+        .unwrap();
+    let before = cache_files(&cache).len() - 1;
     let mixed = dir.join("mixed.gguf");
     write_model(&mixed, [12, 14, 6, 8, 1], 777);
     std::env::set_var("GEN_TILE_CACHE", "off");
@@ -236,6 +249,11 @@ fn mapped_tiles_give_the_repacked_logits_and_damage_is_rebuilt() {
     let (cached, how) = logits(&mixed, &tok);
     assert_eq!((how, &cached), ("mapped", &fresh));
     assert_eq!(cache_files(&cache).len(), before, "replaced, not added");
+    assert!(
+        !stale_tmp.exists() && fresh_tmp.exists(),
+        "the stale temporary file went"
+    );
+    std::fs::remove_file(&fresh_tmp).unwrap();
 
     // Through the binary, on the default model.
     let run = || {

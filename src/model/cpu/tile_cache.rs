@@ -341,7 +341,8 @@ pub fn write(path: &Path, id: &[u8; 32], weights: &[&CpuQWeight]) -> Result<u64>
 }
 
 /// Least recently used cache files leave until the folder holds at most
-/// `GEN_TILE_CACHE_MAX_GB` (default 20); `keep` stays.
+/// `GEN_TILE_CACHE_MAX_GB` (default 20); `keep` stays. Temporary files of writes cut short
+/// (over an hour old) go too.
 fn trim(dir: &Path, keep: &Path) {
     let cap = std::env::var("GEN_TILE_CACHE_MAX_GB")
         .ok()
@@ -351,8 +352,24 @@ fn trim(dir: &Path, keep: &Path) {
     let Ok(list) = std::fs::read_dir(dir) else {
         return;
     };
-    let mut files: Vec<(std::time::SystemTime, u64, PathBuf)> = list
-        .filter_map(|e| e.ok())
+    let entries: Vec<std::fs::DirEntry> = list.filter_map(|e| e.ok()).collect();
+    // A write cut short (the process killed) leaves its temporary file: gone after an hour.
+    for e in &entries {
+        let stale = e
+            .metadata()
+            .ok()
+            .and_then(|m| m.modified().ok())
+            .is_some_and(|t| {
+                t.elapsed()
+                    .is_ok_and(|age| age > std::time::Duration::from_secs(3600))
+            });
+        let name = e.file_name();
+        if stale && name.to_string_lossy().contains(".tmp-") {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+    let mut files: Vec<(std::time::SystemTime, u64, PathBuf)> = entries
+        .into_iter()
         .filter(|e| e.path().extension().is_some_and(|x| x == "tiles"))
         .filter_map(|e| {
             let m = e.metadata().ok()?;
