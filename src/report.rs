@@ -307,6 +307,14 @@ impl Report {
         serde_json::to_writer(&mut *w, self)?;
         writeln!(w)
     }
+
+    /// The report as JSON (`--stats json`) or as lines for people.
+    pub fn write(&self, json: bool, w: &mut dyn Write) -> std::io::Result<()> {
+        match json {
+            true => self.write_json(w),
+            false => self.write_human(w),
+        }
+    }
 }
 
 /// The report of a batch run (`--batch`).

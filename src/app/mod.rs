@@ -358,11 +358,7 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
     let calls = tool_format
         .zip(sink.kept.take())
         .map(|(f, answer)| crate::tool_calls::parse(f, &answer));
-    let reasoning = sink.thinking.take().map(|t| crate::report::Reasoning {
-        tokens: t.tokens,
-        unfinished: t.unfinished(),
-        text: t.text,
-    });
+    let reasoning = sink.thinking.take().map(thinking::Thinking::into_report);
     if let Some(cache) = &cache {
         // The first token waited for the file too.
         gen.time_to_first_token += cache.load_time;
@@ -394,11 +390,10 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         .with_prompt_cache(cache.as_ref().map(|c| c.load_time))
         .with_reasoning(reasoning)
         .with_tool_calls(calls.as_ref());
-        let mut err = std::io::stderr().lock();
-        match cfg.stats {
-            StatsFormat::Human => report.write_human(&mut err)?,
-            StatsFormat::Json => report.write_json(&mut err)?,
-        }
+        report.write(
+            cfg.stats == StatsFormat::Json,
+            &mut std::io::stderr().lock(),
+        )?;
     }
     Ok(if gen.stop == StopReason::Interrupted {
         Outcome::Interrupted

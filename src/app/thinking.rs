@@ -116,6 +116,15 @@ impl Thinking {
         self.shown_last = text.chars().last().or(self.shown_last);
     }
 
+    /// What the report says of the thinking.
+    pub fn into_report(self) -> crate::report::Reasoning {
+        crate::report::Reasoning {
+            tokens: self.tokens,
+            unfinished: self.unfinished(),
+            text: self.text,
+        }
+    }
+
     /// Whether the reply is still inside its thinking block (at its end: it stopped while
     /// thinking, with no answer).
     pub fn unfinished(&self) -> bool {
