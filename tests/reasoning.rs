@@ -8,23 +8,25 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use common::{gen, jsonl, smollm2, text};
 use serde_json::Value;
 
-fn template() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("assets/chat-templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja")
+/// gen on the default model with the chat template `t` (an asset's file name).
+fn with_template(t: &str) -> std::process::Command {
+    let mut c = gen();
+    c.arg("--model").arg(smollm2()).arg("--chat-template").arg(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("assets/chat-templates")
+            .join(t),
+    );
+    c
 }
 
-/// `gen --chat` with the thinking template and `args`: (stdout, stderr, the --stats json).
-fn run(args: &[&str]) -> (String, String, Value) {
-    let out = gen()
-        .arg("--model")
-        .arg(smollm2())
-        .arg("--chat-template")
-        .arg(template())
+/// `gen --chat` with template `t` and `args`, greedy: (stdout, stderr, the --stats json).
+fn run_with(t: &str, args: &[&str]) -> (String, String, Value) {
+    let out = with_template(t)
         .args(["--chat", "--prompt", "What is 2 + 2?", "--temperature", "0"])
         .args(["--stats", "json"])
         .args(args)
@@ -34,6 +36,13 @@ fn run(args: &[&str]) -> (String, String, Value) {
     let err = text(&out.stderr);
     let stats: Value = serde_json::from_str(err.lines().last().unwrap()).unwrap();
     (text(&out.stdout), err, stats)
+}
+
+const R1: &str = "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja";
+
+/// [`run_with`] the DeepSeek-R1 distill's template.
+fn run(args: &[&str]) -> (String, String, Value) {
+    run_with(R1, args)
 }
 
 #[test]
@@ -83,11 +92,7 @@ fn reasoning_off_renders_the_block_closed_and_the_reply_is_all_answer() {
     assert_eq!(stats["reasoning_tokens"], 0, "{stats}");
     assert_eq!(stats["reasoning"], "");
     // --dry-run shows why: the template closed the block in the prompt.
-    let out = gen()
-        .arg("--model")
-        .arg(smollm2())
-        .arg("--chat-template")
-        .arg(template())
+    let out = with_template(R1)
         .args([
             "--chat",
             "--prompt",
@@ -114,11 +119,7 @@ fn a_reply_cut_while_thinking_has_no_answer_and_the_report_says_so() {
     assert_eq!(stats["stop_reason"], "max-new");
     assert!(!stats["reasoning"].as_str().unwrap().is_empty());
     // The human report too.
-    let out = gen()
-        .arg("--model")
-        .arg(smollm2())
-        .arg("--chat-template")
-        .arg(template())
+    let out = with_template(R1)
         .args(["--chat", "--prompt", "What is 2 + 2?", "--temperature", "0"])
         .args(["--reasoning", "on", "--max-new", "5"])
         .output()
@@ -136,12 +137,8 @@ fn batch_lines_carry_the_thinking_apart_in_both_shapes() {
     let (_, _, single) = run(&["--reasoning", "on", "--max-new", "8"]);
     let input = "What is 2 + 2?\nName a colour.\n";
     let batch = |shape: &str| -> Vec<Value> {
-        let mut cmd = gen();
-        cmd.arg("--model")
-            .arg(smollm2())
-            .arg("--chat-template")
-            .arg(template())
-            .args(["--chat", "--batch", "-", "--temperature", "0"])
+        let mut cmd = with_template(R1);
+        cmd.args(["--chat", "--batch", "-", "--temperature", "0"])
             .args(["--reasoning", "on", "--max-new", "8", "--quiet"])
             .args(["--batch-output", shape]);
         let out = common::with_stdin(cmd, input);
@@ -180,12 +177,8 @@ fn the_budget_closes_each_batch_lines_thinking_as_a_single_run_does() {
         "40",
     ];
     let (answer, _, single) = run(&args);
-    let mut cmd = gen();
-    cmd.arg("--model")
-        .arg(smollm2())
-        .arg("--chat-template")
-        .arg(template())
-        .args(["--chat", "--batch", "-", "--temperature", "0", "--quiet"])
+    let mut cmd = with_template(R1);
+    cmd.args(["--chat", "--batch", "-", "--temperature", "0", "--quiet"])
         .args(args);
     let out = common::with_stdin(cmd, "What is 2 + 2?\nWhat is 3 + 5?\n");
     assert!(out.status.success(), "{}", text(&out.stderr));
@@ -211,29 +204,22 @@ fn the_budget_closes_each_batch_lines_thinking_as_a_single_run_does() {
 /// know them); the budget closes the analysis with `<|end|>`.
 #[test]
 fn gpt_oss_channels_split_into_thinking_and_answer() {
-    let template = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("assets/chat-templates/openai-gpt-oss-120b.jinja");
-    let out = gen()
-        .arg("--model")
-        .arg(smollm2())
-        .arg("--chat-template")
-        .arg(&template)
-        .args(["--chat", "--prompt", "What is 2 + 2?", "--temperature", "0"])
-        .args(["--reasoning-budget", "5", "--max-new", "60", "--stats", "json"])
-        .args([
+    const GPT_OSS: &str = "openai-gpt-oss-120b.jinja";
+    let (answer, _, stats) = run_with(
+        GPT_OSS,
+        &[
+            "--reasoning-budget",
+            "5",
+            "--max-new",
+            "60",
             "--regex",
             r"<\|channel\|>analysis<\|message\|>\n<\|start\|>assistant<\|channel\|>final<\|message\|>[0-9]{1,3}",
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let answer = text(&out.stdout);
+        ],
+    );
     assert!(
         !answer.is_empty() && answer.bytes().all(|b| b.is_ascii_digit()),
         "the final channel's text alone: {answer:?}"
     );
-    let err = text(&out.stderr);
-    let stats: Value = serde_json::from_str(err.lines().last().unwrap()).unwrap();
     let thinking = stats["reasoning"].as_str().unwrap();
     assert!(
         !thinking.trim().is_empty() && !thinking.contains("<|"),
@@ -241,11 +227,7 @@ fn gpt_oss_channels_split_into_thinking_and_answer() {
     );
     assert!(stats["reasoning_tokens"].as_u64().unwrap() > 5, "{stats}");
     // gpt-oss has no enable_thinking switch (it takes reasoning_effort): off says so.
-    let out = gen()
-        .arg("--model")
-        .arg(smollm2())
-        .arg("--chat-template")
-        .arg(&template)
+    let out = with_template(GPT_OSS)
         .args([
             "--chat",
             "--prompt",
@@ -262,38 +244,23 @@ fn gpt_oss_channels_split_into_thinking_and_answer() {
 /// Gemma 4's thought channel (`<|channel>thought` ... `<channel|>`), thinking on by its switch.
 #[test]
 fn gemma4_thought_channel_is_the_thinking() {
-    let template = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("assets/chat-templates/google-gemma-4-31B-it.jinja");
-    let out = gen()
-        .arg("--model")
-        .arg(smollm2())
-        .arg("--chat-template")
-        .arg(&template)
-        .args(["--chat", "--prompt", "What is 2 + 2?", "--temperature", "0"])
-        .args([
+    let (answer, _, stats) = run_with(
+        "google-gemma-4-31B-it.jinja",
+        &[
             "--reasoning",
             "on",
             "--reasoning-budget",
             "5",
             "--max-new",
             "40",
-        ])
-        .args([
             "--regex",
             r"<\|channel>thought[0-9]{1,3}",
-            "--stats",
-            "json",
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let answer = text(&out.stdout);
+        ],
+    );
     assert!(
         !answer.is_empty() && answer.bytes().all(|b| b.is_ascii_digit()),
         "{answer:?}"
     );
-    let err = text(&out.stderr);
-    let stats: Value = serde_json::from_str(err.lines().last().unwrap()).unwrap();
     assert!(stats["reasoning_tokens"].as_u64().unwrap() > 5, "{stats}");
     assert!(
         !stats["reasoning"].as_str().unwrap().contains("channel"),
@@ -307,12 +274,8 @@ fn gen_chat_keeps_the_thinking_out_of_the_conversation() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let saved = dir.join("conv.json");
-    let mut cmd = gen();
+    let mut cmd = with_template(R1);
     cmd.arg("chat")
-        .arg("--model")
-        .arg(smollm2())
-        .arg("--chat-template")
-        .arg(template())
         .args(["--temperature", "0", "--max-new", "12"])
         .args(["--reasoning", "on", "--reasoning-budget", "4"]);
     let out = common::with_stdin(cmd, &format!("What is 2 + 2?\n/save {}\n", saved.display()));
