@@ -199,13 +199,7 @@ impl Report {
 
     pub fn with_tool_calls(mut self, parsed: Option<&crate::tool_calls::Parsed>) -> Self {
         if let Some(p) = parsed {
-            self.tool_calls = Some(
-                p.calls
-                    .iter()
-                    .enumerate()
-                    .map(|(i, c)| c.to_openai(i))
-                    .collect(),
-            );
+            self.tool_calls = Some(p.openai_calls(0));
             self.malformed_tool_calls = Some(p.malformed);
         }
         self
@@ -272,26 +266,11 @@ impl Report {
             writeln!(w, "reasoning      {} tokens{note}", r.tokens)?;
         }
         if let Some(calls) = &self.tool_calls {
-            let list: Vec<String> = calls
-                .iter()
-                .map(|c| {
-                    let f = &c["function"];
-                    format!(
-                        "{}({})",
-                        f["name"].as_str().unwrap_or(""),
-                        f["arguments"].as_str().unwrap_or("")
-                    )
-                })
-                .collect();
             let malformed = match self.malformed_tool_calls.unwrap_or(0) {
                 0 => String::new(),
                 n => format!(" ({n} malformed, left in the text)"),
             };
-            let shown = if list.is_empty() {
-                "none".to_string()
-            } else {
-                list.join(", ")
-            };
+            let shown = crate::tool_calls::describe(calls);
             writeln!(w, "tool calls     {shown}{malformed}")?;
         }
         if let Some(c) = &self.constraint {

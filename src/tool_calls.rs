@@ -78,6 +78,33 @@ pub struct Parsed {
     pub malformed: usize,
 }
 
+impl Parsed {
+    /// The calls in OpenAI's shape, their ids numbered from `first` (`call_N`).
+    pub fn openai_calls(&self, first: usize) -> Vec<Value> {
+        self.calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| c.to_openai(first + i))
+            .collect()
+    }
+}
+
+/// OpenAI-shaped calls as people read them: `name(arguments)`, comma-separated; `none`.
+pub fn describe(calls: &[Value]) -> String {
+    let list: Vec<String> = calls
+        .iter()
+        .map(|c| {
+            let f = &c["function"];
+            let (name, args) = (f["name"].as_str(), f["arguments"].as_str());
+            format!("{}({})", name.unwrap_or(""), args.unwrap_or(""))
+        })
+        .collect();
+    match list.is_empty() {
+        true => "none".to_string(),
+        false => list.join(", "),
+    }
+}
+
 /// The calls in `reply` (an answer, its thinking already apart) written in `format`.
 pub fn parse(format: Format, reply: &str) -> Parsed {
     match format {

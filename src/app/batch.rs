@@ -335,9 +335,7 @@ impl BatchSink for Sink<'_, '_> {
         let t = &mut self.texts[index];
         let mut rest = t.stream.finish();
         if let Some(th) = t.thinking.as_mut() {
-            let mut answer = th.push_text(&rest);
-            answer.push_str(&th.finish());
-            rest = answer;
+            rest = th.finish_with(&rest);
         }
         if !t.stopped {
             let release = t.stops.push(&rest);
@@ -371,13 +369,7 @@ impl BatchSink for Sink<'_, '_> {
             seed: (!p.sampling.is_greedy()).then_some(p.sampling.seed),
             reasoning: t.thinking.as_ref().map(|th| th.text.as_str()),
             reasoning_tokens: t.thinking.as_ref().map(|th| th.tokens),
-            tool_calls: calls.as_ref().map(|p| {
-                p.calls
-                    .iter()
-                    .enumerate()
-                    .map(|(i, c)| c.to_openai(i))
-                    .collect()
-            }),
+            tool_calls: calls.as_ref().map(|p| p.openai_calls(0)),
             content: calls.map(|p| p.content),
         };
         let json = self.out.shape.render(&line)?;

@@ -118,7 +118,6 @@ impl Chat {
         // A pool with room for the whole window: each turn's sequence, and the prefix cache
         // of the turns before in what it does not use.
         model.reserve_pool(blocks_for(context))?;
-        let stderr_tty = std::io::stderr().is_terminal();
         Ok(Self {
             conv,
             params: cfg.sampling.clone(),
@@ -126,7 +125,7 @@ impl Chat {
             max_new: cfg.max_new,
             stops: cfg.stops.clone(),
             last: None,
-            colour: stderr_tty && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
+            colour: super::stderr_colour(),
             quiet: cfg.quiet,
             ignore_eos: cfg.ignore_eos,
             reasoning_budget: cfg.reasoning_budget,
@@ -308,12 +307,7 @@ impl Chat {
             .iter()
             .filter_map(|m| m.tool_calls.as_ref().map(Vec::len))
             .sum();
-        let calls: Vec<serde_json::Value> = p
-            .calls
-            .iter()
-            .enumerate()
-            .map(|(i, c)| c.to_openai(earlier + i))
-            .collect();
+        let calls = p.openai_calls(earlier);
         for c in &calls {
             self.note(&format!(
                 "tool call {}({}) [{}]: answer with /tool RESULT",
@@ -383,12 +377,7 @@ impl Chat {
             .as_ref()
             .context("the model has no chat template")?;
         let text = template.render(&self.conv.messages(), true)?;
-        let start = template
-            .reasoning_format()
-            .map(|format| super::thinking::Start {
-                format,
-                opened: format.opened_by(&text),
-            });
+        let start = super::thinking::Start::of(template, &text);
         // The template writes its own BOS where it wants one.
         Ok((loaded.tokenizer.encode(&text, false)?, start))
     }

@@ -150,10 +150,7 @@ impl Session {
     ) -> Result<(Vec<u32>, Option<thinking::Start>)> {
         let template = self.template()?;
         let text = template.render(messages, true)?;
-        let start = template.reasoning_format().map(|format| thinking::Start {
-            format,
-            opened: format.opened_by(&text),
-        });
+        let start = thinking::Start::of(template, &text);
         Ok((self.text_ids(cfg, &text, max_new, true)?, start))
     }
 
@@ -234,6 +231,11 @@ impl Session {
     }
 }
 
+/// Whether stderr takes dim text: a terminal, and NO_COLOR unset or empty (no-color.org).
+pub(crate) fn stderr_colour() -> bool {
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+}
+
 /// Say where `--reasoning on|off` cannot do what it asks of this template.
 fn note_reasoning(mode: crate::reasoning::Mode, t: &chat::ChatTemplate) {
     use crate::reasoning::{has_switch, Mode};
@@ -293,7 +295,7 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         return Ok(Outcome::Done);
     }
     let tool_format = session.tool_format(cfg);
-    let session_constraint = session.constraint(cfg)?;
+    let constraint = session.constraint(cfg)?;
     let loaded = &mut session.loaded;
     let context_len = session.context_len;
 
@@ -323,7 +325,6 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         loaded.tokenizer.eos_ids().to_vec()
     };
     let mut sampler = Sampler::new(cfg.sampling.clone());
-    let constraint = session_constraint;
     if let Some(spec) = &constraint {
         let grammars = Grammars::new(&loaded.tokenizer, &eos)?;
         sampler = sampler.with_constraint(grammars.constraint(spec)?);
@@ -558,9 +559,7 @@ impl<W: Write> StreamSink<'_, '_, W> {
     fn finish(&mut self, stop: StopReason) -> Result<()> {
         let mut rest = self.text.finish();
         if let Some(t) = self.thinking.as_mut() {
-            let mut answer = t.push_text(&rest);
-            answer.push_str(&t.finish());
-            rest = answer;
+            rest = t.finish_with(&rest);
         }
         if matches!(stop, StopReason::Stop | StopReason::OutputClosed) {
             return Ok(());

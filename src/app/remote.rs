@@ -92,20 +92,7 @@ impl RemoteReport {
             self.total_s, self.retries
         )?;
         if let Some(calls) = &self.tool_calls {
-            let list: Vec<String> = calls
-                .iter()
-                .map(|c| {
-                    let f = &c["function"];
-                    let (name, args) = (f["name"].as_str(), f["arguments"].as_str());
-                    format!("{}({})", name.unwrap_or(""), args.unwrap_or(""))
-                })
-                .collect();
-            let shown = if list.is_empty() {
-                "none".into()
-            } else {
-                list.join(", ")
-            };
-            writeln!(w, "tool calls     {shown}")?;
+            writeln!(w, "tool calls     {}", crate::tool_calls::describe(calls))?;
         }
         Ok(())
     }
@@ -169,9 +156,8 @@ pub fn run_one(cfg: &Config, rc: &RemoteConfig) -> Result<Outcome> {
     // The thinking the server kept apart, on stderr (dim on a terminal), after the answer:
     // the stream gives it first, but stdout is the answer's alone.
     if !reply.reasoning.is_empty() && !cfg.quiet {
-        let dim = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
         let r = reply.reasoning.trim_end();
-        match dim {
+        match super::stderr_colour() {
             true => eprintln!("\x1b[2m{r}\x1b[0m"),
             false => eprintln!("{r}"),
         }

@@ -2,7 +2,7 @@
 //! stderr (dim on a terminal), counted, closed when its budget is spent, and the grammar of a
 //! constrained reply held back until the answer begins.
 
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 
 use anyhow::Result;
 
@@ -15,6 +15,16 @@ use crate::tokenizer::Tokenizer;
 pub(crate) struct Start {
     pub format: Format,
     pub opened: bool,
+}
+
+impl Start {
+    /// For a prompt `rendered` by `template`; None where the template has no thinking block.
+    pub fn of(template: &crate::chat::ChatTemplate, rendered: &str) -> Option<Self> {
+        template.reasoning_format().map(|format| Start {
+            format,
+            opened: format.opened_by(rendered),
+        })
+    }
 }
 
 pub(crate) struct Thinking {
@@ -57,8 +67,7 @@ impl Thinking {
             open: tokenizer.id_of(start.format.open),
             forced: false,
             // Dim on a terminal, unless NO_COLOR asks for plain text.
-            show: show
-                .then(|| std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none()),
+            show: show.then(super::stderr_colour),
             shown_last: None,
         })
     }
@@ -73,15 +82,11 @@ impl Thinking {
         self.take(parts)
     }
 
-    /// Text that came with no token (the end of a character cut short); returns its answer part.
-    pub fn push_text(&mut self, text: &str) -> String {
-        let parts = self.splitter.push(text);
-        self.take(parts)
-    }
-
-    /// The end of the reply: the answer still held.
-    pub fn finish(&mut self) -> String {
-        let parts = self.splitter.finish();
+    /// The end of the reply, with `rest` (text that came with no token: the end of a
+    /// character cut short): the answer still held.
+    pub fn finish_with(&mut self, rest: &str) -> String {
+        let mut parts = self.splitter.push(rest);
+        parts.extend(self.splitter.finish());
         let answer = self.take(parts);
         if self.shown_last.is_some_and(|c| c != '\n') {
             eprintln!();

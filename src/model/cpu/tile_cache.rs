@@ -73,8 +73,8 @@ pub enum TileCache {
 pub struct Hit {
     file: Arc<Mapped>,
     entries: Vec<Entry>,
-    /// Tensor name -> (entry, first row).
-    parts: HashMap<String, (usize, usize)>,
+    /// Tensor name -> (entry, first row, rows).
+    parts: HashMap<String, (usize, usize, usize)>,
     kernel: Kernel,
     pub path: PathBuf,
     /// Bytes of tiles it holds.
@@ -173,7 +173,7 @@ impl Hit {
             }
             let mut row = 0;
             for (name, n) in &e.parts {
-                parts.insert(name.clone(), (i, row));
+                parts.insert(name.clone(), (i, row, *n));
                 row += n;
             }
             bytes += e.bufs.iter().map(|b| b.len).sum::<usize>();
@@ -190,9 +190,8 @@ impl Hit {
     }
 
     fn take(&self, name: &str, ggml: u32, rows: usize, cols: usize) -> Option<CpuQWeight> {
-        let &(i, row) = self.parts.get(name)?;
+        let &(i, row, n) = self.parts.get(name)?;
         let e = &self.entries[i];
-        let n = e.parts.iter().find(|p| p.0 == name)?.1;
         // A part after the first starts on a whole group of 8 rows (fused parts are so).
         if e.ggml != ggml || e.cols != cols || n != rows || !row.is_multiple_of(8) {
             return None;
