@@ -141,6 +141,9 @@ fn paths_are_measured_once_kept_and_give_the_same_text() {
     if !err4.contains("the CPU was busy") {
         assert!(err4.contains("measured this CPU's kernel paths"), "{err4}");
         let replaced = std::fs::read_to_string(&files[0]).unwrap();
-        assert!(replaced.starts_with("gen kernel choices v2\n"), "{replaced}");
+        assert!(
+            replaced.starts_with("gen kernel choices v2\n"),
+            "{replaced}"
+        );
     }
 }

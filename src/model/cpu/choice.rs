@@ -7,7 +7,8 @@
 //! decoded a k256 Q4_K_M file 1.2-1.4x faster on the AVX2 path. So the first time gen loads a
 //! weight type on a CPU, it times both paths on the same work on every machine ([`workload`]:
 //! matrices of that type in a Llama 3.2 1B layer's shapes), for each kind of call ([`Call`]:
-//! one token, a few, a prefill chunk), picks the faster, and keeps the choice in a file under
+//! one token, a few, a prefill chunk; the first two from memory, as decoding reads them), picks
+//! the faster (a near-tie keeps the preferred path, [`preferred_first`]), and keeps the choice in a file under
 //! gen's cache folder named by the CPU's identity and thread count. Later runs read it and
 //! measure only types not seen before. A measurement during which other processes took the
 //! cores from gen's threads ([`busy`]) is not kept: that run takes the 512-bit path.
@@ -27,7 +28,8 @@ use super::matmul::{CpuQWeight, Kernel};
 pub use super::q8::{Call, FEW};
 
 /// Bump when a kernel change makes the kept choices stale. 2: one-token and few-token calls
-/// are timed with their weights evicted from the caches first (`Evict`).
+/// are timed with their weights evicted from the caches first (`Evict`), and a one-token
+/// near-tie goes to AVX2 (`preferred_first`).
 const VERSION: u32 = 2;
 
 /// How much faster than the first path another must be to be chosen.
@@ -122,8 +124,9 @@ pub fn choose(ws: &mut [&mut CpuQWeight]) -> Chosen {
             for call in Call::ALL {
                 if kept.get(ty, call).is_none() {
                     let evict = (call != Call::Many).then(|| &*evict);
-                    let times = time_paths(&refs, &paths, call, evict);
-                    fresh.set(ty, call, &paths, &times);
+                    let order = preferred_first(&paths, call);
+                    let times = time_paths(&refs, &order, call, evict);
+                    fresh.set(ty, call, &order, &times);
                 }
             }
         }
@@ -159,6 +162,23 @@ pub fn choose(ws: &mut [&mut CpuQWeight]) -> Chosen {
     }
     done.file = Some(file);
     done
+}
+
+/// The paths in the order [`Kept::set`] prefers them on a near-tie: the rule by instruction
+/// set first, except for one-token calls, where AVX2 goes first. A one-token call reads its
+/// weights from memory; both paths run at the memory's speed within a few percent, less than
+/// the calibration can tell apart, while whole decodes on AMD Zen 4 and Zen 5 ran faster on the
+/// AVX2 path for every type measured (Zen 5, 2026-12-05, paired runs: F16 1.07x, Q8_0 1.05x on
+/// files whose calibrations were near-ties; Zen 4's k256 Q4_K_M and Q8_0 1.2-1.4x). The
+/// 512-bit path is still chosen where it measures 5% faster.
+fn preferred_first(paths: &[Kernel], call: Call) -> Vec<Kernel> {
+    let mut order = paths.to_vec();
+    #[cfg(target_arch = "x86_64")]
+    if call == Call::One {
+        order.sort_by_key(|k| *k != Kernel::Avx2);
+    }
+    let _ = call;
+    order
 }
 
 /// Whether `preempted` involuntary switches in `seconds` of measuring mean other work shared
@@ -238,12 +258,7 @@ fn workload(ggml: u32, kernel: Kernel) -> Vec<CpuQWeight> {
 /// Seconds of the fastest round of each path, alternating paths round by round: one call of
 /// `call`'s token count on each of `ws` in turn until its byte budget is read, after reading
 /// through `evict` where given.
-fn time_paths(
-    ws: &[&CpuQWeight],
-    paths: &[Kernel],
-    call: Call,
-    evict: Option<&Evict>,
-) -> Vec<f64> {
+fn time_paths(ws: &[&CpuQWeight], paths: &[Kernel], call: Call, evict: Option<&Evict>) -> Vec<f64> {
     let (tokens, budget) = call.sample();
     let mut chosen = Vec::new();
     let mut bytes = 0;
@@ -515,6 +530,25 @@ fn cpu_name() -> String {
 
 #[cfg(test)]
 mod tests {
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn a_one_token_near_tie_goes_to_avx2_and_the_rest_to_the_512_bit_path() {
+        let paths = [Kernel::Vnni, Kernel::Avx2];
+        assert_eq!(
+            preferred_first(&paths, Call::One),
+            [Kernel::Avx2, Kernel::Vnni]
+        );
+        assert_eq!(preferred_first(&paths, Call::Few), paths);
+        assert_eq!(preferred_first(&paths, Call::Many), paths);
+        // The preferred path keeps a near-tie; 5% faster takes it.
+        let mut k = Kept::default();
+        let order = preferred_first(&paths, Call::One);
+        k.set("Q4_K", Call::One, &order, &[1.00, 0.97]);
+        assert_eq!(k.get("Q4_K", Call::One), Some(Kernel::Avx2));
+        k.set("Q6_K", Call::One, &order, &[1.00, 0.90]);
+        assert_eq!(k.get("Q6_K", Call::One), Some(Kernel::Vnni));
+    }
 
     #[test]
     fn cache_sizes_read_as_sysfs_writes_them() {
