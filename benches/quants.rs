@@ -1,7 +1,8 @@
 //! Every GGUF weight type on gen's own CPU kernels, side by side with llama.cpp's llama-bench
 //! in the same run: per file, prefill (a 512-token prompt) and decode (128 tokens) tok/s for
 //! both, the ratios, the weight bytes a decode step reads, and decode against the memory
-//! roofline (those bytes over the machine's read bandwidth, measured here first); then time to
+//! roofline (those bytes over the machine's read bandwidth, measured here first, beside the
+//! vector units' multiply-add peaks, a prefill's ceiling); then time to
 //! first token on the 1,000-token prompt for the files as published (mixed types).
 //!
 //!     .ci/llama-server llama-bench           # once, the peer (about 8 minutes on 2 cores)
@@ -25,6 +26,71 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::{env_or, json_report, median};
+
+/// Multiply-adds per second (GMAC/s) the CPU's vector units can do on `threads` threads, the
+/// ceiling of a prefill: f32 `vfmadd` on 512-bit registers, and where the CPU has AVX512-BF16,
+/// `vdpbf16ps` (two bf16 products a lane into f32). 12 independent accumulators a thread, so
+/// latency does not count; None where the CPU lacks AVX-512.
+fn compute_peaks(threads: usize) -> (Option<f64>, Option<f64>) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        const ROUNDS: usize = 20_000_000;
+        #[target_feature(enable = "avx512f")]
+        fn f32_loop() -> f32 {
+            let m = _mm512_set1_ps(0.999);
+            let c = _mm512_set1_ps(1e-6);
+            let mut x = [_mm512_setzero_ps(); 12];
+            for _ in 0..ROUNDS {
+                for v in x.iter_mut() {
+                    *v = _mm512_fmadd_ps(*v, m, c);
+                }
+            }
+            x.iter().map(|v| _mm512_reduce_add_ps(*v)).sum()
+        }
+        #[target_feature(enable = "avx512f,avx512bf16")]
+        fn bf16_loop() -> f32 {
+            let m: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi16(0x3f80)) };
+            let c: __m512bh = unsafe { std::mem::transmute(_mm512_set1_epi16(0x3380)) };
+            let mut x = [_mm512_setzero_ps(); 12];
+            for _ in 0..ROUNDS {
+                for v in x.iter_mut() {
+                    *v = _mm512_dpbf16_ps(*v, m, c);
+                }
+            }
+            x.iter().map(|v| _mm512_reduce_add_ps(*v)).sum()
+        }
+        // The best of 5 runs.
+        let time = |f: fn() -> f32, macs_per_instr: f64| {
+            (0..5)
+                .map(|_| {
+                    let t0 = std::time::Instant::now();
+                    std::thread::scope(|s| {
+                        for _ in 0..threads {
+                            s.spawn(move || std::hint::black_box(f()));
+                        }
+                    });
+                    let macs = (threads * ROUNDS * 12) as f64 * macs_per_instr;
+                    macs / t0.elapsed().as_secs_f64() / 1e9
+                })
+                .fold(0f64, f64::max)
+        };
+        let f32_peak = is_x86_feature_detected!("avx512f").then(|| {
+            // SAFETY: the feature was just detected.
+            time(|| unsafe { f32_loop() }, 16.0)
+        });
+        let bf16_peak = is_x86_feature_detected!("avx512bf16").then(|| {
+            // SAFETY: the features were just detected (avx512bf16 implies avx512f).
+            time(|| unsafe { bf16_loop() }, 32.0)
+        });
+        (f32_peak, bf16_peak)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = threads;
+        (None, None)
+    }
+}
 
 /// Memory read bandwidth with `threads` threads: best of 5 passes summing 1 GiB, each task
 /// reading four runs of memory at once (as a kernel reading several tiles does: one stream a
@@ -262,9 +328,13 @@ fn main() {
     std::fs::write(&short, "Once upon a time").unwrap();
     let p1000 = common::bench_text();
     let bw = read_bandwidth(threads);
+    let (f32_peak, bf16_peak) = compute_peaks(threads);
+    let peak = |p: Option<f64>| p.map_or("-".to_string(), |v| format!("{v:.0}"));
     let peer = common::llama_tool("llama-bench", "GEN_LLAMA_BENCH");
     println!(
-        "read bandwidth {bw:.1} GB/s ({threads} threads) | {runs} rounds, medians | gen vs {}",
+        "read bandwidth {bw:.1} GB/s, f32 / bf16 multiply-add peak {} / {} GMAC/s ({threads} threads) | {runs} rounds, medians | gen vs {}",
+        peak(f32_peak),
+        peak(bf16_peak),
         peer.as_ref()
             .map_or("no peer".into(), |p| p.display().to_string())
     );
