@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use common::{data, gen, smollm2, text, write_gguf, Meta};
+use common::{data, gen, smollm2, text, write_gguf};
 
 const D: usize = 256;
 const HEADS: usize = 4;
@@ -108,20 +108,14 @@ fn write_model(path: &Path, types: [u32; 5], seed: u64) {
     }
     vector("output_norm.weight".into(), D, 1.0, &mut tensors, next());
     matrix("output.weight".into(), VOCAB, D, out, &mut tensors, next());
-    let u = |n: usize| Meta::U32(n as u32);
-    let meta = [
-        ("general.architecture", Meta::Str("qwen2".into())),
-        ("qwen2.block_count", u(LAYERS)),
-        ("qwen2.embedding_length", u(D)),
-        ("qwen2.feed_forward_length", u(FF)),
-        ("qwen2.attention.head_count", u(HEADS)),
-        ("qwen2.attention.head_count_kv", u(KV)),
-        ("qwen2.attention.key_length", u(HD)),
-        ("qwen2.attention.value_length", u(HD)),
-        ("qwen2.context_length", u(64)),
-        ("qwen2.attention.layer_norm_rms_epsilon", Meta::F32(1e-6)),
-        ("qwen2.rope.freq_base", Meta::F32(10_000.0)),
-    ];
+    let meta = common::qwen2_meta(&common::Qwen2Shape {
+        layers: LAYERS,
+        d: D,
+        ff: FF,
+        heads: HEADS,
+        kv: KV,
+        hd: HD,
+    });
     write_gguf(path, &meta, &tensors);
 }
 

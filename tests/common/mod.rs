@@ -150,6 +150,34 @@ pub enum Meta {
 /// A GGUF (version 3) written byte by byte: `meta` in order, then each tensor (name, GGUF
 /// dimensions with the row width first, ggml type number, its bytes) at 32-byte alignment.
 /// Unlike candle's writer it takes any type's blocks, those candle cannot hold included.
+/// A small Qwen2 model's shape: layers, width, feed-forward width, heads, kv heads, head size.
+pub struct Qwen2Shape {
+    pub layers: usize,
+    pub d: usize,
+    pub ff: usize,
+    pub heads: usize,
+    pub kv: usize,
+    pub hd: usize,
+}
+
+/// The metadata of a Qwen2 GGUF of that shape (context 64, rms epsilon 1e-6, rope base 10,000).
+pub fn qwen2_meta(s: &Qwen2Shape) -> Vec<(&'static str, Meta)> {
+    let u = |n: usize| Meta::U32(n as u32);
+    vec![
+        ("general.architecture", Meta::Str("qwen2".into())),
+        ("qwen2.block_count", u(s.layers)),
+        ("qwen2.embedding_length", u(s.d)),
+        ("qwen2.feed_forward_length", u(s.ff)),
+        ("qwen2.attention.head_count", u(s.heads)),
+        ("qwen2.attention.head_count_kv", u(s.kv)),
+        ("qwen2.attention.key_length", u(s.hd)),
+        ("qwen2.attention.value_length", u(s.hd)),
+        ("qwen2.context_length", u(64)),
+        ("qwen2.attention.layer_norm_rms_epsilon", Meta::F32(1e-6)),
+        ("qwen2.rope.freq_base", Meta::F32(10_000.0)),
+    ]
+}
+
 pub fn write_gguf(
     path: &std::path::Path,
     meta: &[(&str, Meta)],
