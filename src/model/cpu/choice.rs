@@ -8,8 +8,8 @@
 //! weight type on a CPU, it times both paths on the same work on every machine ([`workload`]:
 //! matrices of that type in a Llama 3.2 1B layer's shapes), for each kind of call ([`Call`]:
 //! one token, a few, a prefill chunk; the first two from memory, as decoding reads them), picks
-//! the faster (a near-tie keeps the preferred path, [`preferred_first`]), and keeps the choice in a file under
-//! gen's cache folder named by the CPU's identity and thread count. Later runs read it and
+//! the faster (a near-tie keeps the preferred path, [`preferred_first`]), and keeps the choice
+//! in a file under gen's cache folder named by the CPU's identity and thread count. Later runs read it and
 //! measure only types not seen before. A measurement during which other processes took the
 //! cores from gen's threads ([`busy`]) is not kept: that run takes the 512-bit path.
 //!
@@ -32,7 +32,8 @@ pub use super::q8::{Call, FEW};
 /// near-tie goes to AVX2 (`preferred_first`).
 const VERSION: u32 = 2;
 
-/// How much faster than the first path another must be to be chosen.
+/// How much faster than the preferred path (the first of [`preferred_first`]) another must be
+/// to be chosen.
 const MARGIN: f64 = 0.05;
 
 /// Timed rounds per path and kind (after one untimed call each); the fastest round counts.
