@@ -9,8 +9,8 @@
 //! matrices of that type in a Llama 3.2 1B layer's shapes), for each kind of call ([`Call`]:
 //! one token, a few, a prefill chunk; the first two from memory, as decoding reads them), picks
 //! the faster (a near-tie keeps the preferred path, [`preferred_first`]), and keeps the choice
-//! in a file under gen's cache folder named by the CPU's identity and thread count. Later runs read it and
-//! measure only types not seen before. A measurement during which other processes took the
+//! in a file under gen's cache folder named by the CPU's identity and thread count. Later runs
+//! read it and measure only types not seen before. A measurement during which other processes took the
 //! cores from gen's threads ([`busy`]) is not kept: that run takes the 512-bit path.
 //!
 //! The choice is kept, never re-measured, because the paths round differently in the last bits
