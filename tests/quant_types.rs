@@ -19,13 +19,13 @@ use candle_core::{Device, Tensor};
 use common::{data, write_gguf};
 use half::f16;
 
-const D: usize = 256;
-const HEADS: usize = 4;
-const KV: usize = 2;
-const HD: usize = 64;
-const FF: usize = 512;
+const D: usize = common::SMALL_QWEN2.d;
+const HEADS: usize = common::SMALL_QWEN2.heads;
+const KV: usize = common::SMALL_QWEN2.kv;
+const HD: usize = common::SMALL_QWEN2.hd;
+const FF: usize = common::SMALL_QWEN2.ff;
 const VOCAB: usize = 64;
-const LAYERS: usize = 2;
+const LAYERS: usize = common::SMALL_QWEN2.layers;
 
 const IQ4: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
@@ -184,14 +184,7 @@ fn write_model(
     }
     vector("output_norm.weight".into(), D, 1.0, &mut tensors);
     matrix("output.weight".into(), VOCAB, D, &mut tensors);
-    let meta = common::qwen2_meta(&common::Qwen2Shape {
-        layers: LAYERS,
-        d: D,
-        ff: FF,
-        heads: HEADS,
-        kv: KV,
-        hd: HD,
-    });
+    let meta = common::qwen2_meta(&common::SMALL_QWEN2);
     write_gguf(path, &meta, &tensors);
     values
 }

@@ -18,13 +18,13 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use common::{data, gen, smollm2, text, write_gguf};
 
-const D: usize = 256;
-const HEADS: usize = 4;
-const KV: usize = 2;
-const HD: usize = 64;
-const FF: usize = 512;
+const D: usize = common::SMALL_QWEN2.d;
+const HEADS: usize = common::SMALL_QWEN2.heads;
+const KV: usize = common::SMALL_QWEN2.kv;
+const HD: usize = common::SMALL_QWEN2.hd;
+const FF: usize = common::SMALL_QWEN2.ff;
 const VOCAB: usize = 60;
-const LAYERS: usize = 2;
+const LAYERS: usize = common::SMALL_QWEN2.layers;
 
 /// A matrix (rows, cols) of `w` in ggml type `ty`, as GGUF bytes.
 fn encode(w: &[f32], rows: usize, cols: usize, ty: u32) -> Vec<u8> {
@@ -108,14 +108,7 @@ fn write_model(path: &Path, types: [u32; 5], seed: u64) {
     }
     vector("output_norm.weight".into(), D, 1.0, &mut tensors, next());
     matrix("output.weight".into(), VOCAB, D, out, &mut tensors, next());
-    let meta = common::qwen2_meta(&common::Qwen2Shape {
-        layers: LAYERS,
-        d: D,
-        ff: FF,
-        heads: HEADS,
-        kv: KV,
-        hd: HD,
-    });
+    let meta = common::qwen2_meta(&common::SMALL_QWEN2);
     write_gguf(path, &meta, &tensors);
 }
 

@@ -160,6 +160,16 @@ pub struct Qwen2Shape {
     pub hd: usize,
 }
 
+/// The small Qwen2 shape of the random-weight models in `quant_types.rs` and `tile_cache.rs`.
+pub const SMALL_QWEN2: Qwen2Shape = Qwen2Shape {
+    layers: 2,
+    d: 256,
+    ff: 512,
+    heads: 4,
+    kv: 2,
+    hd: 64,
+};
+
 /// The metadata of a Qwen2 GGUF of that shape (context 64, rms epsilon 1e-6, rope base 10,000).
 pub fn qwen2_meta(s: &Qwen2Shape) -> Vec<(&'static str, Meta)> {
     let u = |n: usize| Meta::U32(n as u32);
