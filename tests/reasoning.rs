@@ -24,6 +24,22 @@ fn with_template(t: &str) -> std::process::Command {
     c
 }
 
+/// `gen --chat --prompt Hi --dry-run --reasoning off` with the given template: the prompt it
+/// would run, on stdout.
+fn dry_run_thinking_off(template: &str) -> std::process::Output {
+    with_template(template)
+        .args([
+            "--chat",
+            "--prompt",
+            "Hi",
+            "--dry-run",
+            "--reasoning",
+            "off",
+        ])
+        .output()
+        .unwrap()
+}
+
 /// `gen --chat` with template `t` and `args`, greedy: (stdout, stderr, the --stats json).
 fn run_with(t: &str, args: &[&str]) -> (String, String, Value) {
     let out = with_template(t)
@@ -92,17 +108,7 @@ fn reasoning_off_renders_the_block_closed_and_the_reply_is_all_answer() {
     assert_eq!(stats["reasoning_tokens"], 0, "{stats}");
     assert_eq!(stats["reasoning"], "");
     // --dry-run shows why: the template closed the block in the prompt.
-    let out = with_template(R1)
-        .args([
-            "--chat",
-            "--prompt",
-            "Hi",
-            "--dry-run",
-            "--reasoning",
-            "off",
-        ])
-        .output()
-        .unwrap();
+    let out = dry_run_thinking_off(R1);
     assert!(
         text(&out.stdout).ends_with("<think>\n</think>"),
         "{}",
@@ -227,17 +233,7 @@ fn gpt_oss_channels_split_into_thinking_and_answer() {
     );
     assert!(stats["reasoning_tokens"].as_u64().unwrap() > 5, "{stats}");
     // gpt-oss has no enable_thinking switch (it takes reasoning_effort): off says so.
-    let out = with_template(GPT_OSS)
-        .args([
-            "--chat",
-            "--prompt",
-            "Hi",
-            "--dry-run",
-            "--reasoning",
-            "off",
-        ])
-        .output()
-        .unwrap();
+    let out = dry_run_thinking_off(GPT_OSS);
     assert!(text(&out.stderr).contains("no switch to turn thinking off"));
 }
 
