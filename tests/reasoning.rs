@@ -48,10 +48,7 @@ fn run_with(t: &str, args: &[&str]) -> (String, String, Value) {
         .args(args)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let err = text(&out.stderr);
-    let stats: Value = serde_json::from_str(err.lines().last().unwrap()).unwrap();
-    (text(&out.stdout), err, stats)
+    common::with_stats(&out)
 }
 
 const R1: &str = "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja";

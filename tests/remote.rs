@@ -300,10 +300,7 @@ fn reasoning_maps_to_the_servers_reasoning_content_and_template_switch() {
             .args(["--reasoning", mode])
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", text(&out.stderr));
-        let err = text(&out.stderr);
-        let stats: Value = serde_json::from_str(err.lines().last().unwrap()).unwrap();
-        (text(&out.stdout), err, stats)
+        common::with_stats(&out)
     };
     let (answer, err, on) = run("on");
     let thinking = on["reasoning"].as_str().expect("reasoning_content");

@@ -52,14 +52,11 @@ fn a_call_in_the_reply_comes_back_as_openai_tool_calls() {
         .args(["--regex", CALL, "--stats", "json"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let stdout = text(&out.stdout);
+    let (stdout, _, stats) = common::with_stats(&out);
     assert!(
         stdout.starts_with("<tool_call>\n{\"name\": \"get_weather\""),
         "{stdout}"
     );
-    let err = text(&out.stderr);
-    let stats: Value = serde_json::from_str(err.lines().last().unwrap()).unwrap();
     let calls = stats["tool_calls"].as_array().expect("tool_calls");
     assert_eq!(calls.len(), 1, "{stats}");
     assert_eq!(calls[0]["id"], "call_0");
@@ -108,9 +105,7 @@ fn tool_choice_holds_the_reply_to_a_call_of_the_schema() {
             ])
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", text(&out.stderr));
-        let err = text(&out.stderr);
-        let stats: Value = serde_json::from_str(err.lines().last().unwrap()).unwrap();
+        let (_, _, stats) = common::with_stats(&out);
         assert_eq!(stats["stop_reason"], "grammar", "{stats}");
         let calls = stats["tool_calls"].as_array().unwrap();
         assert_eq!(calls.len(), 1, "{stats}");

@@ -55,6 +55,16 @@ pub fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
+/// A successful run's stdout, stderr and `--stats json` report (stderr's last line).
+pub fn with_stats(out: &Output) -> (String, String, serde_json::Value) {
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    let last = err.lines().last().unwrap_or("");
+    let stats = serde_json::from_str(last)
+        .unwrap_or_else(|e| panic!("no --stats json report ({e}) on stderr: {err}"));
+    (text(&out.stdout), err, stats)
+}
+
 /// The one error line gen printed, asserting there is exactly one and no panic.
 pub fn one_error_line(out: &Output) -> String {
     let err = text(&out.stderr);
