@@ -1013,19 +1013,10 @@ impl CpuQWeight {
         cols: usize,
         kernel: Kernel,
     ) -> Result<Option<Self>> {
-        let (ty, block_values, block_bytes) = match ggml {
-            1 => (WeightType::Half(Half::F16), 1, 2),
-            30 => (WeightType::Half(Half::Bf16), 1, 2),
-            3 => (WeightType::Q4_1, QK, Q4_1_BYTES),
-            8 => (WeightType::Q8_0, QK, Q8_0_BYTES),
-            _ => match QType::from_ggml(ggml) {
-                Some(q) => {
-                    let s = q.spec();
-                    (WeightType::Quant(q), s.per_super * QK, s.block_bytes)
-                }
-                None => return Ok(None),
-            },
+        let Some(ty) = Self::weight_type(ggml) else {
+            return Ok(None);
         };
+        let (block_values, block_bytes) = Self::block_of(ty);
         if !cols.is_multiple_of(block_values) {
             bail!("a weight's width {cols} is not a multiple of the block size {block_values}");
         }
@@ -1083,6 +1074,19 @@ impl CpuQWeight {
     }
 
     /// Name these rows as the file's tensor `name` (the tile cache files them so).
+    /// Values and bytes of one of the file's blocks of type `ty` (a 16-bit value for F16/BF16).
+    fn block_of(ty: WeightType) -> (usize, usize) {
+        match ty {
+            WeightType::Half(_) => (1, 2),
+            WeightType::Q4_1 => (QK, Q4_1_BYTES),
+            WeightType::Q8_0 => (QK, Q8_0_BYTES),
+            WeightType::Quant(q) => {
+                let s = q.spec();
+                (s.per_super * QK, s.block_bytes)
+            }
+        }
+    }
+
     pub fn set_name(&mut self, name: &str) {
         self.parts = vec![(name.to_string(), self.rows)];
     }
@@ -1242,15 +1246,7 @@ impl CpuQWeight {
     /// The bytes of a `rows` x `cols` matrix of ggml type `ggml` in a file; None for a type
     /// these kernels do not run or a width not a whole number of its blocks.
     pub fn file_bytes_of(ggml: u32, rows: usize, cols: usize) -> Option<usize> {
-        let (values, bytes) = match ggml {
-            1 | 30 => (1, 2),
-            3 => (QK, Q4_1_BYTES),
-            8 => (QK, Q8_0_BYTES),
-            _ => {
-                let s = QType::from_ggml(ggml)?.spec();
-                (s.per_super * QK, s.block_bytes)
-            }
-        };
+        let (values, bytes) = Self::block_of(Self::weight_type(ggml)?);
         cols.is_multiple_of(values)
             .then(|| rows * cols / values * bytes)
     }
