@@ -692,18 +692,19 @@ impl Tiles {
         self.buf.len()
     }
 
-    /// Row `row`'s values, widened (tests, and embedding lookups of these types).
+    /// Row `row`'s values, widened (tests, and embedding lookups of these types): that row's
+    /// codes and scales only, not its tile's other seven.
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
         let t = self.tile(row / 8);
-        let mut v = [[0i32; QK]; 8];
+        let r = row % 8;
         let spec = self.ty.spec();
+        let mut v = [0i32; QK];
         for b in 0..self.nb {
-            unpack_scalar(spec, &t, b, &mut v);
-            let (scale, min) = block_scales(spec, &t, b);
-            let r = row % 8;
+            unpack_row(spec, &t, b, r, &mut v);
+            let (scale, min) = row_scales(spec, &t, b, r);
             for (l, o) in out[b * QK..(b + 1) * QK].iter_mut().enumerate() {
                 let h = if spec.halves { l / 16 } else { 0 };
-                *o = scale[h][r] * (v[r][l] - spec.centre) as f32 + min[h][r];
+                *o = scale[h] * (v[l] - spec.centre) as f32 + min[h];
             }
         }
     }
@@ -813,68 +814,83 @@ fn put(spec: Spec, out: &mut [u8], b: usize, r: usize, c: &Canon) {
 
 /// Codes of block b of a tile as signed integers (IQ4: the table's values), [row][value].
 pub fn unpack_scalar(spec: Spec, t: &Tile<'_>, b: usize, v: &mut [[i32; QK]; 8]) {
+    for (r, row) in v.iter_mut().enumerate() {
+        unpack_row(spec, t, b, r, row);
+    }
+}
+
+/// Row r's codes of block b of a tile, as [`unpack_scalar`] gives them.
+fn unpack_row(spec: Spec, t: &Tile<'_>, b: usize, r: usize, row: &mut [i32; QK]) {
     let at = spec.block_at(b);
     let q = &t.buf[at..at + spec.plane_bytes()];
-    for (r, row) in v.iter_mut().enumerate() {
-        for (i, out) in row.iter_mut().enumerate() {
-            let (c, j) = (i / 4, i % 4);
-            let lane = r * 4 + j;
-            let code = match spec.bits {
-                Bits::Four | Bits::Five | Bits::Six | Bits::Lut => {
-                    let byte = q[(c % 4) * 32 + lane];
-                    if c < 4 {
-                        byte & 0xF
-                    } else {
-                        byte >> 4
-                    }
+    for (i, out) in row.iter_mut().enumerate() {
+        let (c, j) = (i / 4, i % 4);
+        let lane = r * 4 + j;
+        let code = match spec.bits {
+            Bits::Four | Bits::Five | Bits::Six | Bits::Lut => {
+                let byte = q[(c % 4) * 32 + lane];
+                if c < 4 {
+                    byte & 0xF
+                } else {
+                    byte >> 4
                 }
-                Bits::Two | Bits::Three => (q[(c / 4) * 32 + lane] >> (2 * (c % 4))) & 3,
-            };
-            let high = match spec.bits {
-                Bits::Five => ((q[128 + lane] >> c) & 1) << 4,
-                Bits::Three => ((q[64 + lane] >> c) & 1) << 2,
-                Bits::Six => ((q[128 + (c / 4) * 32 + lane] >> (2 * (c % 4))) & 3) << 4,
-                _ => 0,
-            };
-            *out = if spec.bits == Bits::Lut {
-                IQ4_VALUES[code as usize] as i32
-            } else {
-                (code | high) as i32
-            };
-        }
+            }
+            Bits::Two | Bits::Three => (q[(c / 4) * 32 + lane] >> (2 * (c % 4))) & 3,
+        };
+        let high = match spec.bits {
+            Bits::Five => ((q[128 + lane] >> c) & 1) << 4,
+            Bits::Three => ((q[64 + lane] >> c) & 1) << 2,
+            Bits::Six => ((q[128 + (c / 4) * 32 + lane] >> (2 * (c % 4))) & 3) << 4,
+            _ => 0,
+        };
+        *out = if spec.bits == Bits::Lut {
+            IQ4_VALUES[code as usize] as i32
+        } else {
+            (code | high) as i32
+        };
     }
 }
 
 /// Block b's scale and minimum per half (index 0 only without halves) and row, in f32: the
 /// values every kernel multiplies by.
 pub fn block_scales(spec: Spec, t: &Tile<'_>, b: usize) -> ([[f32; 8]; 2], [[f32; 8]; 2]) {
-    let hdr = (b / spec.per_super) * spec.sb_bytes();
-    let at = spec.block_at(b) + spec.plane_bytes();
-    let spb = spec.scales_per_block();
     let mut scale = [[0f32; 8]; 2];
     let mut min = [[0f32; 8]; 2];
     for r in 0..8 {
-        let d = f16::from_bits(t.u16_at(hdr + 2 * r)).to_f32();
-        let dm = if spec.has_dm() {
-            f16::from_bits(t.u16_at(hdr + 16 + 2 * r)).to_f32()
-        } else {
-            0.0
-        };
+        let (s, m) = row_scales(spec, t, b, r);
         for h in 0..2 {
-            let i = at + h.min(spb.saturating_sub(1)) * 8 + r;
-            let sc = match spec.min {
-                _ if spb == 0 => 1.0,
-                Min::Packed => (t.buf[i] & 0xF) as f32,
-                _ => t.buf[i] as i8 as f32,
-            };
-            scale[h][r] = d * sc;
-            min[h][r] = match spec.min {
-                Min::None => 0.0,
-                Min::Own => dm,
-                Min::Sub => -(dm * t.buf[i + 8 * spb] as f32),
-                Min::Packed => -(dm * (t.buf[i] >> 4) as f32),
-            };
+            (scale[h][r], min[h][r]) = (s[h], m[h]);
         }
+    }
+    (scale, min)
+}
+
+/// Row r's scale and minimum of block b per half, as [`block_scales`] gives them.
+fn row_scales(spec: Spec, t: &Tile<'_>, b: usize, r: usize) -> ([f32; 2], [f32; 2]) {
+    let hdr = (b / spec.per_super) * spec.sb_bytes();
+    let at = spec.block_at(b) + spec.plane_bytes();
+    let spb = spec.scales_per_block();
+    let d = f16::from_bits(t.u16_at(hdr + 2 * r)).to_f32();
+    let dm = if spec.has_dm() {
+        f16::from_bits(t.u16_at(hdr + 16 + 2 * r)).to_f32()
+    } else {
+        0.0
+    };
+    let (mut scale, mut min) = ([0f32; 2], [0f32; 2]);
+    for h in 0..2 {
+        let i = at + h.min(spb.saturating_sub(1)) * 8 + r;
+        let sc = match spec.min {
+            _ if spb == 0 => 1.0,
+            Min::Packed => (t.buf[i] & 0xF) as f32,
+            _ => t.buf[i] as i8 as f32,
+        };
+        scale[h] = d * sc;
+        min[h] = match spec.min {
+            Min::None => 0.0,
+            Min::Own => dm,
+            Min::Sub => -(dm * t.buf[i + 8 * spb] as f32),
+            Min::Packed => -(dm * (t.buf[i] >> 4) as f32),
+        };
     }
     (scale, min)
 }
