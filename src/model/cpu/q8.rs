@@ -206,11 +206,14 @@ pub unsafe fn x86_quantize_q8k(sb: &[f32], q: &mut [u8]) -> (f32, [[i32; 2]; 8])
     assert!(sb.len() >= 256 && q.len() >= 256);
     let p = sb.as_ptr();
     let sign = _mm256_set1_ps(-0.0);
-    let mut m = _mm256_setzero_ps();
+    let abs = |c: usize| _mm256_andnot_ps(sign, _mm256_loadu_ps(p.add(c * 8)));
+    // Four running maxima, so that the 32 steps do not wait on each other.
+    let mut m = [_mm256_setzero_ps(); 4];
     for c in 0..32 {
         // |v| first: a NaN there leaves m as it was, as the scalar scan skips it.
-        m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(p.add(c * 8))), m);
+        m[c % 4] = _mm256_max_ps(abs(c), m[c % 4]);
     }
+    let m = _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3]));
     let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
@@ -218,13 +221,18 @@ pub unsafe fn x86_quantize_q8k(sb: &[f32], q: &mut [u8]) -> (f32, [[i32; 2]; 8])
         q[..256].fill(0);
         return (0.0, [[0; 2]; 8]);
     }
-    let max = *sb[..256]
-        .iter()
-        .find(|v| v.abs() == amax)
+    // The first value of that magnitude, found 8 at a time.
+    let target = _mm256_set1_ps(amax);
+    let first = (0..32)
+        .find_map(|c| {
+            let hit = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(abs(c), target));
+            (hit != 0).then(|| c * 8 + hit.trailing_zeros() as usize)
+        })
         .expect("amax is one of them");
-    let is = -127.0 / max;
+    let is = -127.0 / sb[first];
     let iscale = _mm256_set1_ps(is);
     let cap = _mm256_set1_epi32(127);
+    let flip = _mm256_set1_epi8(-128);
     let mut sums = [[0i32; 2]; 8];
     for (b, sum) in sums.iter_mut().enumerate() {
         let r: [__m256i; 4] = std::array::from_fn(|j| {
@@ -236,15 +244,13 @@ pub unsafe fn x86_quantize_q8k(sb: &[f32], q: &mut [u8]) -> (f32, [[i32; 2]; 8])
         let bytes = _mm256_packs_epi16(lo, hi);
         let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256(q.as_mut_ptr().add(b * 32) as *mut __m256i, bytes);
-        let h = |a: __m256i| {
-            let s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-            let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
-            let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
-            _mm_cvtsi128_si32(s)
-        };
+        // Each half's sum: the bytes made unsigned (+128 each) summed 8 at a time by sad, the
+        // two eights of each 128-bit lane added, 16 * 128 taken off.
+        let s = _mm256_sad_epu8(_mm256_xor_si256(bytes, flip), _mm256_setzero_si256());
+        let s = _mm256_add_epi64(s, _mm256_srli_si256::<8>(s));
         *sum = [
-            h(_mm256_add_epi32(r[0], r[1])),
-            h(_mm256_add_epi32(r[2], r[3])),
+            _mm256_cvtsi256_si32(s) - 2048,
+            _mm256_extract_epi32::<4>(s) - 2048,
         ];
     }
     (1.0 / is, sums)
