@@ -152,6 +152,17 @@ pub fn quantize_block(blk: &[f32], q: &mut [u8]) -> (f32, i32) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn x86_quantize_block(blk: &[f32], q: &mut [u8]) -> (f32, i32) {
+    let (d, [lo, hi]) = x86_quantize_block_halves(blk, q);
+    (d, lo + hi)
+}
+
+/// [`x86_quantize_block`] returning the integer sums of the two 16-value halves.
+///
+/// # Safety
+/// The CPU must have AVX2; blk and q hold 32 values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn x86_quantize_block_halves(blk: &[f32], q: &mut [u8]) -> (f32, [i32; 2]) {
     use std::arch::x86_64::*;
     assert!(blk.len() >= 32 && q.len() >= 32);
     let p = blk.as_ptr();
@@ -185,11 +196,15 @@ pub unsafe fn x86_quantize_block(blk: &[f32], q: &mut [u8]) -> (f32, i32) {
     let bytes = _mm256_packs_epi16(lo, hi);
     let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, bytes);
-    let s = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
-    let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
-    (d, _mm_cvtsi128_si32(s))
+    // The halves' sums side by side: two horizontal adds leave each half's partial sums in
+    // lanes 0 and 1 of both 128-bit lanes.
+    let h = _mm256_hadd_epi32(
+        _mm256_add_epi32(r[0], r[1]),
+        _mm256_add_epi32(r[2], r[3]),
+    );
+    let h = _mm256_hadd_epi32(h, h);
+    let s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    (d, [_mm_cvtsi128_si32(s), _mm_extract_epi32::<1>(s)])
 }
 
 /// The Q8_K quantization of one super-block of 256 values with AVX2, bit for bit the scalar
@@ -352,8 +367,8 @@ mod tests {
     use super::*;
     use crate::model::cpu::matmul::test_data as data;
 
-    /// The AVX2 quantizer gives the scalar one's bytes, scale and sum exactly, ties and zero
-    /// blocks included.
+    /// The AVX2 quantizer gives the scalar one's bytes, scale and sum (and each half's sum)
+    /// exactly, ties and zero blocks included.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn simd_quantization_equals_scalar() {
@@ -376,6 +391,10 @@ mod tests {
             let got = unsafe { x86_quantize_block(blk, &mut b) };
             assert_eq!(got, want, "block {i}");
             assert_eq!(a, b, "block {i}");
+            // SAFETY: checked above.
+            let (d, halves) = unsafe { x86_quantize_block_halves(blk, &mut b) };
+            let sum = |q: &[u8]| q.iter().map(|&v| v as i8 as i32).sum::<i32>();
+            assert_eq!((d, halves), (want.0, [sum(&a[..16]), sum(&a[16..])]), "block {i}");
         }
     }
 

@@ -1095,26 +1095,29 @@ fn quantize_token(
     let halves = |q: &[u8]| {
         let lo: i32 = q[..16].iter().map(|&v| v as i8 as i32).sum();
         let hi: i32 = q[16..].iter().map(|&v| v as i8 as i32).sum();
-        (lo, hi)
+        [lo, hi]
     };
     match act {
         Act::Q8_0 | Act::Q8_1 => {
             for (b, blk) in row.chunks_exact(QK).enumerate() {
-                let (d, sum) = match kernel {
+                let (d, [lo, hi]) = match kernel {
                     // SAFETY: a SIMD kernel is only chosen on CPUs with AVX2.
                     #[cfg(target_arch = "x86_64")]
                     Kernel::Avx2 | Kernel::Vnni => unsafe {
-                        super::q8::x86_quantize_block(blk, &mut q)
+                        super::q8::x86_quantize_block_halves(blk, &mut q)
                     },
-                    _ => quantize_block(blk, &mut q),
+                    _ => {
+                        let (d, _) = quantize_block(blk, &mut q);
+                        (d, halves(&q))
+                    }
                 };
+                let sum = lo + hi;
                 let df = through_f16(d);
                 let whole = if act == Act::Q8_1 {
                     through_f16(d * sum as f32)
                 } else {
                     df * sum as f32
                 };
-                let (lo, hi) = halves(&q);
                 put(
                     b,
                     &q,
