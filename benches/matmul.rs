@@ -6,9 +6,9 @@
 //!     cargo bench --bench matmul
 //!
 //! Then every GGUF type gen runs (GEN_BENCH_TYPES=0 skips it) on a K-quant-shaped matrix
-//! (5,632 x 1,024: a 1B-class model's fused gate+up), on GEN_BENCH_THREADS: one token with the
-//! weights from memory (GB/s of weight bytes) and 512 tokens (GMAC/s, the median call and the
-//! best).
+//! (5,632 x 1,024: a 1B-class model's fused gate+up; GEN_BENCH_N and GEN_BENCH_K change it), on
+//! GEN_BENCH_THREADS: one token with the weights from memory (GB/s of weight bytes) and 512
+//! tokens (GMAC/s, the median call and the best).
 //!
 //! GEN_BENCH_SHAPES=0 skips the first table; GEN_BENCH_TYPE=Q6_K measures only the types whose
 //! name contains it.
@@ -102,7 +102,7 @@ fn main() {
 
 /// One row per type: decode-like (T = 1, weights cycled from memory) and prefill-like.
 fn every_type(threads: usize, reps: usize, kernel: Kernel) {
-    let (n, k) = (5632, env_or("GEN_BENCH_K", 1024));
+    let (n, k) = (env_or("GEN_BENCH_N", 5632), env_or("GEN_BENCH_K", 1024));
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()

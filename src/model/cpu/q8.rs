@@ -183,12 +183,13 @@ pub unsafe fn x86_quantize_block_halves(blk: &[f32], q: &mut [u8]) -> (f32, [i32
     let amax = _mm_cvtss_f32(m);
     let d = amax / 127.0;
     let id = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
-    let r = v.map(|x| {
-        _mm256_cvtps_epi32(_mm256_round_ps(
+    let mut r = [_mm256_setzero_si256(); 4];
+    for (r, x) in r.iter_mut().zip(v) {
+        *r = _mm256_cvtps_epi32(_mm256_round_ps(
             _mm256_mul_ps(x, id),
             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
-        ))
-    });
+        ));
+    }
     // i32 -> i8 in two packing steps; the packs work within 128-bit lanes, so the 4-byte
     // groups come out as 0 2 4 6 1 3 5 7 and one permute puts them back in order.
     let lo = _mm256_packs_epi32(r[0], r[1]);
@@ -198,10 +199,7 @@ pub unsafe fn x86_quantize_block_halves(blk: &[f32], q: &mut [u8]) -> (f32, [i32
     _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, bytes);
     // The halves' sums side by side: two horizontal adds leave each half's partial sums in
     // lanes 0 and 1 of both 128-bit lanes.
-    let h = _mm256_hadd_epi32(
-        _mm256_add_epi32(r[0], r[1]),
-        _mm256_add_epi32(r[2], r[3]),
-    );
+    let h = _mm256_hadd_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
     let h = _mm256_hadd_epi32(h, h);
     let s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
     (d, [_mm_cvtsi128_si32(s), _mm_extract_epi32::<1>(s)])
@@ -221,12 +219,18 @@ pub unsafe fn x86_quantize_q8k(sb: &[f32], q: &mut [u8]) -> (f32, [[i32; 2]; 8])
     assert!(sb.len() >= 256 && q.len() >= 256);
     let p = sb.as_ptr();
     let sign = _mm256_set1_ps(-0.0);
-    let abs = |c: usize| _mm256_andnot_ps(sign, _mm256_loadu_ps(p.add(c * 8)));
+    // |v| for values 8c..8c + 8 (a macro, not a closure: closures do not take on the
+    // function's target features and stay calls).
+    macro_rules! abs {
+        ($c:expr) => {
+            _mm256_andnot_ps(sign, _mm256_loadu_ps(p.add($c * 8)))
+        };
+    }
     // Four running maxima, so that the 32 steps do not wait on each other.
     let mut m = [_mm256_setzero_ps(); 4];
     for c in 0..32 {
         // |v| first: a NaN there leaves m as it was, as the scalar scan skips it.
-        m[c % 4] = _mm256_max_ps(abs(c), m[c % 4]);
+        m[c % 4] = _mm256_max_ps(abs!(c), m[c % 4]);
     }
     let m = _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3]));
     let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
@@ -238,22 +242,26 @@ pub unsafe fn x86_quantize_q8k(sb: &[f32], q: &mut [u8]) -> (f32, [[i32; 2]; 8])
     }
     // The first value of that magnitude, found 8 at a time.
     let target = _mm256_set1_ps(amax);
-    let first = (0..32)
-        .find_map(|c| {
-            let hit = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(abs(c), target));
-            (hit != 0).then(|| c * 8 + hit.trailing_zeros() as usize)
-        })
-        .expect("amax is one of them");
-    let is = -127.0 / sb[first];
+    let mut first = 256;
+    for c in 0..32 {
+        let hit = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(abs!(c), target));
+        if hit != 0 {
+            first = c * 8 + hit.trailing_zeros() as usize;
+            break;
+        }
+    }
+    // amax is one of them: first < 256.
+    let is = -127.0 / sb[..256][first];
     let iscale = _mm256_set1_ps(is);
     let cap = _mm256_set1_epi32(127);
     let flip = _mm256_set1_epi8(-128);
     let mut sums = [[0i32; 2]; 8];
     for (b, sum) in sums.iter_mut().enumerate() {
-        let r: [__m256i; 4] = std::array::from_fn(|j| {
+        let mut r = [_mm256_setzero_si256(); 4];
+        for (j, r) in r.iter_mut().enumerate() {
             let v = _mm256_mul_ps(iscale, _mm256_loadu_ps(p.add(b * 32 + j * 8)));
-            _mm256_min_epi32(_mm256_cvtps_epi32(v), cap)
-        });
+            *r = _mm256_min_epi32(_mm256_cvtps_epi32(v), cap);
+        }
         let lo = _mm256_packs_epi32(r[0], r[1]);
         let hi = _mm256_packs_epi32(r[2], r[3]);
         let bytes = _mm256_packs_epi16(lo, hi);
@@ -394,7 +402,11 @@ mod tests {
             // SAFETY: checked above.
             let (d, halves) = unsafe { x86_quantize_block_halves(blk, &mut b) };
             let sum = |q: &[u8]| q.iter().map(|&v| v as i8 as i32).sum::<i32>();
-            assert_eq!((d, halves), (want.0, [sum(&a[..16]), sum(&a[16..])]), "block {i}");
+            assert_eq!(
+                (d, halves),
+                (want.0, [sum(&a[..16]), sum(&a[16..])]),
+                "block {i}"
+            );
         }
     }
 
