@@ -971,7 +971,19 @@ mod x86 {
     /// Replace row by exp(row - max(row)); returns the sum.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn softmax_unnormalised(row: &mut [f32]) -> f32 {
-        let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+        // The maximum 8 lanes at a time (a NaN score is passed over, as f32::max does), then
+        // across the lanes and the last 1..7 values.
+        let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+        let mut chunks = row.chunks_exact(8);
+        for c in &mut chunks {
+            m = _mm256_max_ps(_mm256_loadu_ps(c.as_ptr()), m);
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), m);
+        let max = lanes
+            .iter()
+            .chain(chunks.remainder())
+            .fold(f32::NEG_INFINITY, |m, &s| m.max(s));
         let mv = _mm256_set1_ps(max);
         let mut sum = _mm256_setzero_ps();
         let mut chunks = row.chunks_exact_mut(8);
