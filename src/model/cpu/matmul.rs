@@ -404,6 +404,13 @@ impl CpuQWeight {
             Layout::Quant(tiles) => {
                 let act = quants::Acts::quantize(x, k, t, tiles.ty, kernel);
                 let stream = act.chunks <= STREAM_CHUNKS;
+                // Several chunks of tokens: each row pair's unpacked blocks kept for the next
+                // chunks ([`UNPACKED`]).
+                let product = if act.chunks > 1 && tiles.ty.spec().keeps_unpacked() {
+                    PRODUCTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                } else {
+                    0
+                };
                 schedule(
                     t,
                     k,
@@ -417,14 +424,14 @@ impl CpuQWeight {
                             quant_dot(
                                 tiles.ty,
                                 kernel,
-                                tiles.tile(g),
+                                (g, tiles.tile(g)),
                                 (groups == 2).then(|| tiles.tile(g + 1)),
                                 act.chunk(token),
                                 n,
                                 out,
                                 stride,
                                 real,
-                                stream,
+                                (stream, product),
                             )
                         }
                     },
@@ -709,8 +716,9 @@ const WIDEN_TOKENS: usize = 24;
 const WIDE_SPAN: usize = 2;
 const WIDE_TOKENS: usize = 3;
 
-/// Ids of the products that widen, so a thread's widened group is never taken for another
-/// product's (0: none).
+/// Ids of the products that keep work per thread (the AVX2 F16/BF16 kernel's widened group,
+/// the 512-bit quantized kernel's unpacked pair), so that what a thread kept for one product is
+/// never taken for another's (0: none).
 static PRODUCTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 thread_local! {
@@ -819,7 +827,18 @@ unsafe fn half_dot(
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// The last row pair this thread's 512-bit quantized kernel unpacked, as `quants_zmm::tile2`
+    /// keeps it: (product, first group, [`quants_zmm::KEPT`] registers a block). A product's
+    /// next chunks of tokens on the same pair read it instead of unpacking again.
+    static UNPACKED: std::cell::RefCell<(u64, usize, Vec<std::arch::x86_64::__m512i>)> =
+        const { std::cell::RefCell::new((0, 0, Vec::new())) };
+}
+
 /// One call of a [`super::quants`] kernel: the type's instance for the kernel and token count.
+/// `(g, w)`: the first row group and its tile; with `product` (not 0), a pair's unpacked
+/// blocks are kept for the product's later calls on it on this thread ([`UNPACKED`]).
 ///
 /// # Safety
 /// As for the kernels: `a` holds n tokens of the tile's blocks, out valid for the writes.
@@ -827,19 +846,33 @@ unsafe fn half_dot(
 unsafe fn quant_dot(
     ty: QType,
     kernel: Kernel,
-    w: quants::Tile<'_>,
+    (g, w): (usize, quants::Tile<'_>),
     w1: Option<quants::Tile<'_>>,
     a: quants::ActChunk,
     n: usize,
     out: *mut f32,
     stride: usize,
     real: usize,
-    stream: bool,
+    (stream, product): (bool, u64),
 ) {
     match (kernel, w1) {
         #[cfg(target_arch = "x86_64")]
+        (Kernel::Vnni, Some(w1)) if product != 0 => UNPACKED.with(|cell| {
+            let (id, group, kept) = &mut *cell.borrow_mut();
+            let filled = (*id, *group) == (product, g);
+            if !filled {
+                let blocks = w.buf.len() / ty.spec().sb_bytes() * ty.spec().per_super;
+                kept.resize(blocks * super::quants_zmm::KEPT, std::mem::zeroed());
+                (*id, *group) = (product, g);
+            }
+            let keep = Some((&mut kept[..], filled));
+            with_qtype!(ty, TY => with_tokens!(n, N => {
+                super::quants_zmm::tile2::<TY, N>(w, w1, a, out, stride, real, stream, keep)
+            }))
+        }),
+        #[cfg(target_arch = "x86_64")]
         (Kernel::Vnni, Some(w1)) => with_qtype!(ty, TY => with_tokens!(n, N => {
-            super::quants_zmm::tile2::<TY, N>(w, w1, a, out, stride, real, stream)
+            super::quants_zmm::tile2::<TY, N>(w, w1, a, out, stride, real, stream, None)
         })),
         (_, Some(_)) => unreachable!("pairs are only scheduled for the VNNI kernel"),
         #[cfg(target_arch = "x86_64")]

@@ -373,6 +373,16 @@ impl Spec {
         self.centre != 0 && !matches!(self.bits, Bits::Lut)
     }
 
+    /// Whether the 512-bit kernel keeps a row pair's unpacked blocks for a prefill's later
+    /// chunks of tokens (`quants_zmm::tile2`'s `keep`): the types whose codes take the most
+    /// work to unpack (two planes and their merge: Q3_K, Q6_K; the table lookups: IQ4_NL,
+    /// IQ4_XS). Reading 12 registers a block back from L1 or L2 costs more than unpacking the
+    /// plain nibbles of Q4_0 or Q4_K (30% slower at 512 tokens on Zen 5) and was no better for
+    /// Q2_K, Q5_0, Q5_1 or Q5_K.
+    pub const fn keeps_unpacked(&self) -> bool {
+        matches!(self.bits, Bits::Six | Bits::Three | Bits::Lut)
+    }
+
     /// The types whose sums meet one activation scale per super-block and have no minimum
     /// terms (Q3_K, Q6_K, IQ4_XS): on VNNI their codes go in signed (code - centre, or the
     /// IQ4 table's value) against activations biased by 128 (unsigned), so no integer sum of
@@ -1599,6 +1609,9 @@ pub(crate) mod tests {
                 (3, 37, 2 * sb),
                 (17, 9, 3 * sb),
                 (8, 24, 2 * sb),
+                // Five chunks of tokens on three row pairs: the 512-bit kernel keeps each
+                // pair's unpacked blocks for the later chunks.
+                (40, 48, 2 * sb),
             ] {
                 let raw = random_blocks(ty, n, k, (n * 31 + k) as u64);
                 let row_bytes = k / sb * spec.block_bytes;
@@ -1646,7 +1659,7 @@ pub(crate) mod tests {
                         }
                     }
                     // Alone or with the others: the same bits.
-                    for i in [0, t - 1] {
+                    for i in [0, t / 2, t - 1] {
                         let alone = lin.matmul(&x[i * k..(i + 1) * k], 1);
                         assert_eq!(
                             &got[i * n..(i + 1) * n],

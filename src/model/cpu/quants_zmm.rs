@@ -69,13 +69,24 @@ unsafe fn sub_scale<const TY: u8>(
     )
 }
 
+/// Registers kept a block by [`tile2`]: its 8 registers of codes, then its scales and
+/// minimums (scale0, min0, scale1, min1).
+pub const KEPT: usize = 12;
+
 /// N tokens' activations against two tiles of 8 rows of type TY (a `QType` as u8): w0's rows
 /// are outputs 0..8, w1's 8..16, written to out + i * stride for token i (the first `real`).
+///
+/// `keep`: room for [`KEPT`] registers a block. Given unfilled (`false`), the unpacked codes
+/// and scales are written there as they are made; given filled (`true`, by an earlier call
+/// on the same two tiles), they are read from there instead of unpacked again: the next
+/// chunks of a prefill's tokens on these rows skip the unpacking (for Q6_K or Q5_K, a quarter
+/// of the work). The same values either way, so the same sums.
 ///
 /// # Safety
 /// The CPU must support the features; `a` holds N tokens of as many blocks as each tile;
 /// `out` is valid for those writes.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn tile2<const TY: u8, const N: usize>(
     w0: Tile<'_>,
     w1: Tile<'_>,
@@ -84,6 +95,7 @@ pub unsafe fn tile2<const TY: u8, const N: usize>(
     stride: usize,
     real: usize,
     stream: bool,
+    mut keep: Option<(&mut [__m512i], bool)>,
 ) {
     let spec = spec_of(TY);
     let (sbb, bb) = (spec.sb_bytes(), spec.blk_bytes());
@@ -133,18 +145,45 @@ pub unsafe fn tile2<const TY: u8, const N: usize>(
                 corr = _mm512_castsi512_ps(join(buf0.add(hdr + 16), buf1.add(hdr + 16)));
             }
         }
-        let mut wv = unpack::<TY>(b0, b1, table);
-        if biased && !lut {
-            for w in wv.iter_mut() {
-                *w = _mm512_sub_epi8(*w, _mm512_set1_epi8(spec.centre as i8));
+        let mut wv = [_mm512_setzero_si512(); 8];
+        let mut sm = [_mm512_setzero_ps(); 4];
+        match &mut keep {
+            // Kept by the first call on these tiles: read back from L1 or L2.
+            Some((kept, true)) => {
+                let k = kept.as_ptr().add(b * KEPT);
+                for (i, w) in wv.iter_mut().enumerate() {
+                    *w = _mm512_load_si512(k.add(i) as *const _);
+                }
+                for (i, v) in sm.iter_mut().enumerate() {
+                    *v = _mm512_castsi512_ps(_mm512_load_si512(k.add(8 + i) as *const _));
+                }
+            }
+            _ => {
+                wv = unpack::<TY>(b0, b1, table);
+                if biased && !lut {
+                    for w in wv.iter_mut() {
+                        *w = _mm512_sub_epi8(*w, _mm512_set1_epi8(spec.centre as i8));
+                    }
+                }
+                let (scale0, min0) = sub_scale::<TY>(b0, b1, 0, dv, dmv);
+                let (scale1, min1) = if spec.halves {
+                    sub_scale::<TY>(b0, b1, 1, dv, dmv)
+                } else {
+                    (scale0, min0)
+                };
+                sm = [scale0, min0, scale1, min1];
+                if let Some((kept, false)) = &mut keep {
+                    let k = kept.as_mut_ptr().add(b * KEPT);
+                    for (i, w) in wv.iter().enumerate() {
+                        _mm512_store_si512(k.add(i) as *mut _, *w);
+                    }
+                    for (i, v) in sm.iter().enumerate() {
+                        _mm512_store_si512(k.add(8 + i) as *mut _, _mm512_castps_si512(*v));
+                    }
+                }
             }
         }
-        let (scale0, min0) = sub_scale::<TY>(b0, b1, 0, dv, dmv);
-        let (scale1, min1) = if spec.halves {
-            sub_scale::<TY>(b0, b1, 1, dv, dmv)
-        } else {
-            (scale0, min0)
-        };
+        let [scale0, min0, scale1, min1] = sm;
         let qb = a.qs.add(b * 256);
         for (i, (acc, facc)) in acc.iter_mut().zip(facc.iter_mut()).enumerate() {
             let slot = b * TOKENS + i;
