@@ -401,49 +401,7 @@ impl CpuQWeight {
                     },
                 )
             }
-            Layout::Quant(tiles) => {
-                let act = quants::Acts::quantize(x, k, t, tiles.ty, kernel);
-                let stream = act.chunks <= STREAM_CHUNKS;
-                // Several chunks of tokens: each row pair's unpacked blocks kept for the next
-                // chunks ([`UNPACKED`]).
-                let product = if act.chunks > 1 && tiles.ty.spec().keeps_unpacked() {
-                    PRODUCTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-                } else {
-                    0
-                };
-                let mut cut = self.cut(kernel);
-                if product != 0 {
-                    // At least 6 chunks a block of tokens, so that a kept pair serves 5 more
-                    // calls where the input is wide (the down projection's 2,816 values: 2
-                    // chunks at 48 KiB; 6 measured 6-8% faster for Q3_K, Q6_K and IQ4_XS).
-                    cut.block_kib = cut.block_kib.max(k * TOKENS * 6 / 1024);
-                }
-                schedule(
-                    t,
-                    k,
-                    widths,
-                    tiles.groups,
-                    cut,
-                    |g, groups, token, n, out, stride, real| {
-                        // SAFETY: as `schedule` promises for out; tiles and activations hold the
-                        // same block count.
-                        unsafe {
-                            quant_dot(
-                                tiles.ty,
-                                kernel,
-                                (g, tiles.tile(g)),
-                                (groups == 2).then(|| tiles.tile(g + 1)),
-                                act.chunk(token),
-                                n,
-                                out,
-                                stride,
-                                real,
-                                (stream, product),
-                            )
-                        }
-                    },
-                )
-            }
+            Layout::Quant(tiles) => self.quant_parts(tiles, kernel, x, t, widths),
             Layout::Half(tiles) => {
                 let stream = t.div_ceil(TOKENS) <= STREAM_CHUNKS;
                 let xs = SharedIn(x.as_ptr());
@@ -483,6 +441,59 @@ impl CpuQWeight {
                 )
             }
         }
+    }
+
+    /// [`Self::matmul_parts_on`] for the types of [`super::quants`].
+    fn quant_parts(
+        &self,
+        tiles: &quants::Tiles,
+        kernel: Kernel,
+        x: &[f32],
+        t: usize,
+        widths: &[usize],
+    ) -> Vec<Vec<f32>> {
+        let k = self.cols;
+        let act = quants::Acts::quantize(x, k, t, tiles.ty, kernel);
+        let stream = act.chunks <= STREAM_CHUNKS;
+        // Several chunks of tokens: each row pair's unpacked blocks kept for the next
+        // chunks ([`UNPACKED`]).
+        let product = if act.chunks > 1 && tiles.ty.spec().keeps_unpacked() {
+            PRODUCTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        } else {
+            0
+        };
+        let mut cut = self.cut(kernel);
+        if product != 0 {
+            // At least 6 chunks a block of tokens, so that a kept pair serves 5 more
+            // calls where the input is wide (the down projection's 2,816 values: 2
+            // chunks at 48 KiB; 6 measured 6-8% faster for Q3_K, Q6_K and IQ4_XS).
+            cut.block_kib = cut.block_kib.max(k * TOKENS * 6 / 1024);
+        }
+        schedule(
+            t,
+            k,
+            widths,
+            tiles.groups,
+            cut,
+            |g, groups, token, n, out, stride, real| {
+                // SAFETY: as `schedule` promises for out; tiles and activations hold the
+                // same block count.
+                unsafe {
+                    quant_dot(
+                        tiles.ty,
+                        kernel,
+                        (g, tiles.tile(g)),
+                        (groups == 2).then(|| tiles.tile(g + 1)),
+                        act.chunk(token),
+                        n,
+                        out,
+                        stride,
+                        real,
+                        (stream, product),
+                    )
+                }
+            },
+        )
     }
 
     /// How the product is cut into kernel calls. Row groups a call: two for the 512-bit
