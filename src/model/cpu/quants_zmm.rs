@@ -79,12 +79,13 @@ pub const KEPT: usize = 12;
 /// `keep`: room for [`KEPT`] registers a block. Given unfilled (`false`), the unpacked codes
 /// and scales are written there as they are made; given filled (`true`, by an earlier call
 /// on the same two tiles), they are read from there instead of unpacked again: the next
-/// chunks of a prefill's tokens on these rows skip the unpacking (for Q6_K or Q5_K, a quarter
-/// of the work). The same values either way, so the same sums.
+/// chunks of a prefill's tokens on these rows skip the unpacking (the types of
+/// `Spec::keeps_unpacked`). The same values either way, so the same sums.
 ///
 /// # Safety
 /// The CPU must support the features; `a` holds N tokens of as many blocks as each tile;
-/// `out` is valid for those writes.
+/// `out` is valid for those writes; `keep`, if given, holds [`KEPT`] registers for each block
+/// of the tiles.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn tile2<const TY: u8, const N: usize>(
@@ -102,6 +103,7 @@ pub unsafe fn tile2<const TY: u8, const N: usize>(
     debug_assert_eq!(w0.buf.len(), w1.buf.len());
     let nb = w0.buf.len() / sbb * spec.per_super;
     let (buf0, buf1) = (w0.buf.as_ptr(), w1.buf.as_ptr());
+    debug_assert!(keep.as_ref().is_none_or(|(k, _)| k.len() >= nb * KEPT));
     let lut = spec.bits == Bits::Lut;
     // Signed codes (the IQ4 tables) are biased by 128, as in the 256-bit VNNI kernel; the
     // `biased` types take signed codes against biased activations instead.
