@@ -12,12 +12,12 @@
 //! in a file under gen's cache folder named by the CPU's identity and thread count. Later runs
 //! read it and measure only types not seen before. A measurement during which other processes took the
 //! cores from gen's threads ([`busy`]: preemptions, or its threads waiting for a core) is not
-//! kept: that run takes the 512-bit path.
+//! kept: that run takes the paths by rule ([`set_by_rule`]).
 //!
 //! The choice is kept, never re-measured, because the paths round differently in the last bits
 //! (their float sums run in another order): a machine that changed its mind between runs would
 //! give another text for the same seed. Where the file cannot be kept (no writable cache), gen
-//! does not measure and takes the 512-bit path, the rule by instruction set. `GEN_KERNEL`
+//! does not measure and takes the paths by rule. `GEN_KERNEL`
 //! (`avx2`, `avx512`, `scalar`) forces a path and skips all of this.
 
 use std::collections::BTreeMap;
@@ -30,8 +30,9 @@ pub use super::q8::{Call, FEW};
 
 /// Bump when a kernel change makes the kept choices stale. 2: one-token and few-token calls
 /// are timed with their weights evicted from the caches first (`Evict`), and a one-token
-/// near-tie goes to AVX2 (`preferred_first`).
-const VERSION: u32 = 2;
+/// near-tie goes to AVX2 (`preferred_first`). 3: a debug build keeps its choices in a file of
+/// its own (`choices_file`); a v2 file may hold a debug build's, so it is measured again.
+const VERSION: u32 = 3;
 
 /// How much faster than the preferred path (the first of [`preferred_first`]) another must be
 /// to be chosen.
@@ -103,9 +104,11 @@ pub fn choose(ws: &mut [&mut CpuQWeight]) -> Chosen {
         // Measure only what can be kept: a choice made anew every run could differ between runs.
         if let Err(why) = std::fs::create_dir_all(file.parent().unwrap_or(Path::new("."))) {
             done.warning = Some(format!(
-                "cannot keep kernel choices in {} ({why}): the 512-bit path is used",
-                file.display()
+                "cannot keep kernel choices in {} ({why}): {}",
+                file.display(),
+                RULE
             ));
+            set_by_rule(ws, &paths);
             return done;
         }
         let t0 = Instant::now();
@@ -141,18 +144,21 @@ pub fn choose(ws: &mut [&mut CpuQWeight]) -> Chosen {
             // set, as it would without a cache; a later run measures again.
             done.warning = Some(format!(
                 "the CPU was busy while gen measured its kernel paths ({why} in {:.2} s): \
-                 the 512-bit path is used and nothing is kept; a later run measures again",
+                 {RULE}, and nothing is kept; a later run measures again",
                 done.seconds
             ));
+            set_by_rule(ws, &paths);
             return done;
         }
         match fresh.merge_into(&file) {
             Ok(all) => kept = all,
             Err(why) => {
                 done.warning = Some(format!(
-                    "cannot keep kernel choices in {} ({why}): the 512-bit path is used",
-                    file.display()
+                    "cannot keep kernel choices in {} ({why}): {}",
+                    file.display(),
+                    RULE
                 ));
+                set_by_rule(ws, &paths);
                 return done;
             }
         }
@@ -164,6 +170,26 @@ pub fn choose(ws: &mut [&mut CpuQWeight]) -> Chosen {
     }
     done.file = Some(file);
     done
+}
+
+/// What a run that cannot keep a measurement uses, for its warning.
+const RULE: &str =
+    "the paths by rule are used (on AMD CPUs AVX2 for one token, else the 512-bit path)";
+
+/// Sets every matrix's paths by rule, for a run that cannot keep a measurement (a busy CPU, no
+/// writable cache): on AMD CPUs the preferred order's first ([`preferred_first`]: AVX2 for one
+/// token, what every type measured idle chose on Zen 4 and Zen 5, where the 512-bit path decoded
+/// 1.2-1.5x slower), elsewhere the 512-bit path, the rule by instruction set (on the Intel Xeons
+/// measured it was as fast or faster for every kind).
+fn set_by_rule(ws: &mut [&mut CpuQWeight], paths: &[Kernel]) {
+    let amd = cpu_id().starts_with("AuthenticAMD");
+    let pick = Call::ALL.map(|c| match amd {
+        true => preferred_first(paths, c)[0],
+        false => paths[0],
+    });
+    for w in ws.iter_mut() {
+        w.set_paths(pick);
+    }
 }
 
 /// The paths in the order [`Kept::set`] prefers them on a near-tie: the rule by instruction
@@ -225,9 +251,8 @@ impl Contention {
 /// Switches, measured on a 2-core AMD EPYC Zen 5: idle, 2-23 in 0.2 s (up to ~115 a second,
 /// the kernel's own threads); beside one or two busy processes, 129-145 in 0.3 s (~400 a
 /// second). The line lies between, and below 20 nothing counts. They miss other work of lower
-/// priority: beside a `nice`d two-job build (Zen 4, 2026-12-05) the switches stayed under the
-/// line while the one-token timings came out 1.5x apart the wrong way, and the kept choice
-/// decoded k256 Q4_K_M at 251 tok/s where AVX2 gives 343. The wait for a core sees any other
+/// priority: beside two `nice -n 19` loops (Zen 4, 2026-12-05) 130 switches in 0.74 s, under
+/// the line, while gen's threads waited for a core 28% of their time. The wait sees any other
 /// runnable work: past 5% of the threads' time, the measurement is not the CPU's.
 fn busy(preempted: i64, waited: Option<f64>, seconds: f64, threads: usize) -> bool {
     let switched = preempted > 20 && preempted as f64 > 250.0 * seconds;
@@ -532,10 +557,17 @@ fn kernel_named(name: &str) -> Option<Kernel> {
 }
 
 /// `<gen's cache folder>/kernels/<cpu>-t<threads>.txt`.
+/// Where the choices for this CPU and thread count are kept. A build with debug assertions
+/// (the gen `cargo test` runs) keeps its own: its kernels run checks a release build does not,
+/// and they slow the AVX2 path more than the 512-bit one. On an idle Zen 4 (2026-12-05) it timed
+/// one token of Q4_K at 7.03 ms on AVX2 against 4.79 on the 512-bit path, where a release build
+/// times 1.36 against 1.90. Kept in the one file, a test run's choices sent a release gen's
+/// one-token K-quant, IQ4 and Q4_0/Q5_x products to the path that decodes them 1.2-1.5x slower.
 fn choices_file(threads: usize) -> PathBuf {
+    let build = if cfg!(debug_assertions) { "-debug" } else { "" };
     crate::source::gen_cache_home()
         .join("kernels")
-        .join(format!("{}-t{threads}.txt", cpu_id()))
+        .join(format!("{}-t{threads}{build}.txt", cpu_id()))
 }
 
 /// The CPU's identity as a file name: vendor, family, model and stepping (what distinguishes
@@ -615,6 +647,19 @@ mod tests {
         assert_eq!(k.get("Q4_K", Call::One), Some(Kernel::Avx2));
         k.set("Q6_K", Call::One, &order, &[1.00, 0.90]);
         assert_eq!(k.get("Q6_K", Call::One), Some(Kernel::Vnni));
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn a_run_that_cannot_keep_a_measurement_takes_the_paths_by_rule() {
+        let paths = [Kernel::Vnni, Kernel::Avx2];
+        let mut w = workload(2, Kernel::Vnni).swap_remove(0); // Q4_0
+        set_by_rule(&mut [&mut w], &paths);
+        let amd = cpu_id().starts_with("AuthenticAMD");
+        let one = if amd { Kernel::Avx2 } else { Kernel::Vnni };
+        assert_eq!(w.path(Call::One.sample_tokens()), one);
+        assert_eq!(w.path(Call::Few.sample_tokens()), Kernel::Vnni);
+        assert_eq!(w.path(Call::Many.sample_tokens()), Kernel::Vnni);
     }
 
     #[test]
