@@ -103,13 +103,8 @@ pub fn choose(ws: &mut [&mut CpuQWeight]) -> Chosen {
     if !missing.is_empty() {
         // Measure only what can be kept: a choice made anew every run could differ between runs.
         if let Err(why) = std::fs::create_dir_all(file.parent().unwrap_or(Path::new("."))) {
-            done.warning = Some(format!(
-                "cannot keep kernel choices in {} ({why}): {}",
-                file.display(),
-                RULE
-            ));
-            set_by_rule(ws, &paths);
-            return done;
+            let why = format!("cannot keep kernel choices in {} ({why})", file.display());
+            return by_rule(ws, &paths, done, why);
         }
         let t0 = Instant::now();
         let before = Contention::now();
@@ -140,26 +135,20 @@ pub fn choose(ws: &mut [&mut CpuQWeight]) -> Chosen {
         let shared = Contention::now().since(&before, done.seconds, threads);
         if let Some(why) = shared {
             // Other work shared the cores: the timings say more about it than about the
-            // paths, and a choice is kept for good. This run takes the rule by instruction
-            // set, as it would without a cache; a later run measures again.
-            done.warning = Some(format!(
-                "the CPU was busy while gen measured its kernel paths ({why} in {:.2} s): \
-                 {RULE}, and nothing is kept; a later run measures again",
+            // paths, and a choice is kept for good. This run takes the paths by rule, as it
+            // would without a cache; a later run measures again.
+            let why = format!(
+                "the CPU was busy while gen measured its kernel paths ({why} in {:.2} s), so \
+                 nothing is kept and a later run measures again",
                 done.seconds
-            ));
-            set_by_rule(ws, &paths);
-            return done;
+            );
+            return by_rule(ws, &paths, done, why);
         }
         match fresh.merge_into(&file) {
             Ok(all) => kept = all,
             Err(why) => {
-                done.warning = Some(format!(
-                    "cannot keep kernel choices in {} ({why}): {}",
-                    file.display(),
-                    RULE
-                ));
-                set_by_rule(ws, &paths);
-                return done;
+                let why = format!("cannot keep kernel choices in {} ({why})", file.display());
+                return by_rule(ws, &paths, done, why);
             }
         }
     }
@@ -172,9 +161,15 @@ pub fn choose(ws: &mut [&mut CpuQWeight]) -> Chosen {
     done
 }
 
-/// What a run that cannot keep a measurement uses, for its warning.
-const RULE: &str =
-    "the paths by rule are used (on AMD CPUs AVX2 for one token, else the 512-bit path)";
+/// `done` for a run that cannot keep a measurement, with `why` as its warning: every matrix
+/// takes the paths by rule ([`set_by_rule`]).
+fn by_rule(ws: &mut [&mut CpuQWeight], paths: &[Kernel], mut done: Chosen, why: String) -> Chosen {
+    done.warning = Some(format!(
+        "{why}: the paths by rule are used (on AMD CPUs AVX2 for one token, else the 512-bit path)"
+    ));
+    set_by_rule(ws, paths);
+    done
+}
 
 /// Sets every matrix's paths by rule, for a run that cannot keep a measurement (a busy CPU, no
 /// writable cache): on AMD CPUs the preferred order's first ([`preferred_first`]: AVX2 for one
@@ -556,8 +551,8 @@ fn kernel_named(name: &str) -> Option<Kernel> {
     all.into_iter().find(|k| k.name() == name)
 }
 
-/// `<gen's cache folder>/kernels/<cpu>-t<threads>.txt`.
-/// Where the choices for this CPU and thread count are kept. A build with debug assertions
+/// `<gen's cache folder>/kernels/<cpu>-t<threads>[-debug].txt`: where the choices for this CPU
+/// and thread count are kept. A build with debug assertions
 /// (the gen `cargo test` runs) keeps its own: its kernels run checks a release build does not,
 /// and they slow the AVX2 path more than the 512-bit one. On an idle Zen 4 (2026-12-05) it timed
 /// one token of Q4_K at 7.03 ms on AVX2 against 4.79 on the 512-bit path, where a release build
