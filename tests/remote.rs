@@ -59,6 +59,10 @@ impl Server {
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
             .args(["-np", &slots.to_string(), "-c", &(2048 * slots).to_string()])
             .args(["-t", "2", "--alias", "smollm2"])
+            // No weight repacking: on a Xeon with AMX, this llama.cpp puts the Q4_1 weights in
+            // its AMX buffer, and the server crashes loading the default model (SIGSEGV in
+            // ggml_backend_amx_mul_mat). The plain CPU kernels serve the same model everywhere.
+            .arg("--no-repack")
             .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())

@@ -42,6 +42,11 @@ int main(int argc, char ** argv) {
 
     llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = 0;
+    // No extra buffer types (weight repacking): on a Xeon with AMX, llama.cpp 0c1e57098 moves
+    // Q4_0/Q4_1/Q8_0/K-quant weights into its AMX buffer, whose product crashes (SIGSEGV in
+    // ggml_backend_amx_mul_mat) on the suite's small models. Without them every machine computes
+    // the reference with the same plain CPU kernels.
+    mp.use_extra_bufts = false;
     llama_model * model = llama_model_load_from_file(argv[1], mp);
     if (!model) {
         fprintf(stderr, "llama-logits: llama.cpp refused %s\n", argv[1]);
