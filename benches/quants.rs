@@ -228,21 +228,37 @@ fn gen_sample(
 }
 
 /// llama-bench's prefill (pp`prompt`) and decode (tg128) tok/s; None if it failed.
+///
+/// A llama-bench killed by a signal is run again with `--repack 0`: on a Xeon with AMX
+/// (Sapphire Rapids and later), llama.cpp 0c1e57098 moves the weights of most quantized types
+/// into its AMX buffer, whose code dies there (SIGILL in llama-bench, SIGSEGV in llama-server).
+/// The line says so, and the figures are then the peer's plain CPU kernels.
 fn peer_sample(bin: &Path, model: &Path, prompt: usize, threads: usize) -> Option<(f64, f64)> {
-    let out = Command::new(bin)
-        .arg("-m")
-        .arg(model)
-        .args([
+    let run = |repack: bool| {
+        let mut c = Command::new(bin);
+        c.arg("-m").arg(model).args([
             "-t",
             &threads.to_string(),
             "-p",
             &prompt.to_string(),
             "-n",
             "128",
-        ])
-        .args(["-r", "1", "-o", "json"])
-        .output()
-        .ok()?;
+        ]);
+        c.args(["-r", "1", "-o", "json"]);
+        if !repack {
+            c.args(["--repack", "0"]);
+        }
+        c.output().ok()
+    };
+    let mut out = run(true)?;
+    if out.status.code().is_none() {
+        eprintln!(
+            "bench: llama-bench died ({}) on {} with weight repacking; again with --repack 0",
+            out.status,
+            model.display()
+        );
+        out = run(false)?;
+    }
     if !out.status.success() {
         eprintln!(
             "bench: llama-bench failed on {}: {}",
