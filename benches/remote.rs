@@ -66,6 +66,8 @@ fn main() {
         .arg(&model)
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
         .args(["-np", "32", "-c", "32768", "-t", &threads.to_string()])
+        // As in tests/remote.rs: this llama.cpp's AMX buffer crashes the server on an AMX Xeon.
+        .arg("--no-repack")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()

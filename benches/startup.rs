@@ -97,17 +97,24 @@ fn warm(path: &Path) {
     while f.read(&mut buf).expect("read the model") > 0 {}
 }
 
+/// llama-completion's run of one token on `file`, with weight repacking or without.
+fn completion(bin: &Path, file: &Path, threads: &str, repack: bool) -> Command {
+    let mut c = Command::new(bin);
+    c.arg("-m").arg(file).args([
+        "-p", "Hello", "-n", "1", "--temp", "0", "-no-cnv", "-t", threads,
+    ]);
+    if !repack {
+        c.arg("--no-repack");
+    }
+    c
+}
+
 /// Whether llama-completion dies by a signal on `file` with weight repacking: on a Xeon with
 /// AMX, llama.cpp 0c1e57098 moves most quantized weights into its AMX buffer, whose code dies
 /// there (SIGILL, SIGSEGV). Such a file's peer runs with `--no-repack` (its plain CPU kernels),
 /// and the line says so.
 fn dies_repacking(bin: &Path, file: &Path, threads: &str) -> bool {
-    let status = Command::new(bin)
-        .arg("-m")
-        .arg(file)
-        .args([
-            "-p", "Hello", "-n", "1", "--temp", "0", "-no-cnv", "-t", threads,
-        ])
+    let status = completion(bin, file, threads, true)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -170,14 +177,7 @@ fn main() {
             ours.push(run(&mut gen_run(&file, "on"), &scratch));
             repack.push(run(&mut gen_run(&file, "off"), &scratch));
             if let Some(bin) = &peer {
-                let mut c = Command::new(bin);
-                c.arg("-m")
-                    .arg(&file)
-                    .args(["-p", "Hello", "-n", "1", "--temp", "0", "-no-cnv", "-t", &t]);
-                if no_repack {
-                    c.arg("--no-repack");
-                }
-                theirs.push(run(&mut c, &scratch));
+                theirs.push(run(&mut completion(bin, &file, &t, !no_repack), &scratch));
             }
         }
         let secs = |v: &[Run]| median(v.iter().map(|r| r.seconds).collect());
