@@ -177,16 +177,29 @@ fn peer_batched_bench(model: &Path, threads: usize) {
         println!("  llama-batched-bench: not found (set GEN_LLAMA_BATCHED_BENCH), skipped");
         return;
     }
-    let out = Command::new(&bin)
-        .arg("-m")
-        .arg(model)
-        .args([
-            "-c", "8192", "-b", "2048", "-ub", "512", "-npp", "640", "-ntg", "64",
-        ])
-        .args(["-npl", "8", "-pps", "--output-format", "jsonl"])
-        .args(["-t", &threads.to_string()])
-        .output()
-        .expect("run llama-batched-bench");
+    let run = |repack: bool| {
+        let mut c = Command::new(&bin);
+        c.arg("-m")
+            .arg(model)
+            .args([
+                "-c", "8192", "-b", "2048", "-ub", "512", "-npp", "640", "-ntg", "64",
+            ])
+            .args(["-npl", "8", "-pps", "--output-format", "jsonl"])
+            .args(["-t", &threads.to_string()]);
+        if !repack {
+            c.arg("--no-repack");
+        }
+        c.output().expect("run llama-batched-bench")
+    };
+    let mut out = run(true);
+    // On a Xeon with AMX, this llama.cpp's AMX buffer dies (SIGILL): its plain CPU kernels then.
+    if out.status.code().is_none() {
+        println!(
+            "  llama-batched-bench died ({}) with weight repacking; again with --no-repack",
+            out.status
+        );
+        out = run(false);
+    }
     // Its JSON line comes on stdout or stderr, depending on the build's logging.
     let text = format!(
         "{}\n{}",
