@@ -177,7 +177,8 @@ fn peer_batched_bench(model: &Path, threads: usize) {
         println!("  llama-batched-bench: not found (set GEN_LLAMA_BATCHED_BENCH), skipped");
         return;
     }
-    let run = |repack: bool| {
+    // One that dies with weight repacking runs again without it (`common::peer_run`).
+    let (out, _) = common::peer_run("llama-batched-bench", |repack| {
         let mut c = Command::new(&bin);
         c.arg("-m")
             .arg(model)
@@ -189,17 +190,9 @@ fn peer_batched_bench(model: &Path, threads: usize) {
         if !repack {
             c.arg("--no-repack");
         }
-        c.output().expect("run llama-batched-bench")
-    };
-    let mut out = run(true);
-    // On a Xeon with AMX, this llama.cpp's AMX buffer dies (SIGILL): its plain CPU kernels then.
-    if out.status.code().is_none() {
-        println!(
-            "  llama-batched-bench died ({}) with weight repacking; again with --no-repack",
-            out.status
-        );
-        out = run(false);
-    }
+        c
+    })
+    .expect("run llama-batched-bench");
     // Its JSON line comes on stdout or stderr, depending on the build's logging.
     let text = format!(
         "{}\n{}",

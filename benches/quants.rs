@@ -227,14 +227,11 @@ fn gen_sample(
     }
 }
 
-/// llama-bench's prefill (pp`prompt`) and decode (tg128) tok/s; None if it failed.
-///
-/// A llama-bench killed by a signal is run again with `--repack 0`: on a Xeon with AMX
-/// (Sapphire Rapids and later), llama.cpp 0c1e57098 moves the weights of most quantized types
-/// into its AMX buffer, whose code dies there (SIGILL in llama-bench, SIGSEGV in llama-server).
-/// The line says so, and the figures are then the peer's plain CPU kernels.
+/// llama-bench's prefill (pp`prompt`) and decode (tg128) tok/s; None if it failed. One that
+/// dies with weight repacking runs again with `--repack 0` ([`common::peer_run`]).
 fn peer_sample(bin: &Path, model: &Path, prompt: usize, threads: usize) -> Option<(f64, f64)> {
-    let run = |repack: bool| {
+    let what = format!("llama-bench on {}", model.display());
+    let (out, _) = common::peer_run(&what, |repack| {
         let mut c = Command::new(bin);
         c.arg("-m").arg(model).args([
             "-t",
@@ -248,17 +245,9 @@ fn peer_sample(bin: &Path, model: &Path, prompt: usize, threads: usize) -> Optio
         if !repack {
             c.args(["--repack", "0"]);
         }
-        c.output().ok()
-    };
-    let mut out = run(true)?;
-    if out.status.code().is_none() {
-        eprintln!(
-            "bench: llama-bench died ({}) on {} with weight repacking; again with --repack 0",
-            out.status,
-            model.display()
-        );
-        out = run(false)?;
-    }
+        c
+    })
+    .ok()?;
     if !out.status.success() {
         eprintln!(
             "bench: llama-bench failed on {}: {}",

@@ -109,27 +109,6 @@ fn completion(bin: &Path, file: &Path, threads: &str, repack: bool) -> Command {
     c
 }
 
-/// Whether llama-completion dies by a signal on `file` with weight repacking: on a Xeon with
-/// AMX, llama.cpp 0c1e57098 moves most quantized weights into its AMX buffer, whose code dies
-/// there (SIGILL, SIGSEGV). Such a file's peer runs with `--no-repack` (its plain CPU kernels),
-/// and the line says so.
-fn dies_repacking(bin: &Path, file: &Path, threads: &str) -> bool {
-    let status = completion(bin, file, threads, true)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
-    let died = status.as_ref().is_ok_and(|s| s.code().is_none());
-    if died {
-        eprintln!(
-            "bench: llama-completion died ({}) on {} with weight repacking; timed with --no-repack",
-            status.unwrap(),
-            file.display()
-        );
-    }
-    died
-}
-
 fn main() {
     let runs: usize = env_or("GEN_BENCH_RUNS", 5);
     let threads: usize = env_or("GEN_BENCH_THREADS", 2);
@@ -161,9 +140,12 @@ fn main() {
         let (mut ours, mut repack, mut theirs): (Vec<Run>, Vec<Run>, Vec<Run>) =
             (Vec::new(), Vec::new(), Vec::new());
         let mut first = 0.0;
-        let no_repack = peer
-            .as_ref()
-            .is_some_and(|bin| dies_repacking(bin, &file, &t));
+        // Whether the peer runs with weight repacking on this file: one untimed run tells
+        // (`common::peer_run`: without it if it dies with it).
+        let peer_repacks = peer.as_ref().is_none_or(|bin| {
+            let what = format!("llama-completion on {}", file.display());
+            common::peer_run(&what, |r| completion(bin, &file, &t, r)).map_or(true, |(_, r)| r)
+        });
         // One untimed round first: the first load of a weight type on a CPU measures gen's
         // kernel paths (kept for every later run), and the first load of a file writes its
         // tile cache, which is not start-up as users see it (its time is shown apart).
@@ -177,7 +159,7 @@ fn main() {
             ours.push(run(&mut gen_run(&file, "on"), &scratch));
             repack.push(run(&mut gen_run(&file, "off"), &scratch));
             if let Some(bin) = &peer {
-                theirs.push(run(&mut completion(bin, &file, &t, !no_repack), &scratch));
+                theirs.push(run(&mut completion(bin, &file, &t, peer_repacks), &scratch));
             }
         }
         let secs = |v: &[Run]| median(v.iter().map(|r| r.seconds).collect());

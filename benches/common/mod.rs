@@ -133,3 +133,24 @@ pub fn llama_tool(tool: &str, env: &str) -> Option<PathBuf> {
         None
     }
 }
+
+/// Runs a llama.cpp tool as `cmd(repack)` builds it: with weight repacking first, and again
+/// without (`false`) if it dies by a signal, saying so on stderr. On a Xeon with AMX (Sapphire
+/// Rapids and later), llama.cpp 0c1e57098 moves most quantized weights into its AMX buffer,
+/// whose code dies there (SIGILL in llama-bench and llama-batched-bench, SIGSEGV in
+/// llama-server and llama-completion); the figures are then its plain CPU kernels'. Returns
+/// the output and whether it ran with repacking.
+pub fn peer_run(
+    what: &str,
+    cmd: impl Fn(bool) -> std::process::Command,
+) -> std::io::Result<(std::process::Output, bool)> {
+    let out = cmd(true).output()?;
+    if out.status.code().is_some() {
+        return Ok((out, true));
+    }
+    eprintln!(
+        "bench: {what} died ({}) with weight repacking; run again without it",
+        out.status
+    );
+    Ok((cmd(false).output()?, false))
+}
