@@ -177,6 +177,14 @@ fn paths() -> Vec<Option<&'static str>> {
         }
         if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512bw") {
             p.push(Some("avx512"));
+            // AMX (prefill chunks on tile multiplies; the 512-bit path elsewhere), where the
+            // CPU lists it; gen itself also asks Linux for the tiles, and without them runs
+            // the 512-bit path.
+            let flags = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+            let has = |f: &str| flags.split_whitespace().any(|w| w == f);
+            if has("amx_int8") && has("amx_bf16") {
+                p.push(Some("amx"));
+            }
         }
     }
     p

@@ -66,7 +66,11 @@ pub fn candidates() -> Vec<Kernel> {
     let base = Kernel::detect();
     #[cfg(target_arch = "x86_64")]
     if base == Kernel::Vnni && !forced {
-        return vec![Kernel::Vnni, Kernel::Avx2];
+        let mut paths = vec![Kernel::Vnni, Kernel::Avx2];
+        if Kernel::amx_ready() {
+            paths.push(Kernel::Amx);
+        }
+        return paths;
     }
     let _ = (forced, base);
     Vec::new()
@@ -124,7 +128,8 @@ pub fn choose(ws: &mut [&mut CpuQWeight]) -> Chosen {
             for call in Call::ALL {
                 if kept.get(ty, call).is_none() {
                     let evict = (call != Call::Many).then(|| &*evict);
-                    let order = preferred_first(&paths, call);
+                    let mut order = preferred_first(&paths, call);
+                    order.retain(|k| refs.iter().all(|w| w.takes(*k)));
                     let times = time_paths(&refs, &order, call, evict);
                     fresh.set(ty, call, &order, &times);
                 }
@@ -199,6 +204,11 @@ fn preferred_first(paths: &[Kernel], call: Call) -> Vec<Kernel> {
     #[cfg(target_arch = "x86_64")]
     if call == Call::One {
         order.sort_by_key(|k| *k != Kernel::Avx2);
+    }
+    // AMX serves calls of many tokens only (`Kernel::forced_paths`).
+    #[cfg(target_arch = "x86_64")]
+    if call != Call::Many {
+        order.retain(|k| *k != Kernel::Amx);
     }
     let _ = call;
     order
@@ -547,7 +557,7 @@ fn header() -> String {
 fn kernel_named(name: &str) -> Option<Kernel> {
     let mut all = vec![Kernel::Scalar];
     #[cfg(target_arch = "x86_64")]
-    all.extend([Kernel::Avx2, Kernel::Vnni]);
+    all.extend([Kernel::Avx2, Kernel::Vnni, Kernel::Amx]);
     all.into_iter().find(|k| k.name() == name)
 }
 
@@ -592,6 +602,7 @@ fn cpu_id() -> String {
             ("avx2", is_x86_feature_detected!("avx2")),
             ("vnni", is_x86_feature_detected!("avx512vnni")),
             ("bf16", is_x86_feature_detected!("avx512bf16")),
+            ("amx", Kernel::amx_ready()),
         ] {
             if on {
                 features.push('-');

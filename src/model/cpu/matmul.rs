@@ -296,6 +296,14 @@ impl CpuQWeight {
         self.matmul_parts_on(self.path(t), x, t, widths)
     }
 
+    /// Whether path `kernel` computes this weight's products its own way: not AMX where it
+    /// would be the 512-bit path ([`Kernel::base`]): every type but BF16 rows whose width is a
+    /// multiple of 32.
+    pub fn takes(&self, kernel: Kernel) -> bool {
+        let bf16 = matches!(&self.layout, Layout::Half(t) if t.ty == Half::Bf16);
+        kernel == kernel.base() || bf16 && self.cols.is_multiple_of(32)
+    }
+
     /// The path a call of `t` tokens takes.
     pub fn path(&self, t: usize) -> Kernel {
         self.paths[Call::of(t) as usize]
@@ -331,6 +339,9 @@ impl CpuQWeight {
         widths: &[usize],
     ) -> Vec<Vec<f32>> {
         let (n_rows, k) = (self.rows, self.cols);
+        // AMX is the 512-bit path but for BF16 products (`half_amx_parts`).
+        let amx = kernel != kernel.base();
+        let kernel = kernel.base();
         debug_assert_eq!(x.len(), t * k);
         debug_assert_eq!(widths.iter().sum::<usize>(), n_rows);
         if t == 0 {
@@ -402,6 +413,10 @@ impl CpuQWeight {
                 )
             }
             Layout::Quant(tiles) => self.quant_parts(tiles, kernel, x, t, widths),
+            #[cfg(target_arch = "x86_64")]
+            Layout::Half(tiles) if amx && tiles.ty == Half::Bf16 && k.is_multiple_of(32) => {
+                self.half_amx_parts(tiles, x, t, widths)
+            }
             Layout::Half(tiles) => {
                 let stream = t.div_ceil(TOKENS) <= STREAM_CHUNKS;
                 let xs = SharedIn(x.as_ptr());
@@ -441,6 +456,53 @@ impl CpuQWeight {
                 )
             }
         }
+    }
+
+    /// [`Self::matmul_parts_on`] for BF16 weights on AMX ([`super::amx_half`]): the
+    /// activations split into bf16 parts once, each call's groups rearranged for AMX once per
+    /// thread and run of calls on them ([`PREPARED`]), tokens in blocks whose parts (6 bytes a
+    /// value) stay in L2 while the task's groups go through them.
+    #[cfg(target_arch = "x86_64")]
+    fn half_amx_parts(
+        &self,
+        tiles: &HalfTiles,
+        x: &[f32],
+        t: usize,
+        widths: &[usize],
+    ) -> Vec<Vec<f32>> {
+        use super::amx_half;
+        let k = self.cols;
+        let acts = amx_half::Parts::split(x, t, k);
+        let product = PRODUCTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let cut = Cut {
+            per_chunk: amx_half::TOKENS,
+            per_call: amx_half::TOKENS,
+            span: 4,
+            block_kib: 128,
+        };
+        schedule(
+            t,
+            k,
+            widths,
+            tiles.groups,
+            cut,
+            |g, groups, token, n, out, stride, real| {
+                PREPARED.with(|cell| {
+                    let (id, group, w) = &mut *cell.borrow_mut();
+                    if (*id, *group) != (product, g) {
+                        let ws: Vec<&[u16]> = (g..g + groups).map(|j| tiles.tile(j)).collect();
+                        // SAFETY: the AMX path is only taken where `amx::ready` said so, on a CPU
+                        // with AVX-512; each group holds k * 8 values, k a multiple of 32.
+                        unsafe { amx_half::prepare(&ws, k, w) };
+                        (*id, *group) = (product, g);
+                    }
+                    // SAFETY: as above; `schedule` promises out for tokens token..token + n, all in
+                    // one chunk of 16 of `acts`.
+                    let pairs = groups.div_ceil(2);
+                    unsafe { amx_half::call(w, pairs, &acts, token, n, out, stride, real) }
+                })
+            },
+        )
     }
 
     /// [`Self::matmul_parts_on`] for the types of [`super::quants`].
@@ -847,6 +909,14 @@ unsafe fn half_dot(
 
 #[cfg(target_arch = "x86_64")]
 thread_local! {
+    /// The groups this thread last rearranged for AMX-BF16: (product, first group, their
+    /// tiles as `amx_half::prepare` made them).
+    static PREPARED: std::cell::RefCell<(u64, usize, Vec<u16>)> =
+        const { std::cell::RefCell::new((0, 0, Vec::new())) };
+}
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
     /// The last row pair this thread's 512-bit quantized kernel unpacked, as `quants_zmm::tile2`
     /// keeps it: (product, first group, [`quants_zmm::KEPT`] registers a block). A product's
     /// next chunks of tokens on the same pair read it instead of unpacking again.
@@ -902,6 +972,8 @@ unsafe fn quant_dot(
             super::quants_x86::vnni::tile::<TY, N>(w, a, out, stride, real, stream)
         })),
         (Kernel::Scalar, None) => quants::scalar_tile(ty.spec(), w, a, n, out, stride, real),
+        #[cfg(target_arch = "x86_64")]
+        (Kernel::Amx, _) => unreachable!("AMX arrives as the 512-bit path (`Kernel::base`)"),
     }
 }
 
@@ -1108,7 +1180,7 @@ impl CpuQWeight {
             cols,
             layout,
             kernel,
-            paths: [kernel; 3],
+            paths: Kernel::forced_paths(kernel),
             parts: Vec::new(),
         }
     }
@@ -1722,6 +1794,66 @@ mod tests {
                         "type {id}: {kernel:?} vs {:?} t={t}",
                         whole[0].0
                     );
+                }
+            }
+        }
+    }
+
+    /// BF16 on AMX: the products of the exact bf16 parts summed in f32, so within f32 rounding
+    /// of the 512-bit path's sums (relative to the sum of |w x|), for one group, a pair, and two
+    /// pairs a call with a lone group at the end, ragged token counts and a wide input; the same
+    /// bits run after run. F16 on the AMX path is the 512-bit path, bit for bit.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn amx_half_products_match_the_512_bit_path() {
+        if !Kernel::amx_ready() {
+            eprintln!("no AMX here (or Linux refused it): the AMX path is not exercised");
+            return;
+        }
+        for id in [1u32, 30] {
+            for (k, rows) in [(64, 8), (256, 16), (2048, 40), (96, 13)] {
+                let w = test_data(rows * k, rows as u64 + k as u64);
+                let raw: Vec<u8> = w
+                    .iter()
+                    .flat_map(|&v| match id {
+                        1 => half::f16::from_f32(v).to_bits().to_le_bytes(),
+                        _ => half::bf16::from_f32(v).to_bits().to_le_bytes(),
+                    })
+                    .collect();
+                let m = CpuQWeight::from_raw(id, &raw, rows, k, Kernel::Vnni)
+                    .unwrap()
+                    .unwrap();
+                let widened: Vec<f32> = raw
+                    .chunks_exact(2)
+                    .map(|b| {
+                        let bits = u16::from_le_bytes([b[0], b[1]]);
+                        match id {
+                            1 => half::f16::from_bits(bits).to_f32(),
+                            _ => half::bf16::from_bits(bits).to_f32(),
+                        }
+                    })
+                    .collect();
+                for t in [17, 40, 100] {
+                    let x = test_data(t * k, 7 + t as u64);
+                    let want = m.matmul_on(Kernel::Vnni, &x, t);
+                    let got = m.matmul_on(Kernel::Amx, &x, t);
+                    assert_eq!(got, m.matmul_on(Kernel::Amx, &x, t));
+                    assert_eq!(m.takes(Kernel::Amx), id == 30);
+                    if id == 1 {
+                        assert_eq!(got, want);
+                        continue;
+                    }
+                    assert_ne!(got, want, "type {id} k={k} rows={rows} t={t}: not on AMX?");
+                    for (i, (g, w0)) in got.iter().zip(&want).enumerate() {
+                        let (tok, r) = (i / rows, i % rows);
+                        let mag: f32 = (0..k)
+                            .map(|c| (widened[r * k + c] * x[tok * k + c]).abs())
+                            .sum();
+                        assert!(
+                            (g - w0).abs() <= mag * 1e-6,
+                            "type {id} k={k} rows={rows} t={t} [{tok}, {r}]: {g} vs {w0}"
+                        );
+                    }
                 }
             }
         }

@@ -7,6 +7,10 @@
 //! attention (every one-token step of the pass in one call of the decode kernel; each prompt
 //! chunk through the causal prefill kernel) and its fused steps.
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
+mod amx_half;
 pub mod attention;
 pub mod buf;
 pub mod choice;

@@ -12,6 +12,12 @@ pub enum Kernel {
     Avx2,
     #[cfg(target_arch = "x86_64")]
     Vnni,
+    /// AMX tile multiplies for BF16 products of many tokens ([`super::amx_half`], which
+    /// rounds differently from the 512-bit kernel); everywhere else it is [`Kernel::Vnni`]
+    /// ([`Kernel::base`]), whose layouts it takes. Never the rule by instruction set: chosen by
+    /// measurement ([`super::choice`]) or by `GEN_KERNEL=amx`.
+    #[cfg(target_arch = "x86_64")]
+    Amx,
 }
 
 impl Kernel {
@@ -46,7 +52,42 @@ impl Kernel {
             Kernel::Avx2 => "avx2",
             #[cfg(target_arch = "x86_64")]
             Kernel::Vnni => "avx512-vnni",
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Amx => "amx",
         }
+    }
+
+    /// The kernel whose weight layout and activations this path takes: AMX runs on the
+    /// 512-bit path's.
+    pub fn base(self) -> Kernel {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Amx => Kernel::Vnni,
+            k => k,
+        }
+    }
+
+    /// Whether this CPU can take the AMX path (its base, [`Kernel::Vnni`], and AMX, which Linux
+    /// lets this process use).
+    pub fn amx_ready() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if Kernel::detect() == Kernel::Vnni {
+            return super::amx::ready();
+        }
+        false
+    }
+
+    /// The paths for one token, a few and a prefill chunk where `GEN_KERNEL` forces them:
+    /// `amx` forces AMX for chunks (on the 512-bit path elsewhere) where the CPU has it.
+    pub fn forced_paths(layout: Kernel) -> [Kernel; 3] {
+        #[cfg(target_arch = "x86_64")]
+        if layout == Kernel::Vnni
+            && std::env::var("GEN_KERNEL").is_ok_and(|v| v == "amx")
+            && super::amx::ready()
+        {
+            return [Kernel::Vnni, Kernel::Vnni, Kernel::Amx];
+        }
+        [layout; 3]
     }
 }
 
