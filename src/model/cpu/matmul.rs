@@ -414,7 +414,7 @@ impl CpuQWeight {
             }
             Layout::Quant(tiles) => self.quant_parts(tiles, kernel, x, t, widths),
             #[cfg(target_arch = "x86_64")]
-            Layout::Half(tiles) if amx && tiles.ty == Half::Bf16 && k.is_multiple_of(32) => {
+            Layout::Half(tiles) if amx && self.takes(Kernel::Amx) => {
                 self.half_amx_parts(tiles, x, t, widths)
             }
             Layout::Half(tiles) => {
