@@ -189,9 +189,9 @@ impl Tiles {
             false => (Q8_0_BYTES, 2, 256),
         };
         let groups = rows.div_ceil(8);
-        let mut qs = vec![0u8; groups * nb * per_block];
-        let mut d = vec![0u16; groups * nb * 8];
-        let mut m = vec![0u16; if q4_1 { groups * nb * 8 } else { 0 }];
+        let mut qs = super::buf::zeroed::<u8>(groups * nb * per_block);
+        let mut d = super::buf::zeroed::<u16>(groups * nb * 8);
+        let mut m = super::buf::zeroed::<u16>(if q4_1 { groups * nb * 8 } else { 0 });
         let block = |row: usize, blk: usize| &raw[(row * nb + blk) * block_bytes..][..block_bytes];
         let bits = |b: &[u8], at: usize| u16::from_le_bytes([b[at], b[at + 1]]);
         let real = |g: usize| 8.min(rows - g * 8);

@@ -622,7 +622,7 @@ impl Tiles {
         let nsb = nb / spec.per_super;
         let groups = rows.div_ceil(8);
         let group_bytes = nsb * spec.sb_bytes();
-        let mut buf = vec![0u8; groups * group_bytes];
+        let mut buf = super::buf::zeroed::<u8>(groups * group_bytes);
         // One copy of the repacking per type, every branch on the type folded away.
         let group: fn(&[u8], usize, usize, &mut [u8]) = match ty {
             QType::Q4_0 => repack_group::<0>,

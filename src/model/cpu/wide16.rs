@@ -35,7 +35,7 @@ impl HalfTiles {
     pub fn from_raw(ty: Half, raw: &[u8], rows: usize, cols: usize) -> Self {
         use rayon::prelude::*;
         let groups = rows.div_ceil(8);
-        let mut bits = vec![0u16; groups * cols * 8];
+        let mut bits = super::buf::zeroed::<u16>(groups * cols * 8);
         bits.par_chunks_mut(cols * 8)
             .enumerate()
             .for_each(|(g, out)| {
