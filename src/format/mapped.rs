@@ -97,6 +97,9 @@ impl Drop for Mapped {
     }
 }
 
+/// Bytes of a huge page: 2 MiB on x86-64 and most 64-bit systems.
+pub const HUGE_PAGE: usize = 2 << 20;
+
 /// Asks Linux for huge pages (MADV_HUGEPAGE) on the whole pages within `len` bytes from `at`:
 /// anonymous memory then gets a huge page at the first touch of each aligned 2 MiB, a file
 /// mapping reads ahead in 2 MiB folios. Nothing where the run holds no whole page, off Linux,

@@ -117,7 +117,7 @@ impl<T: Plain> Deref for Buf<T> {
 pub fn zeroed<T: Plain>(len: usize) -> Vec<T> {
     let v = vec![T::default(); len];
     let bytes = std::mem::size_of_val(&v[..]);
-    if bytes >= 2 << 20 {
+    if bytes >= crate::format::mapped::HUGE_PAGE {
         // SAFETY: the run just allocated, whole.
         unsafe { crate::format::mapped::advise_huge_pages(v.as_ptr() as *const u8, bytes) };
     }

@@ -343,9 +343,8 @@ pub fn write(path: &Path, id: &[u8; 32], weights: &[&CpuQWeight]) -> Result<u64>
     Ok(total)
 }
 
-/// Bytes of one huge page (x86-64's and most 64-bit systems' 2 MiB): the tile cache is written
-/// in whole pieces of this size at multiples of it ([`Pieces`]).
-const PIECE: usize = 2 << 20;
+/// The tile cache is written in whole pieces of a huge page at multiples of it ([`Pieces`]).
+const PIECE: usize = crate::format::mapped::HUGE_PAGE;
 
 /// A file written from its start in pieces of [`PIECE`] bytes, each at a multiple of it (the
 /// last shorter). The page cache keeps a file in folios no larger than the writes that made
