@@ -376,11 +376,17 @@ impl Spec {
     /// Whether the 512-bit kernel keeps a row pair's unpacked blocks for a prefill's later
     /// chunks of tokens (`quants_zmm::tile2`'s `keep`): the types whose codes take the most
     /// work to unpack (two planes and their merge: Q3_K, Q6_K; the table lookups: IQ4_NL,
-    /// IQ4_XS). Reading 12 registers a block back from L1 or L2 costs more than unpacking the
-    /// plain nibbles of Q4_0 or Q4_K (30% slower at 512 tokens on Zen 5) and was no better for
-    /// Q2_K, Q5_0, Q5_1 or Q5_K.
+    /// IQ4_XS), and Q5_K (two planes, and two sub-scales and minimums a block to widen).
+    /// Reading 12 registers a block back from L1 or L2 costs more than unpacking the plain
+    /// nibbles of Q4_0 or Q4_K (30% slower at 512 tokens on Zen 5) and was no better for Q2_K,
+    /// Q5_0 or Q5_1. Q5_K measured level with and without on Zen 5, and 7% faster with on Zen 4
+    /// (`cargo bench --bench matmul`, 512 tokens, one thread, alternating); Q5_1 4% slower there.
     pub const fn keeps_unpacked(&self) -> bool {
-        matches!(self.bits, Bits::Six | Bits::Three | Bits::Lut)
+        match self.bits {
+            Bits::Six | Bits::Three | Bits::Lut => true,
+            Bits::Five => matches!(self.act, Act::Q8K),
+            _ => false,
+        }
     }
 
     /// The types whose sums meet one activation scale per super-block and have no minimum
