@@ -1,7 +1,9 @@
 //! What this CPU's vector units sustain, per instruction, in core cycles: the byte products
 //! the integer kernels are built from (maddubs, madd), the sign trick, shifts, f32
 //! multiply-adds, broadcasts, and pairs of them (does one slow the other, i.e. do they share
-//! a pipe?). The clock comes from a chain of dependent integer adds (one a cycle), so the
+//! a pipe?), and on CPUs with AVX-512 VNNI and BF16 the same for the 512-bit kernels'
+//! instructions (vpdpbusd, vdpbf16ps, conversions). The clock comes from a chain of dependent
+//! integer adds (one a cycle), so the
 //! figures are core cycles whatever the time-stamp counter's rate.
 //!
 //!     cargo bench --bench ports
@@ -97,6 +99,81 @@ mod x86 {
         };
     }
 
+    /// As `timed!`, on 512-bit registers (zmm0..zmm11, zmm15 the other operand), for the
+    /// VNNI kernels' bound.
+    macro_rules! timed512 {
+        ($($m:tt),+) => {{
+            #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512bf16")]
+            unsafe fn go() {
+                for _ in 0..ROUNDS {
+                    // SAFETY: AVX-512 register arithmetic (checked by the caller) and reads of
+                    // the stack below rsp, which is mapped; every register used is clobbered.
+                    unsafe {
+                        asm!(
+                            concat!(
+                                $(body512!($m, "0"), body512!($m, "1"), body512!($m, "2"),)+
+                                $(body512!($m, "3"), body512!($m, "4"), body512!($m, "5"),)+
+                                $(body512!($m, "6"), body512!($m, "7"), body512!($m, "8"),)+
+                                $(body512!($m, "9"), body512!($m, "10"), body512!($m, "11"),)+
+                            ),
+                            out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
+                            out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
+                            out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
+                            options(nostack, readonly),
+                        )
+                    };
+                }
+            }
+            // SAFETY: only called where the CPU has the features (see `run`).
+            per_instruction(|| unsafe { go() })
+        }};
+    }
+
+    /// One 512-bit instruction on chain register zmm<r> (see `body!`).
+    macro_rules! body512 {
+        ("vcvtdq2ps", $r:tt) => {
+            concat!("vcvtdq2ps zmm", $r, ", zmm15\n")
+        };
+        ("vcvtph2ps", $r:tt) => {
+            concat!("vcvtph2ps zmm", $r, ", ymm15\n")
+        };
+        ("vpbroadcastd", $r:tt) => {
+            concat!("vpbroadcastd zmm", $r, ", dword ptr [rsp - 64]\n")
+        };
+        ($m:tt, $r:tt) => {
+            concat!($m, " zmm", $r, ", zmm15, zmm15\n")
+        };
+    }
+
+    /// The 512-bit table, on CPUs with AVX-512 VNNI and BF16: the integer kernels' byte dot
+    /// product (vpdpbusd), the f32 multiply-add, the conversions and adds of their sums, and
+    /// the pairs a kernel's inner loop issues together.
+    fn run512(row: &mut dyn FnMut(&str, &dyn Fn() -> f64) -> (String, f64)) -> Vec<(String, f64)> {
+        vec![
+            row("vpdpbusd", &|| timed512!("vpdpbusd")),
+            row("vfmadd231ps", &|| timed512!("vfmadd231ps")),
+            row("vdpbf16ps", &|| timed512!("vdpbf16ps")),
+            row("vcvtdq2ps", &|| timed512!("vcvtdq2ps")),
+            row("vcvtph2ps (from ymm)", &|| timed512!("vcvtph2ps")),
+            row("vpaddd", &|| timed512!("vpaddd")),
+            row("vpmulld", &|| timed512!("vpmulld")),
+            row("vpdpbusd + vfmadd231ps", &|| {
+                timed512!("vpdpbusd", "vfmadd231ps")
+            }),
+            row("vpdpbusd + vcvtdq2ps", &|| {
+                timed512!("vpdpbusd", "vcvtdq2ps")
+            }),
+            row("vpdpbusd + vpaddd", &|| timed512!("vpdpbusd", "vpaddd")),
+            row("vpdpbusd + vpmulld", &|| timed512!("vpdpbusd", "vpmulld")),
+            row("vpdpbusd + vpbroadcastd", &|| {
+                timed512!("vpdpbusd", "vpbroadcastd")
+            }),
+            row("vfmadd231ps + vcvtph2ps", &|| {
+                timed512!("vfmadd231ps", "vcvtph2ps")
+            }),
+        ]
+    }
+
     pub fn run() {
         if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
             println!("ports: this CPU has no AVX2/FMA; nothing to measure");
@@ -140,6 +217,29 @@ mod x86 {
         println!("| 256-bit instruction(s) | cycles each |");
         println!("|---|---|");
         for (name, cycles) in rows {
+            println!("| {name} | {cycles:.2} |");
+        }
+        let wide = ["avx512f", "avx512bw", "avx512vnni", "avx512bf16"];
+        if !(is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("avx512bf16"))
+        {
+            println!();
+            println!(
+                "(no 512-bit table: this CPU lacks one of {})",
+                wide.join(", ")
+            );
+            return;
+        }
+        let mut row = |name: &str, time: &dyn Fn() -> f64| {
+            let period = clock();
+            (name.to_string(), time() / period)
+        };
+        println!();
+        println!("| 512-bit instruction(s) | cycles each |");
+        println!("|---|---|");
+        for (name, cycles) in run512(&mut row) {
             println!("| {name} | {cycles:.2} |");
         }
     }
