@@ -145,10 +145,13 @@ mod x86 {
         };
     }
 
+    /// Measures one row: its name and what `time` gives, in core cycles.
+    type Row<'a> = dyn FnMut(&str, &dyn Fn() -> f64) -> (String, f64) + 'a;
+
     /// The 512-bit table, on CPUs with AVX-512 VNNI and BF16: the integer kernels' byte dot
     /// product (vpdpbusd), the f32 multiply-add, the conversions and adds of their sums, and
     /// the pairs a kernel's inner loop issues together.
-    fn run512(row: &mut dyn FnMut(&str, &dyn Fn() -> f64) -> (String, f64)) -> Vec<(String, f64)> {
+    fn run512(row: &mut Row) -> Vec<(String, f64)> {
         vec![
             row("vpdpbusd", &|| timed512!("vpdpbusd")),
             row("vfmadd231ps", &|| timed512!("vfmadd231ps")),
