@@ -1,8 +1,9 @@
 //! Every GGUF weight type on gen's own CPU kernels, side by side with llama.cpp's llama-bench
 //! in the same run: per file, prefill (a 512-token prompt) and decode (128 tokens) tok/s for
 //! both, the ratios, the weight bytes a decode step reads, and decode against the memory
-//! roofline (those bytes over the machine's read bandwidth, measured here first, beside the
-//! vector units' multiply-add peaks, a prefill's ceiling); then time to
+//! roofline (those bytes over the machine's read bandwidth: the best of 5 passes at the start,
+//! beside the vector units' multiply-add peaks, a prefill's ceiling; and per file the median
+//! over its rounds of the best of 3 passes beside each, which its roofline uses); then time to
 //! first token on the 1,000-token prompt for the files as published (mixed types).
 //!
 //!     .ci/llama-server llama-bench           # once, the peer (about 8 minutes on 2 cores)
@@ -92,21 +93,33 @@ fn compute_peaks(threads: usize) -> (Option<f64>, Option<f64>) {
     }
 }
 
-/// Memory read bandwidth with `threads` threads: best of 5 passes summing 1 GiB, each task
-/// reading four runs of memory at once (as a kernel reading several tiles does: one stream a
-/// core measured 30% less than four on an Intel Xeon, understating the roofline).
-fn read_bandwidth(threads: usize) -> f64 {
-    use rayon::prelude::*;
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .expect("thread pool");
-    let v = vec![1u64; (1 << 30) / 8];
-    let mut best = 0f64;
-    for _ in 0..5 {
+/// Memory read bandwidth with `threads` threads: one pass sums 1 GiB, each task reading four
+/// runs of memory at once (as a kernel reading several tiles does: one stream a core measured
+/// 30% less than four on an Intel Xeon, understating the roofline).
+struct Reader {
+    pool: rayon::ThreadPool,
+    v: Vec<u64>,
+}
+
+impl Reader {
+    fn new(threads: usize) -> Self {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("thread pool");
+        Reader {
+            pool,
+            v: vec![1u64; (1 << 30) / 8],
+        }
+    }
+
+    /// GB/s of one pass.
+    fn pass(&self) -> f64 {
+        use rayon::prelude::*;
         let start = std::time::Instant::now();
-        let s: u64 = pool.install(|| {
-            v.par_chunks(1 << 16)
+        let s: u64 = self.pool.install(|| {
+            self.v
+                .par_chunks(1 << 16)
                 .map(|c| {
                     let q = c.len() / 4;
                     let mut s = [0u64; 4];
@@ -120,9 +133,13 @@ fn read_bandwidth(threads: usize) -> f64 {
                 .sum()
         });
         std::hint::black_box(s);
-        best = best.max((v.len() * 8) as f64 / start.elapsed().as_secs_f64() / 1e9);
+        (self.v.len() * 8) as f64 / start.elapsed().as_secs_f64() / 1e9
     }
-    best
+
+    /// The best of 5 passes.
+    fn best(&self) -> f64 {
+        (0..5).map(|_| self.pass()).fold(0f64, f64::max)
+    }
 }
 
 /// Bytes of weights a decode step reads: every tensor but the embedding matrix when the file
@@ -340,7 +357,8 @@ fn main() {
     std::fs::write(&p512, half).unwrap();
     std::fs::write(&short, "Once upon a time").unwrap();
     let p1000 = common::bench_text();
-    let bw = read_bandwidth(threads);
+    let reader = Reader::new(threads);
+    let bw = reader.best();
     let (f32_peak, bf16_peak) = compute_peaks(threads);
     let peak = |p: Option<f64>| p.map_or("-".to_string(), |v| format!("{v:.0}"));
     let peer = common::llama_tool("llama-bench", "GEN_LLAMA_BENCH");
@@ -355,7 +373,7 @@ fn main() {
     let paths = paths();
     let forced: Vec<&str> = paths.iter().flatten().copied().collect();
     println!(
-        "| file (types by bytes) | MB/token | prefill tok/s llama.cpp / gen / ratio | decode tok/s llama.cpp / gen / ratio | roofline tok/s | gen / roofline | prefill, decode per path ({}) |",
+        "| file (types by bytes) | MB/token | prefill tok/s llama.cpp / gen / ratio | decode tok/s llama.cpp / gen / ratio | roofline tok/s (read GB/s) | gen, llama.cpp / roofline | prefill, decode per path ({}) |",
         forced.join(" / ")
     );
     println!("|---|---|---|---|---|---|---|");
@@ -368,7 +386,12 @@ fn main() {
                 .collect::<Vec<Vec<Gen>>>(),
             Vec::new(),
         );
+        // The memory's speed drifts (on a shared host from 12 to 46 GB/s within minutes): the
+        // roofline is each file's own, from the best of 3 read passes beside each of its rounds
+        // (the median of those), what the memory gave when least disturbed.
+        let mut reads = Vec::new();
         for _ in 0..runs {
+            reads.push((0..3).map(|_| reader.pass()).fold(0f64, f64::max));
             // gen on each path and llama-bench, alternating round by round.
             for (i, path) in paths.iter().enumerate() {
                 g[i].push(gen_sample(&f, &p512, &short, threads, *path));
@@ -385,20 +408,26 @@ fn main() {
             .join(" / ");
         let lp = median(l.iter().map(|s| s.0).collect());
         let ld = median(l.iter().map(|s| s.1).collect());
-        let roof = bw * 1e9 / bytes;
+        let read = median(reads);
+        let roof = read * 1e9 / bytes;
         let name = f
             .file_stem()
             .unwrap_or_default()
             .to_string_lossy()
             .into_owned();
         println!(
-            "| {name} ({types}) | {:.1} | {} / {gp:.0} / {} | {} / {gd:.1} / {} | {roof:.0} | {:.0}% | {per_path} |",
+            "| {name} ({types}) | {:.1} | {} / {gp:.0} / {} | {} / {gd:.1} / {} | {roof:.0} ({read:.1}) | {:.0}%, {} | {per_path} |",
             bytes / 1e6,
             show(lp, 0),
             ratio(gp, lp),
             show(ld, 1),
             ratio(gd, ld),
-            100.0 * gd / roof
+            100.0 * gd / roof,
+            if ld.is_nan() {
+                "-".to_string()
+            } else {
+                format!("{:.0}%", 100.0 * ld / roof)
+            }
         );
         if !name.starts_with("k256")
             && !name.starts_with("llama-")
