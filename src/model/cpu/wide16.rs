@@ -369,33 +369,72 @@ pub mod zmm {
         real: usize,
     ) {
         debug_assert!(N <= 6 && (H == 1 || H == 2) && wide.len() >= H * k && k.is_multiple_of(2));
-        let mut even = [[_mm512_setzero_ps(); H]; N];
-        let mut odd = [[_mm512_setzero_ps(); H]; N];
+        let mut sums = Sums::<H, N>::new();
         let w = wide.as_ptr();
         for c in (0..k).step_by(2) {
             let v: [__m512; H] = std::array::from_fn(|h| *w.add(h * k + c));
             let u: [__m512; H] = std::array::from_fn(|h| *w.add(h * k + c + 1));
+            sums.add_columns(v, u, x, k, c);
+        }
+        sums.store(out, stride, real);
+    }
+
+    /// N tokens' sums over H registers of 16 rows: even and odd columns apart, added at the
+    /// end (the 256-bit kernels' order, lane by lane).
+    struct Sums<const H: usize, const N: usize> {
+        even: [[__m512; H]; N],
+        odd: [[__m512; H]; N],
+    }
+
+    impl<const H: usize, const N: usize> Sums<H, N> {
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        fn new() -> Self {
+            Sums {
+                even: [[_mm512_setzero_ps(); H]; N],
+                odd: [[_mm512_setzero_ps(); H]; N],
+            }
+        }
+
+        /// Columns c (widened: v) and c + 1 (u) times each token's activations there (x: N
+        /// rows of k values).
+        #[inline]
+        #[target_feature(enable = "avx2,fma,avx512f")]
+        unsafe fn add_columns(
+            &mut self,
+            v: [__m512; H],
+            u: [__m512; H],
+            x: *const f32,
+            k: usize,
+            c: usize,
+        ) {
             for i in 0..N {
                 let a = _mm512_set1_ps(*x.add(i * k + c));
                 let b = _mm512_set1_ps(*x.add(i * k + c + 1));
                 for h in 0..H {
-                    even[i][h] = _mm512_fmadd_ps(v[h], a, even[i][h]);
-                    odd[i][h] = _mm512_fmadd_ps(u[h], b, odd[i][h]);
+                    self.even[i][h] = _mm512_fmadd_ps(v[h], a, self.even[i][h]);
+                    self.odd[i][h] = _mm512_fmadd_ps(u[h], b, self.odd[i][h]);
                 }
             }
         }
-        let lanes = |r: usize| -> __mmask16 {
-            if r >= 16 {
-                !0
-            } else {
-                (1u16 << r) - 1
-            }
-        };
-        for i in 0..N {
-            for h in 0..H {
-                let sum = _mm512_add_ps(even[i][h], odd[i][h]);
-                let mask = lanes(real.saturating_sub(16 * h));
-                _mm512_mask_storeu_ps(out.add(i * stride + 16 * h), mask, sum);
+
+        /// Token i's sums to out + i * stride (16 * H rows, the first `real`).
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        unsafe fn store(&self, out: *mut f32, stride: usize, real: usize) {
+            let lanes = |r: usize| -> __mmask16 {
+                if r >= 16 {
+                    !0
+                } else {
+                    (1u16 << r) - 1
+                }
+            };
+            for i in 0..N {
+                for h in 0..H {
+                    let sum = _mm512_add_ps(self.even[i][h], self.odd[i][h]);
+                    let mask = lanes(real.saturating_sub(16 * h));
+                    _mm512_mask_storeu_ps(out.add(i * stride + 16 * h), mask, sum);
+                }
             }
         }
     }
@@ -422,8 +461,7 @@ pub mod zmm {
     ) {
         debug_assert!(N <= 6 && w.iter().all(|w| w.len() >= k * 8) && k.is_multiple_of(2));
         // [token][half]: rows 0..16 and 16..32, even and odd columns.
-        let mut even = [[_mm512_setzero_ps(); 2]; N];
-        let mut odd = [[_mm512_setzero_ps(); 2]; N];
+        let mut sums = Sums::<2, N>::new();
         let p = w.map(|w| w.as_ptr());
         let load = |h: usize, c: usize| widen2::<BF>(p[2 * h].add(c * 8), p[2 * h + 1].add(c * 8));
         for c in (0..k).step_by(2) {
@@ -434,29 +472,9 @@ pub mod zmm {
             }
             let v = [load(0, c), load(1, c)];
             let u = [load(0, c + 1), load(1, c + 1)];
-            for i in 0..N {
-                let a = _mm512_set1_ps(*x.add(i * k + c));
-                let b = _mm512_set1_ps(*x.add(i * k + c + 1));
-                for h in 0..2 {
-                    even[i][h] = _mm512_fmadd_ps(v[h], a, even[i][h]);
-                    odd[i][h] = _mm512_fmadd_ps(u[h], b, odd[i][h]);
-                }
-            }
+            sums.add_columns(v, u, x, k, c);
         }
-        let lanes = |r: usize| -> __mmask16 {
-            if r >= 16 {
-                !0
-            } else {
-                (1u16 << r) - 1
-            }
-        };
-        let masks = [lanes(real), lanes(real.saturating_sub(16))];
-        for i in 0..N {
-            for h in 0..2 {
-                let sum = _mm512_add_ps(even[i][h], odd[i][h]);
-                _mm512_mask_storeu_ps(out.add(i * stride + 16 * h), masks[h], sum);
-            }
-        }
+        sums.store(out, stride, real);
     }
 }
 
