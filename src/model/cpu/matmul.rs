@@ -490,14 +490,12 @@ impl CpuQWeight {
             tiles.groups,
             cut,
             |g, groups, token, n, out, stride, real| {
-                PREPARED.with(|cell| {
-                    let (id, group, w) = &mut *cell.borrow_mut();
-                    if (*id, *group) != (product, g) {
+                per_thread(&PREPARED, (product, g), |w, fresh| {
+                    if fresh {
                         let ws: Vec<&[u16]> = (g..g + groups).map(|j| tiles.tile(j)).collect();
                         // SAFETY: the AMX path is only taken where `amx::ready` said so, on a CPU
                         // with AVX-512; each group holds k * 8 values, k a multiple of 32.
                         unsafe { amx_half::prepare(&ws, k, w) };
-                        (*id, *group) = (product, g);
                     }
                     // SAFETY: as above; `schedule` promises out for tokens token..token + n, all in
                     // one chunk of 16 of `acts`.
@@ -852,10 +850,9 @@ unsafe fn half_dot(
     let (ty, w) = (tiles.ty, tiles.tile(g));
     #[cfg(target_arch = "x86_64")]
     if product != 0 && kernel == Kernel::Avx2 {
-        return WIDENED.with(|cell| {
-            let (id, group, wide) = &mut *cell.borrow_mut();
+        return per_thread(&WIDENED, (product, g), |wide, fresh| {
             let len = w.len();
-            if (*id, *group) != (product, g) {
+            if fresh {
                 wide.resize(len * WIDE_SPAN, 0.0);
                 for j in 0..groups {
                     let (src, dst) = (tiles.tile(g + j), &mut wide[j * len..(j + 1) * len]);
@@ -864,11 +861,12 @@ unsafe fn half_dot(
                         Half::Bf16 => half_kernels::avx2::widen_group::<true>(src, dst),
                     }
                 }
-                (*id, *group) = (product, g);
             }
             let (w0, w1) = wide.split_at(len);
             match groups {
-                1 => with_tokens!(n, N => half_kernels::avx2::tile_f32::<N>(w0, x, k, out, stride, real)),
+                1 => {
+                    with_tokens!(n, N => half_kernels::avx2::tile_f32::<N>(w0, x, k, out, stride, real))
+                }
                 _ => with_tokens!(n, N => {
                     half_kernels::avx2::tile2_f32::<N>(w0, w1, x, k, out, stride, real)
                 }),
@@ -890,15 +888,13 @@ unsafe fn half_dot(
     }
     #[cfg(target_arch = "x86_64")]
     if product != 0 && kernel == Kernel::Vnni && groups > 1 {
-        return WIDENED_ZMM.with(|cell| {
-            let (id, group, wide) = &mut *cell.borrow_mut();
-            if (*id, *group) != (product, g) {
+        return per_thread(&WIDENED_ZMM, (product, g), |wide, fresh| {
+            if fresh {
                 let ws: Vec<&[u16]> = (g..g + groups).map(|j| tiles.tile(j)).collect();
                 match ty {
                     Half::F16 => half_kernels::zmm::widen_pairs::<false>(&ws, k, wide),
                     Half::Bf16 => half_kernels::zmm::widen_pairs::<true>(&ws, k, wide),
                 }
-                (*id, *group) = (product, g);
             }
             macro_rules! by_h {
                 ($h:literal) => {
@@ -961,6 +957,25 @@ unsafe fn half_dot(
     }
 }
 
+/// What this thread keeps for a product's calls on one row group (`PREPARED`, `WIDENED`,
+/// `WIDENED_ZMM`, `UNPACKED`): `use_` gets it, with `fresh` true where it was kept for another
+/// `key` (product, first group), so that `use_` makes it again first.
+#[cfg(target_arch = "x86_64")]
+fn per_thread<T: 'static, R>(
+    cell: &'static std::thread::LocalKey<std::cell::RefCell<(u64, usize, Vec<T>)>>,
+    key: (u64, usize),
+    use_: impl FnOnce(&mut Vec<T>, bool) -> R,
+) -> R {
+    cell.with(|cell| {
+        let (id, group, kept) = &mut *cell.borrow_mut();
+        let fresh = (*id, *group) != key;
+        let r = use_(kept, fresh);
+        // Only once made whole (a call cut short by a panic leaves it to be made again).
+        (*id, *group) = key;
+        r
+    })
+}
+
 #[cfg(target_arch = "x86_64")]
 thread_local! {
     /// The groups this thread last rearranged for AMX-BF16: (product, first group, their
@@ -999,19 +1014,19 @@ unsafe fn quant_dot(
 ) {
     match (kernel, w1) {
         #[cfg(target_arch = "x86_64")]
-        (Kernel::Vnni, Some(w1)) if product != 0 => UNPACKED.with(|cell| {
-            let (id, group, kept) = &mut *cell.borrow_mut();
-            let filled = (*id, *group) == (product, g);
-            if !filled {
-                let blocks = w.buf.len() / ty.spec().sb_bytes() * ty.spec().per_super;
-                kept.resize(blocks * super::quants_zmm::KEPT, std::mem::zeroed());
-                (*id, *group) = (product, g);
-            }
-            let keep = Some((&mut kept[..], filled));
-            with_qtype!(ty, TY => with_tokens!(n, N => {
-                super::quants_zmm::tile2::<TY, N>(w, w1, a, out, stride, real, stream, keep)
-            }))
-        }),
+        (Kernel::Vnni, Some(w1)) if product != 0 => {
+            per_thread(&UNPACKED, (product, g), |kept, fresh| {
+                if fresh {
+                    let blocks = w.buf.len() / ty.spec().sb_bytes() * ty.spec().per_super;
+                    kept.resize(blocks * super::quants_zmm::KEPT, std::mem::zeroed());
+                }
+                // Unfilled when fresh: the kernel fills it as it unpacks.
+                let keep = Some((&mut kept[..], !fresh));
+                with_qtype!(ty, TY => with_tokens!(n, N => {
+                    super::quants_zmm::tile2::<TY, N>(w, w1, a, out, stride, real, stream, keep)
+                }))
+            })
+        }
         #[cfg(target_arch = "x86_64")]
         (Kernel::Vnni, Some(w1)) => with_qtype!(ty, TY => with_tokens!(n, N => {
             super::quants_zmm::tile2::<TY, N>(w, w1, a, out, stride, real, stream, None)
