@@ -85,8 +85,8 @@ unsafe fn split_row(x: &[f32], hi: &mut [u16], mid: &mut [u16], lo: &mut [u16]) 
     }
 }
 
-/// u16 values of one B tile.
-const TILE: usize = 16 * 32;
+/// u16 values of one B tile (for [`prepare`]'s users: a pair's 32 columns).
+pub(super) const TILE: usize = 16 * 32;
 
 /// The BF16 weights of a call's groups (`ws`: 1 to 4 groups of 8 rows, k columns each, as
 /// [`super::wide16::HalfTiles`] lays them out) as B tiles, into `out`: per block of 32 columns,

@@ -18,7 +18,7 @@
 //! (their float sums run in another order): a machine that changed its mind between runs would
 //! give another text for the same seed. Where the file cannot be kept (no writable cache), gen
 //! does not measure and takes the paths by rule. `GEN_KERNEL`
-//! (`avx2`, `avx512`, `scalar`) forces a path and skips all of this.
+//! (`avx2`, `avx512`, `amx`, `bf16`, `scalar`) forces a path and skips all of this.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -32,7 +32,8 @@ pub use super::q8::{Call, FEW};
 /// are timed with their weights evicted from the caches first (`Evict`), and a one-token
 /// near-tie goes to AVX2 (`preferred_first`). 3: a debug build keeps its choices in a file of
 /// its own (`choices_file`); a v2 file may hold a debug build's, so it is measured again.
-const VERSION: u32 = 3;
+/// 4: BF16 chunks may take the `vdpbf16ps` path ([`Kernel::Bf16`]), which a v3 file never timed.
+const VERSION: u32 = 4;
 
 /// How much faster than the preferred path (the first of [`preferred_first`]) another must be
 /// to be chosen.
@@ -69,6 +70,9 @@ pub fn candidates() -> Vec<Kernel> {
         let mut paths = vec![Kernel::Vnni, Kernel::Avx2];
         if Kernel::amx_ready() {
             paths.push(Kernel::Amx);
+        }
+        if Kernel::bf16_ready() {
+            paths.push(Kernel::Bf16);
         }
         return paths;
     }
@@ -205,10 +209,10 @@ fn preferred_first(paths: &[Kernel], call: Call) -> Vec<Kernel> {
     if call == Call::One {
         order.sort_by_key(|k| *k != Kernel::Avx2);
     }
-    // AMX serves calls of many tokens only (`Kernel::forced_paths`).
+    // AMX and `vdpbf16ps` serve calls of many tokens only (`Kernel::forced_paths`).
     #[cfg(target_arch = "x86_64")]
     if call != Call::Many {
-        order.retain(|k| *k != Kernel::Amx);
+        order.retain(|k| !matches!(k, Kernel::Amx | Kernel::Bf16));
     }
     let _ = call;
     order
@@ -557,7 +561,7 @@ fn header() -> String {
 fn kernel_named(name: &str) -> Option<Kernel> {
     let mut all = vec![Kernel::Scalar];
     #[cfg(target_arch = "x86_64")]
-    all.extend([Kernel::Avx2, Kernel::Vnni, Kernel::Amx]);
+    all.extend([Kernel::Avx2, Kernel::Vnni, Kernel::Amx, Kernel::Bf16]);
     all.into_iter().find(|k| k.name() == name)
 }
 

@@ -49,6 +49,28 @@ macro_rules! with_tokens {
     };
 }
 
+/// `$body` with the const `$k` set to `$n` (1 to [`super::bf16_dot::TOKENS`]).
+#[cfg(target_arch = "x86_64")]
+#[rustfmt::skip]
+macro_rules! bf16_tokens {
+    ($n:expr, $k:ident => $body:expr) => {
+        match $n {
+            1 => { const $k: usize = 1; $body }
+            2 => { const $k: usize = 2; $body }
+            3 => { const $k: usize = 3; $body }
+            4 => { const $k: usize = 4; $body }
+            5 => { const $k: usize = 5; $body }
+            6 => { const $k: usize = 6; $body }
+            7 => { const $k: usize = 7; $body }
+            8 => { const $k: usize = 8; $body }
+            9 => { const $k: usize = 9; $body }
+            10 => { const $k: usize = 10; $body }
+            11 => { const $k: usize = 11; $body }
+            _ => { const $k: usize = 12; $body }
+        }
+    };
+}
+
 /// `$body` with the const `$t` set to the [`QType`] `$ty` as u8 (the kernels' const generic).
 #[rustfmt::skip]
 macro_rules! with_qtype {
@@ -296,9 +318,9 @@ impl CpuQWeight {
         self.matmul_parts_on(self.path(t), x, t, widths)
     }
 
-    /// Whether path `kernel` computes this weight's products its own way: not AMX where it
-    /// would be the 512-bit path ([`Kernel::base`]): every type but BF16 rows whose width is a
-    /// multiple of 32.
+    /// Whether path `kernel` computes this weight's products its own way: not AMX or
+    /// `vdpbf16ps` where it would be the 512-bit path ([`Kernel::base`]): every type but BF16
+    /// rows whose width is a multiple of 32.
     pub fn takes(&self, kernel: Kernel) -> bool {
         let bf16 = matches!(&self.layout, Layout::Half(t) if t.ty == Half::Bf16);
         kernel == kernel.base() || bf16 && self.cols.is_multiple_of(32)
@@ -339,8 +361,9 @@ impl CpuQWeight {
         widths: &[usize],
     ) -> Vec<Vec<f32>> {
         let (n_rows, k) = (self.rows, self.cols);
-        // AMX is the 512-bit path but for BF16 products (`half_amx_parts`).
-        let amx = kernel != kernel.base();
+        // AMX and `vdpbf16ps` are the 512-bit path but for BF16 products (`half_amx_parts`,
+        // `half_bf16_parts`).
+        let path = kernel;
         let kernel = kernel.base();
         debug_assert_eq!(x.len(), t * k);
         debug_assert_eq!(widths.iter().sum::<usize>(), n_rows);
@@ -414,8 +437,12 @@ impl CpuQWeight {
             }
             Layout::Quant(tiles) => self.quant_parts(tiles, kernel, x, t, widths),
             #[cfg(target_arch = "x86_64")]
-            Layout::Half(tiles) if amx && self.takes(Kernel::Amx) => {
+            Layout::Half(tiles) if path == Kernel::Amx && self.takes(path) => {
                 self.half_amx_parts(tiles, x, t, widths)
+            }
+            #[cfg(target_arch = "x86_64")]
+            Layout::Half(tiles) if path == Kernel::Bf16 && self.takes(path) => {
+                self.half_bf16_parts(tiles, x, t, widths)
             }
             Layout::Half(tiles) => {
                 let stream = t.div_ceil(TOKENS) <= STREAM_CHUNKS;
@@ -501,6 +528,57 @@ impl CpuQWeight {
                     // one chunk of 16 of `acts`.
                     let pairs = groups.div_ceil(2);
                     unsafe { amx_half::call(w, pairs, &acts, token, n, out, stride, real) }
+                })
+            },
+        )
+    }
+
+    /// [`Self::matmul_parts_on`] for BF16 weights on `vdpbf16ps` ([`super::bf16_dot`]): the
+    /// activations rounded to bf16 once, each call's groups rearranged into column pairs once
+    /// per thread and run of calls on them ([`PREPARED`], as for AMX), and the tokens in one
+    /// block: a call streams 2 bytes of activations a column for 32 rows' products, so they
+    /// need not sit in L2, and each group is rearranged once per product.
+    #[cfg(target_arch = "x86_64")]
+    fn half_bf16_parts(
+        &self,
+        tiles: &HalfTiles,
+        x: &[f32],
+        t: usize,
+        widths: &[usize],
+    ) -> Vec<Vec<f32>> {
+        use super::bf16_dot::{self, TOKENS};
+        let k = self.cols;
+        let acts = bf16_dot::Acts::round(x, t, k);
+        let product = PRODUCTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let cut = Cut {
+            per_chunk: TOKENS,
+            per_call: TOKENS,
+            span: 4,
+            block_kib: 1 << 30,
+        };
+        schedule(
+            t,
+            k,
+            widths,
+            tiles.groups,
+            cut,
+            |g, groups, token, n, out, stride, real| {
+                per_thread(&PREPARED, (product, g), |w, fresh| {
+                    if fresh {
+                        let ws: Vec<&[u16]> = (g..g + groups).map(|j| tiles.tile(j)).collect();
+                        // SAFETY: this path is only taken where `bf16_dot::ready` said so, with
+                        // AVX-512; each group holds k * 8 values, k a multiple of 32.
+                        unsafe { super::amx_half::prepare(&ws, k, w) };
+                    }
+                    // SAFETY: as above; `schedule` promises out for tokens token..token + n, one
+                    // chunk of `acts` from its start.
+                    unsafe {
+                        if groups > 2 {
+                            bf16_tokens!(n, N => bf16_dot::call::<2, N>(w, &acts, token, out, stride, real))
+                        } else {
+                            bf16_tokens!(n, N => bf16_dot::call::<1, N>(w, &acts, token, out, stride, real))
+                        }
+                    }
                 })
             },
         )
@@ -1042,7 +1120,9 @@ unsafe fn quant_dot(
         })),
         (Kernel::Scalar, None) => quants::scalar_tile(ty.spec(), w, a, n, out, stride, real),
         #[cfg(target_arch = "x86_64")]
-        (Kernel::Amx, _) => unreachable!("AMX arrives as the 512-bit path (`Kernel::base`)"),
+        (Kernel::Amx | Kernel::Bf16, _) => {
+            unreachable!("AMX and bf16 arrive as the 512-bit path (`Kernel::base`)")
+        }
     }
 }
 
@@ -1923,6 +2003,72 @@ mod tests {
                             "type {id} k={k} rows={rows} t={t} [{tok}, {r}]: {g} vs {w0}"
                         );
                     }
+                }
+            }
+        }
+    }
+
+    /// BF16 on `vdpbf16ps`: the activations rounded to bf16 (as llama.cpp rounds them), every
+    /// product exact, the sums f32: within f32 rounding (relative to the sum of |w x|) of the
+    /// exact sum over the rounded activations, for one group, a pair, and two pairs a call with
+    /// a lone group at the end, ragged token counts and a wide input; further from the sums over
+    /// the unrounded ones than f32 rounding explains; the same bits run after run. F16 on this
+    /// path is the 512-bit path, bit for bit.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn bf16_dot_products_use_rounded_activations() {
+        if !Kernel::bf16_ready() {
+            eprintln!("no AVX-512 BF16 here: the vdpbf16ps path is not exercised");
+            return;
+        }
+        for id in [1u32, 30] {
+            for (k, rows) in [(64, 8), (256, 16), (2048, 40), (96, 13), (1536, 36)] {
+                let w = test_data(rows * k, rows as u64 + k as u64);
+                let raw: Vec<u8> = w
+                    .iter()
+                    .flat_map(|&v| match id {
+                        1 => half::f16::from_f32(v).to_bits().to_le_bytes(),
+                        _ => half::bf16::from_f32(v).to_bits().to_le_bytes(),
+                    })
+                    .collect();
+                let m = CpuQWeight::from_raw(id, &raw, rows, k, Kernel::Vnni)
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(m.takes(Kernel::Bf16), id == 30);
+                let wide: Vec<f64> = raw
+                    .chunks_exact(2)
+                    .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f64())
+                    .collect();
+                for t in [1, 12, 17, 40, 100] {
+                    let x = test_data(t * k, 7 + t as u64);
+                    let want = m.matmul_on(Kernel::Vnni, &x, t);
+                    let got = m.matmul_on(Kernel::Bf16, &x, t);
+                    assert_eq!(got, m.matmul_on(Kernel::Bf16, &x, t));
+                    if id == 1 {
+                        assert_eq!(got, want);
+                        continue;
+                    }
+                    let mut off_unrounded = 0f64;
+                    for (i, (g, w0)) in got.iter().zip(&want).enumerate() {
+                        let (tok, r) = (i / rows, i % rows);
+                        let xs = &x[tok * k..(tok + 1) * k];
+                        let ws = &wide[r * k..(r + 1) * k];
+                        let exact: f64 = ws
+                            .iter()
+                            .zip(xs)
+                            .map(|(w, &x)| w * half::bf16::from_f32(x).to_f64())
+                            .sum();
+                        let mag: f64 = ws.iter().zip(xs).map(|(w, &x)| (w * x as f64).abs()).sum();
+                        assert!(
+                            (*g as f64 - exact).abs() <= mag * 1e-6,
+                            "k={k} rows={rows} t={t} [{tok}, {r}]: {g} vs {exact}"
+                        );
+                        off_unrounded = off_unrounded.max((*g as f64 - *w0 as f64).abs() / mag);
+                    }
+                    assert!(
+                        off_unrounded > 1e-5,
+                        "k={k} rows={rows} t={t}: as the unrounded sums ({off_unrounded:e})"
+                    );
                 }
             }
         }

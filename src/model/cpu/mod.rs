@@ -12,6 +12,8 @@ mod amx;
 #[cfg(target_arch = "x86_64")]
 mod amx_half;
 pub mod attention;
+#[cfg(target_arch = "x86_64")]
+mod bf16_dot;
 pub mod buf;
 pub mod choice;
 pub mod kv_store;

@@ -18,6 +18,11 @@ pub enum Kernel {
     /// measurement ([`super::choice`]) or by `GEN_KERNEL=amx`.
     #[cfg(target_arch = "x86_64")]
     Amx,
+    /// `vdpbf16ps` for BF16 products of many tokens, on activations rounded to bf16 as
+    /// llama.cpp rounds them ([`super::bf16_dot`]); elsewhere [`Kernel::Vnni`], as AMX. Chosen
+    /// by measurement or by `GEN_KERNEL=bf16`, never by rule.
+    #[cfg(target_arch = "x86_64")]
+    Bf16,
 }
 
 impl Kernel {
@@ -54,15 +59,17 @@ impl Kernel {
             Kernel::Vnni => "avx512-vnni",
             #[cfg(target_arch = "x86_64")]
             Kernel::Amx => "amx",
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Bf16 => "avx512-bf16",
         }
     }
 
-    /// The kernel whose weight layout and activations this path takes: AMX runs on the
-    /// 512-bit path's.
+    /// The kernel whose weight layout and activations this path takes: AMX and `vdpbf16ps`
+    /// run on the 512-bit path's.
     pub fn base(self) -> Kernel {
         match self {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Amx => Kernel::Vnni,
+            Kernel::Amx | Kernel::Bf16 => Kernel::Vnni,
             k => k,
         }
     }
@@ -77,15 +84,29 @@ impl Kernel {
         false
     }
 
+    /// Whether this CPU can take the `vdpbf16ps` path (its base, [`Kernel::Vnni`], and AVX-512
+    /// BF16).
+    pub fn bf16_ready() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if Kernel::detect() == Kernel::Vnni {
+            return super::bf16_dot::ready();
+        }
+        false
+    }
+
     /// The paths for one token, a few and a prefill chunk where `GEN_KERNEL` forces them:
-    /// `amx` forces AMX for chunks (on the 512-bit path elsewhere) where the CPU has it.
+    /// `amx` forces AMX for chunks (on the 512-bit path elsewhere) where the CPU has it, `bf16`
+    /// the `vdpbf16ps` path likewise.
     pub fn forced_paths(layout: Kernel) -> [Kernel; 3] {
         #[cfg(target_arch = "x86_64")]
-        if layout == Kernel::Vnni
-            && std::env::var("GEN_KERNEL").is_ok_and(|v| v == "amx")
-            && super::amx::ready()
-        {
-            return [Kernel::Vnni, Kernel::Vnni, Kernel::Amx];
+        if layout == Kernel::Vnni {
+            let forced = std::env::var("GEN_KERNEL").unwrap_or_default();
+            if forced == "amx" && super::amx::ready() {
+                return [Kernel::Vnni, Kernel::Vnni, Kernel::Amx];
+            }
+            if forced == "bf16" && super::bf16_dot::ready() {
+                return [Kernel::Vnni, Kernel::Vnni, Kernel::Bf16];
+            }
         }
         [layout; 3]
     }
