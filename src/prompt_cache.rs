@@ -32,7 +32,9 @@ use crate::model::LanguageModel;
 
 const MAGIC: &[u8; 8] = b"genkvpc\0";
 /// Bumped whenever what a file holds, or how, changes: files of another version are not used.
-pub const VERSION: u32 = 1;
+/// 2: F16 and BF16 products round the activations to the weights' type (as llama.cpp does), so
+/// keys and values computed before differ in their last bits from a fresh run's.
+pub const VERSION: u32 = 2;
 /// Bytes before the token ids.
 const HEAD: usize = 8 + 4 + 32 + 4 + 8 + 8;
 

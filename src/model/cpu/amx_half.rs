@@ -1,12 +1,14 @@
 //! BF16 weights against many tokens on AMX-BF16 tile multiplies, the products exact.
 //!
-//! AMX multiplies bf16 by bf16 and adds in f32. gen's F16/BF16 kernels take the activations in
-//! f32, unrounded ([`super::wide16`]); so here each activation is split into three bf16 parts
+//! AMX multiplies bf16 by bf16 and adds in f32. Each activation is split into three bf16 parts
 //! whose sum is it exactly (hi: its top 8 significant bits; mid: the next 8 of what is left; lo:
 //! the rest, at most 8 bits). Every product of a part and a weight is exact in f32, and the f32
 //! sums round as any f32 sum does: in another order than the 512-bit kernel's, so the path
 //! rounds differently in the last bits and is chosen, and kept, by measurement
-//! ([`super::choice`]). (llama.cpp rounds the activations to bf16 instead.)
+//! ([`super::choice`]). Since 2026-12-06 the activations of every F16/BF16 product are rounded
+//! to the weights' type first, as llama.cpp rounds them ([`super::wide16::rounded`]), so for
+//! BF16 mid and lo are zero: one tile multiply of the three would do (not done yet; no AMX
+//! machine to measure it on that day).
 //!
 //! F16 weights would take two bf16 parts each (11 significant bits: 8, then at most 3), six
 //! tile multiplies where BF16 takes three: on the Xeon of 2026-12-06 (family 6 model 207) that

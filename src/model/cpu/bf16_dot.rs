@@ -1,16 +1,15 @@
 //! BF16 weights against a prefill chunk on `vdpbf16ps` (AVX-512 BF16), the activations rounded
 //! to bf16 as llama.cpp rounds them for BF16 weights (its `vec_dot_type` for BF16 is BF16).
 //!
-//! gen's other F16/BF16 paths multiply unrounded f32 activations ([`super::wide16`], and AMX
-//! through three exact bf16 parts, [`super::amx_half`]); with f32 multiply-adds a prefill cannot
-//! pass the f32 peak, and on CPUs whose `vdpbf16ps` runs as fast as `vfmadd231ps` (Zen 4: one
-//! a cycle each, measured by `cargo bench --bench ports`) one instruction does 32 products where
-//! a multiply-add does 16. Each activation is rounded once per product, to nearest even, as
-//! llama.cpp's `GGML_FP32_TO_BF16` does; every product of two bf16 values is exact in f32, and
-//! the sums are f32 as elsewhere. So this path computes what llama.cpp computes for these
-//! files, and something other than gen's other paths (the activations lose their last 16
-//! bits): it is a path of its own, taken only for calls of many tokens, where the calibration
-//! ([`super::choice`]) measured it faster and keeps that choice, or where `GEN_KERNEL=bf16`
+//! gen's other paths multiply the same rounded activations ([`super::wide16::rounded`]) with
+//! f32 multiply-adds, so a prefill cannot pass the f32 peak; on CPUs whose `vdpbf16ps` runs as
+//! fast as `vfmadd231ps` (Zen 4: one a cycle each, measured by `cargo bench --bench ports`) one
+//! instruction does 32 products where a multiply-add does 16. Each activation is rounded once
+//! per product, to nearest even, as llama.cpp's `GGML_FP32_TO_BF16` does; every product of two
+//! bf16 values is exact in f32, and the sums are f32, in another order than the other paths'
+//! (a lane's two products at once, one sum a row): the path rounds differently in the last
+//! bits, so it is taken only where the calibration ([`super::choice`])
+//! measured it faster for calls of many tokens and kept that choice, or where `GEN_KERNEL=bf16`
 //! forces it.
 //!
 //! One call: up to [`TOKENS`] tokens of one chunk against 1 to 4 groups of 8 rows, taken as

@@ -1,7 +1,9 @@
 //! F16 and BF16 weights on gen's own kernels: y = x W^T with W kept in its 16-bit type (the
-//! bytes a decode step reads are the file's), widened in registers, multiplied with f32
-//! activations (no rounding of the activations, unlike llama.cpp, which rounds them to the
-//! weights' type).
+//! bytes a decode step reads are the file's), widened in registers, multiplied with the
+//! activations rounded to the weights' type first, as llama.cpp rounds them ([`rounded`]: its
+//! `vec_dot_type` for F16 is F16, for BF16 BF16). Every product of two such values is exact in
+//! f32 (11 + 11 or 8 + 8 significant bits), so the paths differ only in the order of their f32
+//! sums, as llama.cpp's do.
 //!
 //! Layout: rows in groups of 8; within a group, column by column, the 8 rows' values side by
 //! side (16 bytes), so one load and one widening give a column of 8 rows in the 8 lanes of a
@@ -86,6 +88,80 @@ pub fn widen(ty: Half, b: u16) -> f32 {
     match ty {
         Half::F16 => f16::from_bits(b).to_f32(),
         Half::Bf16 => bf16::from_bits(b).to_f32(),
+    }
+}
+
+/// The activations `x` as llama.cpp multiplies them with weights of type `ty`: each rounded to
+/// `ty` (to nearest, ties to even, as F16C's `vcvtps2ph` and llama.cpp's `GGML_FP32_TO_BF16`
+/// round; a NaN stays a NaN) and widened back to f32. Until 2026-12-06 gen multiplied the
+/// unrounded values: on BF16 copies of llama.cpp's architecture suite that put its logits
+/// 2.8e-6 to 4.5e-6 (NMSE) from llama.cpp's, where F32 files agree within 5e-8.
+pub fn rounded(ty: Half, x: &[f32]) -> Vec<f32> {
+    use rayon::prelude::*;
+    let mut out = vec![0f32; x.len()];
+    let round = |x: &[f32], out: &mut [f32]| {
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
+            // SAFETY: the features were just checked; the slices have the same length.
+            return unsafe { rounded_avx2(ty, x, out) };
+        }
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = round_one(ty, v);
+        }
+    };
+    // A prefill's activations over the threads; a decode step's (a few thousand values) here.
+    const PIECE: usize = 1 << 14;
+    if x.len() > PIECE {
+        out.par_chunks_mut(PIECE)
+            .zip(x.par_chunks(PIECE))
+            .for_each(|(o, x)| round(x, o));
+    } else {
+        round(x, &mut out);
+    }
+    out
+}
+
+/// One value as [`rounded`] rounds it.
+fn round_one(ty: Half, v: f32) -> f32 {
+    match ty {
+        Half::F16 => f16::from_f32(v).to_f32(),
+        Half::Bf16 => bf16::from_f32(v).to_f32(),
+    }
+}
+
+/// [`rounded`], 8 values at a time (the rest one by one).
+///
+/// # Safety
+/// The CPU must have AVX2 and F16C; `out` as long as `x`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn rounded_avx2(ty: Half, x: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let whole = x.len() / 8 * 8;
+    let (bias, one) = (_mm256_set1_epi32(0x7fff), _mm256_set1_epi32(1));
+    let top = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+    for c in (0..whole).step_by(8) {
+        let v = _mm256_loadu_ps(x.as_ptr().add(c));
+        let r = match ty {
+            Half::F16 => _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)),
+            Half::Bf16 => {
+                let u = _mm256_castps_si256(v);
+                let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(u), one);
+                let up = _mm256_add_epi32(u, _mm256_add_epi32(bias, lsb));
+                let r = _mm256_castsi256_ps(_mm256_and_si256(up, top));
+                // A NaN keeps its top half, made quiet (bf16's own rounding does the same).
+                let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v);
+                let quiet = _mm256_castsi256_ps(_mm256_and_si256(
+                    _mm256_or_si256(u, _mm256_set1_epi32(0x0040_0000)),
+                    top,
+                ));
+                _mm256_blendv_ps(r, quiet, nan)
+            }
+        };
+        _mm256_storeu_ps(out.as_mut_ptr().add(c), r);
+    }
+    for c in whole..x.len() {
+        out[c] = round_one(ty, x[c]);
     }
 }
 
@@ -488,7 +564,9 @@ mod tests {
     use super::*;
     use crate::model::cpu::matmul::{test_data, CpuQWeight};
 
-    /// Every kernel against f64 sums of the widened weights, ragged rows, 1 to 53 tokens (from
+    /// Every kernel against f64 sums of the widened weights times the activations rounded to the
+    /// weights' type (and far closer to those than to the sums over the unrounded activations),
+    /// ragged rows, 1 to 53 tokens (from
     /// 24 the AVX2 kernel reads groups widened once per block of tokens, two groups a call
     /// where they pair, the second one ragged for 13 rows; 53 tokens of 4,096 values are two
     /// blocks; the 512-bit kernel its calls' 2 or 4 groups widened, 37 rows: 4 and 1); SIMD and
@@ -520,25 +598,35 @@ mod tests {
                     .map(|b| widen(ty, u16::from_le_bytes([b[0], b[1]])))
                     .collect();
                 let x = test_data(t * k, 9 + t as u64);
+                let xr: Vec<f32> = x.iter().map(|&v| round_one(ty, v)).collect();
+                assert_eq!(rounded(ty, &x), xr);
                 let mut outs = Vec::new();
                 for &kernel in &kernels {
                     let lin = CpuQWeight::from_raw(id, &raw, n, k, kernel)
                         .unwrap()
                         .unwrap();
                     let got = lin.matmul(&x, t);
+                    // The largest error relative to the sum of |products|, against the rounded
+                    // activations and against the unrounded ones.
+                    let (mut off, mut off_unrounded) = (0f64, 0f64);
                     for i in 0..t {
                         for j in 0..n {
-                            let want: f64 = (0..k)
-                                .map(|c| x[i * k + c] as f64 * wide[j * k + c] as f64)
-                                .sum();
+                            let sum = |x: &[f32]| -> f64 {
+                                (0..k)
+                                    .map(|c| x[i * k + c] as f64 * wide[j * k + c] as f64)
+                                    .sum()
+                            };
+                            let (want, unrounded) = (sum(&xr), sum(&x));
                             let l1: f64 = (0..k)
                                 .map(|c| (x[i * k + c] * wide[j * k + c]).abs() as f64)
                                 .sum();
                             let g = got[i * n + j] as f64;
                             assert!(
-                                (g - want).abs() <= 1e-5 * l1 + 1e-6,
+                                (g - want).abs() <= 1e-6 * l1 + 1e-7,
                                 "{ty:?} {kernel:?} [{i},{j}]: {g} vs {want}"
                             );
+                            off = off.max((g - want).abs() / l1);
+                            off_unrounded = off_unrounded.max((g - unrounded).abs() / l1);
                         }
                         let alone = lin.matmul(&x[i * k..(i + 1) * k], 1);
                         assert_eq!(
@@ -547,6 +635,11 @@ mod tests {
                             "{ty:?} {kernel:?} token {i}"
                         );
                     }
+                    assert!(
+                        off_unrounded > 10.0 * off,
+                        "{ty:?} {kernel:?} t={t} k={k}: activations not rounded? \
+                         {off:e} from the rounded sums, {off_unrounded:e} from the unrounded"
+                    );
                     outs.push(got);
                 }
                 for o in &outs[1..] {
