@@ -17,7 +17,8 @@
 //! GEN_BENCH_SIZES: a folder of bigger files (default ~/.cache/gen-peer/sizes, where the team's
 //! size-files script writes random weights in Llama 3.2 1B's and 3B's shapes); their F16 files
 //! are left out. gen runs on the path it chooses and on each path this CPU has, forced with
-//! GEN_KERNEL (the last column; GEN_BENCH_PATHS=0 leaves those out).
+//! GEN_KERNEL (the last column; GEN_BENCH_PATHS=0 leaves those out; `amx` and `bf16`, which
+//! differ from the 512-bit path only for BF16 matrices, on files with BF16 only).
 //! GEN_LLAMA_BENCH: the llama-bench binary (default: where `.ci/llama-server llama-bench`
 //! builds it); absent, the rows say "no peer". Not a test: nothing here asserts a speed.
 
@@ -201,6 +202,10 @@ fn paths() -> Vec<Option<&'static str>> {
             let has = |f: &str| flags.split_whitespace().any(|w| w == f);
             if has("amx_int8") && has("amx_bf16") {
                 p.push(Some("amx"));
+            }
+            // `vdpbf16ps` for BF16 prefill chunks (the 512-bit path elsewhere).
+            if is_x86_feature_detected!("avx512bf16") {
+                p.push(Some("bf16"));
             }
         }
     }
@@ -394,6 +399,10 @@ fn main() {
             reads.push((0..3).map(|_| reader.pass()).fold(0f64, f64::max));
             // gen on each path and llama-bench, alternating round by round.
             for (i, path) in paths.iter().enumerate() {
+                // AMX and bf16 are the 512-bit path but for BF16 matrices: run where there are.
+                if matches!(path, Some("amx" | "bf16")) && !types.contains("BF16") {
+                    continue;
+                }
                 g[i].push(gen_sample(&f, &p512, &short, threads, *path));
             }
             if let Some(bin) = &peer {
@@ -403,7 +412,10 @@ fn main() {
         let med = |i: usize, pick: fn(&Gen) -> f64| median(g[i].iter().map(pick).collect());
         let (gp, gd) = (med(0, |s| s.prefill), med(0, |s| s.decode));
         let per_path = (1..paths.len())
-            .map(|i| format!("{:.0}, {:.1}", med(i, |s| s.prefill), med(i, |s| s.decode)))
+            .map(|i| match g[i].is_empty() {
+                true => "-".to_string(),
+                false => format!("{:.0}, {:.1}", med(i, |s| s.prefill), med(i, |s| s.decode)),
+            })
             .collect::<Vec<_>>()
             .join(" / ");
         let lp = median(l.iter().map(|s| s.0).collect());
