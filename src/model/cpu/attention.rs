@@ -529,27 +529,9 @@ mod x86 {
         use std::arch::x86_64::*;
 
         /// `$body` with the const `$n` set to `$count` (1 to 16).
-        #[rustfmt::skip]
         macro_rules! by_count {
             ($count:expr, $n:ident => $body:expr) => {
-                match $count {
-                    1 => { const $n: usize = 1; $body }
-                    2 => { const $n: usize = 2; $body }
-                    3 => { const $n: usize = 3; $body }
-                    4 => { const $n: usize = 4; $body }
-                    5 => { const $n: usize = 5; $body }
-                    6 => { const $n: usize = 6; $body }
-                    7 => { const $n: usize = 7; $body }
-                    8 => { const $n: usize = 8; $body }
-                    9 => { const $n: usize = 9; $body }
-                    10 => { const $n: usize = 10; $body }
-                    11 => { const $n: usize = 11; $body }
-                    12 => { const $n: usize = 12; $body }
-                    13 => { const $n: usize = 13; $body }
-                    14 => { const $n: usize = 14; $body }
-                    15 => { const $n: usize = 15; $body }
-                    _ => { const $n: usize = 16; $body }
-                }
+                const_count!($count, $n => $body; 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15; 16)
             };
         }
 

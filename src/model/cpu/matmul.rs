@@ -31,43 +31,18 @@ use super::wide16::{self as half_kernels, Half, HalfTiles};
 #[cfg(target_arch = "x86_64")]
 mod zmm;
 
-/// `$body` with the const `$k` set to the token count `$n` (1 to 8; more counts as 8): the
-/// kernels take it as a const generic, each count its own unrolled instance.
-#[rustfmt::skip]
+/// `$body` with the const `$k` set to the token count `$n` (1 to 8; more counts as 8).
 macro_rules! with_tokens {
     ($n:expr, $k:ident => $body:expr) => {
-        match $n {
-            1 => { const $k: usize = 1; $body }
-            2 => { const $k: usize = 2; $body }
-            3 => { const $k: usize = 3; $body }
-            4 => { const $k: usize = 4; $body }
-            5 => { const $k: usize = 5; $body }
-            6 => { const $k: usize = 6; $body }
-            7 => { const $k: usize = 7; $body }
-            _ => { const $k: usize = 8; $body }
-        }
+        const_count!($n, $k => $body; 1 2 3 4 5 6 7; 8)
     };
 }
 
-/// `$body` with the const `$k` set to `$n` (1 to [`super::bf16_dot::TOKENS`]).
+/// `$body` with the const `$k` set to `$n` (1 to [`super::bf16_dot::TOKENS`], 12).
 #[cfg(target_arch = "x86_64")]
-#[rustfmt::skip]
 macro_rules! bf16_tokens {
     ($n:expr, $k:ident => $body:expr) => {
-        match $n {
-            1 => { const $k: usize = 1; $body }
-            2 => { const $k: usize = 2; $body }
-            3 => { const $k: usize = 3; $body }
-            4 => { const $k: usize = 4; $body }
-            5 => { const $k: usize = 5; $body }
-            6 => { const $k: usize = 6; $body }
-            7 => { const $k: usize = 7; $body }
-            8 => { const $k: usize = 8; $body }
-            9 => { const $k: usize = 9; $body }
-            10 => { const $k: usize = 10; $body }
-            11 => { const $k: usize = 11; $body }
-            _ => { const $k: usize = 12; $body }
-        }
+        const_count!($n, $k => $body; 1 2 3 4 5 6 7 8 9 10 11; 12)
     };
 }
 
@@ -361,8 +336,7 @@ impl CpuQWeight {
         widths: &[usize],
     ) -> Vec<Vec<f32>> {
         let (n_rows, k) = (self.rows, self.cols);
-        // AMX and `vdpbf16ps` are the 512-bit path but for BF16 products (`half_amx_parts`,
-        // `half_bf16_parts`).
+        // AMX and `vdpbf16ps` are the 512-bit path but for BF16 products (`half_paired_parts`).
         let path = kernel;
         let kernel = kernel.base();
         debug_assert_eq!(x.len(), t * k);
@@ -437,12 +411,8 @@ impl CpuQWeight {
             }
             Layout::Quant(tiles) => self.quant_parts(tiles, kernel, x, t, widths),
             #[cfg(target_arch = "x86_64")]
-            Layout::Half(tiles) if path == Kernel::Amx && self.takes(path) => {
-                self.half_amx_parts(tiles, &half_kernels::rounded(tiles.ty, x), t, widths)
-            }
-            #[cfg(target_arch = "x86_64")]
-            Layout::Half(tiles) if path == Kernel::Bf16 && self.takes(path) => {
-                self.half_bf16_parts(tiles, x, t, widths)
+            Layout::Half(tiles) if path != kernel && self.takes(path) => {
+                self.half_paired_parts(path, tiles, x, t, widths)
             }
             Layout::Half(tiles) => {
                 let stream = t.div_ceil(TOKENS) <= STREAM_CHUNKS;
@@ -491,73 +461,67 @@ impl CpuQWeight {
         }
     }
 
-    /// [`Self::matmul_parts_on`] for BF16 weights on AMX ([`super::amx_half`]): the
-    /// activations split into bf16 parts once, each call's groups rearranged for AMX once per
-    /// thread and run of calls on them ([`PREPARED`]), tokens in blocks whose parts (6 bytes a
-    /// value) stay in L2 while the task's groups go through them.
+    /// [`Self::matmul_parts_on`] for BF16 weights on AMX ([`super::amx_half`]: the activations
+    /// split into bf16 parts once, tokens in blocks whose parts, 6 bytes a value, stay in L2
+    /// while the task's groups go through them) or on `vdpbf16ps` ([`super::bf16_dot`]: the
+    /// activations rounded to bf16 once, the tokens in one block, since a call streams 2 bytes
+    /// of activations a column for 32 rows' products, and each group is rearranged once per
+    /// product).
     #[cfg(target_arch = "x86_64")]
-    fn half_amx_parts(
+    fn half_paired_parts(
         &self,
+        path: Kernel,
         tiles: &HalfTiles,
         x: &[f32],
         t: usize,
         widths: &[usize],
     ) -> Vec<Vec<f32>> {
-        use super::amx_half;
+        use super::{amx_half, bf16_dot};
         let k = self.cols;
-        let acts = amx_half::Parts::split(x, t, k);
-        let product = PRODUCTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let cut = Cut {
-            per_chunk: amx_half::TOKENS,
-            per_call: amx_half::TOKENS,
-            span: 4,
-            block_kib: 128,
-        };
-        schedule(
-            t,
-            k,
-            widths,
-            tiles.groups,
-            cut,
-            |g, groups, token, n, out, stride, real| {
-                per_thread(&PREPARED, (product, g), |w, fresh| {
-                    if fresh {
-                        let ws: Vec<&[u16]> = (g..g + groups).map(|j| tiles.tile(j)).collect();
-                        // SAFETY: the AMX path is only taken where `amx::ready` said so, on a CPU
-                        // with AVX-512; each group holds k * 8 values, k a multiple of 32.
-                        unsafe { amx_half::prepare(&ws, k, w) };
-                    }
-                    // SAFETY: as above; `schedule` promises out for tokens token..token + n, all in
-                    // one chunk of 16 of `acts`.
-                    let pairs = groups.div_ceil(2);
-                    unsafe { amx_half::call(w, pairs, &acts, token, n, out, stride, real) }
-                })
-            },
-        )
+        if path == Kernel::Amx {
+            let acts = amx_half::Parts::split(&half_kernels::rounded(tiles.ty, x), t, k);
+            return self.paired_parts(tiles, t, widths, (amx_half::TOKENS, 128), |w, groups, c| {
+                let (token, n, out, stride, real) = c;
+                // SAFETY: the AMX path is only taken where `amx::ready` said so; `schedule`
+                // promises out for tokens token..token + n, all in one chunk of 16 of `acts`.
+                unsafe { amx_half::call(w, groups.div_ceil(2), &acts, token, n, out, stride, real) }
+            });
+        }
+        let acts = bf16_dot::Acts::round(x, t, k);
+        self.paired_parts(tiles, t, widths, (bf16_dot::TOKENS, 1 << 30), |w, groups, c| {
+            let (token, n, out, stride, real) = c;
+            // SAFETY: this path is only taken where `bf16_dot::ready` said so; `schedule`
+            // promises out for tokens token..token + n, one chunk of `acts` from its start.
+            unsafe {
+                if groups > 2 {
+                    bf16_tokens!(n, N => bf16_dot::call::<2, N>(w, &acts, token, out, stride, real))
+                } else {
+                    bf16_tokens!(n, N => bf16_dot::call::<1, N>(w, &acts, token, out, stride, real))
+                }
+            }
+        })
     }
 
-    /// [`Self::matmul_parts_on`] for BF16 weights on `vdpbf16ps` ([`super::bf16_dot`]): the
-    /// activations rounded to bf16 once, each call's groups rearranged into column pairs once
-    /// per thread and run of calls on them ([`PREPARED`], as for AMX), and the tokens in one
-    /// block: a call streams 2 bytes of activations a column for 32 rows' products, so they
-    /// need not sit in L2, and each group is rearranged once per product.
+    /// A BF16 product whose calls take their groups as pairs in the layout of
+    /// [`super::amx_half::prepare`] (AMX and `vdpbf16ps`): each call's 1 to 4 groups rearranged
+    /// once per thread and run of calls on them ([`PREPARED`]), `tokens` a chunk and a call,
+    /// blocks of `block_kib` ([`Cut`]); `call(prepared, groups, (token, n, out, stride, real))`.
     #[cfg(target_arch = "x86_64")]
-    fn half_bf16_parts(
+    fn paired_parts(
         &self,
         tiles: &HalfTiles,
-        x: &[f32],
         t: usize,
         widths: &[usize],
+        (tokens, block_kib): (usize, usize),
+        call: impl Fn(&[u16], usize, (usize, usize, *mut f32, usize, usize)) + Sync,
     ) -> Vec<Vec<f32>> {
-        use super::bf16_dot::{self, TOKENS};
         let k = self.cols;
-        let acts = bf16_dot::Acts::round(x, t, k);
         let product = PRODUCTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let cut = Cut {
-            per_chunk: TOKENS,
-            per_call: TOKENS,
+            per_chunk: tokens,
+            per_call: tokens,
             span: 4,
-            block_kib: 1 << 30,
+            block_kib,
         };
         schedule(
             t,
@@ -569,19 +533,12 @@ impl CpuQWeight {
                 per_thread(&PREPARED, (product, g), |w, fresh| {
                     if fresh {
                         let ws: Vec<&[u16]> = (g..g + groups).map(|j| tiles.tile(j)).collect();
-                        // SAFETY: this path is only taken where `bf16_dot::ready` said so, with
-                        // AVX-512; each group holds k * 8 values, k a multiple of 32.
+                        // SAFETY: both paths run only on CPUs with AVX-512 (`amx::ready`,
+                        // `bf16_dot::ready`); each group holds k * 8 values, k a multiple of 32
+                        // (`takes`).
                         unsafe { super::amx_half::prepare(&ws, k, w) };
                     }
-                    // SAFETY: as above; `schedule` promises out for tokens token..token + n, one
-                    // chunk of `acts` from its start.
-                    unsafe {
-                        if groups > 2 {
-                            bf16_tokens!(n, N => bf16_dot::call::<2, N>(w, &acts, token, out, stride, real))
-                        } else {
-                            bf16_tokens!(n, N => bf16_dot::call::<1, N>(w, &acts, token, out, stride, real))
-                        }
-                    }
+                    call(w, groups, (token, n, out, stride, real))
                 })
             },
         )
@@ -1059,8 +1016,8 @@ fn per_thread<T: 'static, R>(
 
 #[cfg(target_arch = "x86_64")]
 thread_local! {
-    /// The groups this thread last rearranged for AMX-BF16: (product, first group, their
-    /// tiles as `amx_half::prepare` made them).
+    /// The groups this thread last rearranged for AMX-BF16 or `vdpbf16ps`: (product, first
+    /// group, their pairs as `amx_half::prepare` made them).
     static PREPARED: std::cell::RefCell<(u64, usize, Vec<u16>)> =
         const { std::cell::RefCell::new((0, 0, Vec::new())) };
 }
@@ -1951,6 +1908,29 @@ mod tests {
         }
     }
 
+    /// A `rows` x `k` matrix of GGUF type `id` (1: F16, 30: BF16) from [`test_data`] on the
+    /// 512-bit layout, and its values widened to f32.
+    #[cfg(target_arch = "x86_64")]
+    fn half_matrix(id: u32, rows: usize, k: usize) -> (CpuQWeight, Vec<f32>) {
+        let w = test_data(rows * k, rows as u64 + k as u64);
+        let raw: Vec<u8> = w
+            .iter()
+            .flat_map(|&v| match id {
+                1 => half::f16::from_f32(v).to_bits().to_le_bytes(),
+                _ => half::bf16::from_f32(v).to_bits().to_le_bytes(),
+            })
+            .collect();
+        let m = CpuQWeight::from_raw(id, &raw, rows, k, Kernel::Vnni)
+            .unwrap()
+            .unwrap();
+        let ty = if id == 1 { Half::F16 } else { Half::Bf16 };
+        let widened = raw
+            .chunks_exact(2)
+            .map(|b| half_kernels::widen(ty, u16::from_le_bytes([b[0], b[1]])))
+            .collect();
+        (m, widened)
+    }
+
     /// BF16 on AMX: the products of the exact bf16 parts summed in f32, so within f32 rounding
     /// of the 512-bit path's sums (relative to the sum of |w x|), for one group, a pair, and two
     /// pairs a call with a lone group at the end, ragged token counts and a wide input; the same
@@ -1964,27 +1944,7 @@ mod tests {
         }
         for id in [1u32, 30] {
             for (k, rows) in [(64, 8), (256, 16), (2048, 40), (96, 13)] {
-                let w = test_data(rows * k, rows as u64 + k as u64);
-                let raw: Vec<u8> = w
-                    .iter()
-                    .flat_map(|&v| match id {
-                        1 => half::f16::from_f32(v).to_bits().to_le_bytes(),
-                        _ => half::bf16::from_f32(v).to_bits().to_le_bytes(),
-                    })
-                    .collect();
-                let m = CpuQWeight::from_raw(id, &raw, rows, k, Kernel::Vnni)
-                    .unwrap()
-                    .unwrap();
-                let widened: Vec<f32> = raw
-                    .chunks_exact(2)
-                    .map(|b| {
-                        let bits = u16::from_le_bytes([b[0], b[1]]);
-                        match id {
-                            1 => half::f16::from_bits(bits).to_f32(),
-                            _ => half::bf16::from_bits(bits).to_f32(),
-                        }
-                    })
-                    .collect();
+                let (m, widened) = half_matrix(id, rows, k);
                 for t in [17, 40, 100] {
                     let x = test_data(t * k, 7 + t as u64);
                     let want = m.matmul_on(Kernel::Vnni, &x, t);
@@ -2033,23 +1993,9 @@ mod tests {
                 (1536, 36),
                 (80, 11),
             ] {
-                let w = test_data(rows * k, rows as u64 + k as u64);
-                let raw: Vec<u8> = w
-                    .iter()
-                    .flat_map(|&v| match id {
-                        1 => half::f16::from_f32(v).to_bits().to_le_bytes(),
-                        _ => half::bf16::from_f32(v).to_bits().to_le_bytes(),
-                    })
-                    .collect();
-                let m = CpuQWeight::from_raw(id, &raw, rows, k, Kernel::Vnni)
-                    .unwrap()
-                    .unwrap();
+                let (m, wide) = half_matrix(id, rows, k);
                 // Rows a multiple of 32 wide only (as AMX): others stay on the 512-bit path.
                 assert_eq!(m.takes(Kernel::Bf16), id == 30 && k % 32 == 0);
-                let wide: Vec<f64> = raw
-                    .chunks_exact(2)
-                    .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f64())
-                    .collect();
                 for t in [1, 12, 17, 40, 100] {
                     let x = test_data(t * k, 7 + t as u64);
                     let want = m.matmul_on(Kernel::Vnni, &x, t);
@@ -2067,9 +2013,9 @@ mod tests {
                         let exact: f64 = ws
                             .iter()
                             .zip(xs)
-                            .map(|(w, &x)| w * half::bf16::from_f32(x).to_f64())
+                            .map(|(&w, &x)| w as f64 * half::bf16::from_f32(x).to_f64())
                             .sum();
-                        let mag: f64 = ws.iter().zip(xs).map(|(w, &x)| (w * x as f64).abs()).sum();
+                        let mag: f64 = ws.iter().zip(xs).map(|(&w, &x)| (w * x).abs() as f64).sum();
                         for (path, v) in [("vdpbf16ps", g), ("512-bit", w0)] {
                             assert!(
                                 (*v as f64 - exact).abs() <= mag * 1e-6,

@@ -7,6 +7,24 @@
 //! attention (every one-token step of the pass in one call of the decode kernel; each prompt
 //! chunk through the causal prefill kernel) and its fused steps.
 
+/// `$body` with the const `$k` set to the count `$n`: each of `$c` (the counts a kernel is
+/// instantiated for, in order), and `$last` for any other: kernels take a token or query count
+/// as a const generic, each count its own unrolled instance.
+macro_rules! const_count {
+    ($n:expr, $k:ident => $body:expr; $($c:literal)+; $last:literal) => {
+        match $n {
+            $($c => {
+                const $k: usize = $c;
+                $body
+            })+
+            _ => {
+                const $k: usize = $last;
+                $body
+            }
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod amx;
 #[cfg(target_arch = "x86_64")]
