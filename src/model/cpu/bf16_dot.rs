@@ -45,22 +45,24 @@ pub struct Acts {
 }
 
 impl Acts {
-    /// T rows of K values (K a multiple of 32), rounded.
+    /// T rows of K values (K a multiple of 32), rounded ([`super::wide16::rounded`]) and
+    /// regrouped.
     pub fn round(x: &[f32], t: usize, k: usize) -> Self {
         use rayon::prelude::*;
         debug_assert!(k.is_multiple_of(32) && x.len() == t * k);
+        use super::wide16::{rounded_into, Half};
         let per_chunk = k / 2 * TOKENS;
         let mut v = vec![0u32; t.div_ceil(TOKENS) * per_chunk];
         v.par_chunks_mut(per_chunk)
             .zip(x.par_chunks(k * TOKENS))
             .for_each(|(chunk, rows)| {
-                let mut row = vec![0u32; k / 2];
+                let mut row = vec![0f32; k];
                 for (i, x) in rows.chunks_exact(k).enumerate() {
-                    // SAFETY: the path is only taken where `ready` said so; k values in, k / 2
-                    // pairs out, k a multiple of 32.
-                    unsafe { round_row(x, &mut row) };
-                    for (p, &pair) in row.iter().enumerate() {
-                        chunk[p * TOKENS + i] = pair;
+                    rounded_into(Half::Bf16, x, &mut row);
+                    // Each value is a bf16 now: its top half. The even column low.
+                    for (p, two) in row.chunks_exact(2).enumerate() {
+                        let (lo, hi) = (two[0].to_bits(), two[1].to_bits());
+                        chunk[p * TOKENS + i] = lo >> 16 | hi & 0xFFFF_0000;
                     }
                 }
             });
@@ -71,31 +73,6 @@ impl Acts {
     fn chunk(&self, token: usize) -> *const u32 {
         debug_assert!(token.is_multiple_of(TOKENS));
         self.v[token / TOKENS * (self.k / 2 * TOKENS)..].as_ptr()
-    }
-}
-
-/// A row of k f32 values as k / 2 pairs of bf16 values, each rounded as llama.cpp rounds:
-/// to nearest, ties to even, a NaN kept a (quiet) NaN, subnormals rounded, not flushed (the
-/// test's `round` is the same, one value at a time).
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn round_row(x: &[f32], out: &mut [u32]) {
-    debug_assert!(x.len().is_multiple_of(32) && out.len() * 2 == x.len());
-    let bias = _mm512_set1_epi32(0x7fff);
-    let one = _mm512_set1_epi32(1);
-    let quiet = _mm512_set1_epi32(0x40);
-    let word = |v: __m512| -> __m256i {
-        let u = _mm512_castps_si512(v);
-        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(u), one);
-        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(u, _mm512_add_epi32(bias, lsb)));
-        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
-        let nan_bits = _mm512_or_si512(_mm512_srli_epi32::<16>(u), quiet);
-        _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, nan_bits))
-    };
-    for c in (0..x.len()).step_by(32) {
-        let lo = word(_mm512_loadu_ps(x.as_ptr().add(c)));
-        let hi = word(_mm512_loadu_ps(x.as_ptr().add(c + 16)));
-        let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
-        _mm512_storeu_si512(out.as_mut_ptr().add(c / 2) as *mut __m512i, both);
     }
 }
 
@@ -140,64 +117,6 @@ pub unsafe fn call<const H: usize, const N: usize>(
             let left = real.saturating_sub(16 * h);
             let mask: __mmask16 = if left >= 16 { !0 } else { (1u16 << left) - 1 };
             _mm512_mask_storeu_ps(out.add(i * stride + 16 * h), mask, *s);
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// One value rounded to bf16 as llama.cpp rounds it: to nearest, ties to even; a NaN stays a
-    /// (quiet) NaN. Subnormals are rounded, not flushed.
-    pub(crate) fn round(x: f32) -> u16 {
-        let u = x.to_bits();
-        if x.is_nan() {
-            return ((u >> 16) | 0x40) as u16;
-        }
-        ((u + (0x7fff + ((u >> 16) & 1))) >> 16) as u16
-    }
-
-    #[test]
-    fn rounds_as_llama_cpp() {
-        // Ties go to even, a NaN stays a NaN, subnormals round (not flushed).
-        for (x, want) in [
-            (1.0f32, 0x3f80u16),
-            (f32::from_bits(0x3f80_8000), 0x3f80),
-            (f32::from_bits(0x3f81_8000), 0x3f82),
-            (f32::from_bits(0x3f80_8001), 0x3f81),
-            (-2.5, 0xc020),
-            (f32::from_bits(0x0000_c000), 0x0001),
-            (f32::INFINITY, 0x7f80),
-        ] {
-            assert_eq!(round(x), want, "{x:e}");
-            assert_eq!(half::bf16::from_f32(x).to_bits(), want, "{x:e}");
-        }
-        assert!(half::bf16::from_bits(round(f32::NAN)).is_nan());
-        if !ready() {
-            return;
-        }
-        let x: Vec<f32> = (0..64u32)
-            .map(|i| f32::from_bits(0x3f80_0000 + i * 0x1_2345 + (i % 3) * 0x8000))
-            .chain(
-                [f32::NAN, -0.0, 1e-40, -3.0e38]
-                    .into_iter()
-                    .cycle()
-                    .take(32),
-            )
-            .collect();
-        let mut out = vec![0u32; x.len() / 2];
-        // SAFETY: ready() above.
-        unsafe { round_row(&x, &mut out) };
-        for (p, pair) in out.iter().enumerate() {
-            for (e, bits) in [(0, *pair as u16), (1, (*pair >> 16) as u16)] {
-                let v = x[2 * p + e];
-                if v.is_nan() {
-                    assert!(half::bf16::from_bits(bits).is_nan());
-                } else {
-                    assert_eq!(bits, round(v), "{v:e}");
-                }
-            }
         }
     }
 }

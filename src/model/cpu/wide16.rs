@@ -93,32 +93,36 @@ pub fn widen(ty: Half, b: u16) -> f32 {
 
 /// The activations `x` as llama.cpp multiplies them with weights of type `ty`: each rounded to
 /// `ty` (to nearest, ties to even, as F16C's `vcvtps2ph` and llama.cpp's `GGML_FP32_TO_BF16`
-/// round; a NaN stays a NaN) and widened back to f32. Until 2026-12-06 gen multiplied the
-/// unrounded values: on BF16 copies of llama.cpp's architecture suite that put its logits
-/// 2.8e-6 to 4.5e-6 (NMSE) from llama.cpp's, where F32 files agree within 5e-8.
+/// round; a NaN stays a NaN; subnormals are rounded, not flushed) and widened back to f32.
+/// Until 2026-12-06 gen multiplied the unrounded values: on BF16 copies of llama.cpp's
+/// architecture suite that put its logits 2.7e-6 to 4.5e-6 (NMSE) from llama.cpp's, where F32
+/// files agree within 5e-8.
 pub fn rounded(ty: Half, x: &[f32]) -> Vec<f32> {
     use rayon::prelude::*;
     let mut out = vec![0f32; x.len()];
-    let round = |x: &[f32], out: &mut [f32]| {
-        #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
-            // SAFETY: the features were just checked; the slices have the same length.
-            return unsafe { rounded_avx2(ty, x, out) };
-        }
-        for (o, &v) in out.iter_mut().zip(x) {
-            *o = round_one(ty, v);
-        }
-    };
     // A prefill's activations over the threads; a decode step's (a few thousand values) here.
     const PIECE: usize = 1 << 14;
     if x.len() > PIECE {
         out.par_chunks_mut(PIECE)
             .zip(x.par_chunks(PIECE))
-            .for_each(|(o, x)| round(x, o));
+            .for_each(|(o, x)| rounded_into(ty, x, o));
     } else {
-        round(x, &mut out);
+        rounded_into(ty, x, &mut out);
     }
     out
+}
+
+/// [`rounded`] into `out` (as long as `x`), on this thread.
+pub fn rounded_into(ty: Half, x: &[f32], out: &mut [f32]) {
+    assert_eq!(x.len(), out.len());
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
+        // SAFETY: the features were just checked; the slices have the same length.
+        return unsafe { rounded_avx2(ty, x, out) };
+    }
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = round_one(ty, v);
+    }
 }
 
 /// One value as [`rounded`] rounds it.
@@ -563,6 +567,60 @@ half_kernels!(vnni, "avx2,fma,f16c,avx512f,avx512vl");
 mod tests {
     use super::*;
     use crate::model::cpu::matmul::{test_data, CpuQWeight};
+
+    /// [`rounded`] as llama.cpp rounds, 8 values at a time and one by one: ties to even, a NaN
+    /// stays a NaN, subnormals round (not flushed); BF16 by `GGML_FP32_TO_BF16`'s arithmetic,
+    /// F16 as F16C's `vcvtps2ph` (which `half` uses where the CPU has it).
+    #[test]
+    fn activations_round_as_llama_cpp() {
+        let ggml_bf16 = |x: f32| -> u16 {
+            let u = x.to_bits();
+            if x.is_nan() {
+                return ((u >> 16) | 0x40) as u16;
+            }
+            ((u + (0x7fff + ((u >> 16) & 1))) >> 16) as u16
+        };
+        let special = [
+            1.0f32,
+            f32::from_bits(0x3f80_8000),
+            f32::from_bits(0x3f81_8000),
+            f32::from_bits(0x3f80_8001),
+            -2.5,
+            f32::from_bits(0x0000_c000),
+            f32::INFINITY,
+            -3.0e38,
+            65520.0,
+            1.0 + 1.0 / 2048.0,
+            1.0 + 3.0 / 2048.0,
+            3.0e-8,
+            f32::NAN,
+            -0.0,
+        ];
+        let mut x: Vec<f32> = (0..64u32)
+            .map(|i| f32::from_bits(0x3f80_0000 + i * 0x1_2345 + (i % 3) * 0x8000))
+            .collect();
+        // Each special value in a SIMD lane and in the one-by-one tail.
+        x.extend(special);
+        x.extend([0.5; 2]);
+        x.extend(special);
+        for ty in [Half::Bf16, Half::F16] {
+            let got = rounded(ty, &x);
+            for (&v, &r) in x.iter().zip(&got) {
+                if v.is_nan() {
+                    assert!(r.is_nan(), "{ty:?}");
+                    continue;
+                }
+                let want = match ty {
+                    Half::Bf16 => bf16::from_bits(ggml_bf16(v)).to_f32(),
+                    Half::F16 => f16::from_f32(v).to_f32(),
+                };
+                assert_eq!(r.to_bits(), want.to_bits(), "{ty:?} {v:e}");
+            }
+        }
+        assert_eq!(rounded(Half::Bf16, &[f32::from_bits(0x3f80_8000)])[0], 1.0);
+        assert_eq!(rounded(Half::F16, &[1.0 + 1.0 / 2048.0])[0], 1.0);
+        assert_eq!(rounded(Half::F16, &[65520.0])[0], f32::INFINITY);
+    }
 
     /// Every kernel against f64 sums of the widened weights times the activations rounded to the
     /// weights' type (and far closer to those than to the sums over the unrounded activations),
