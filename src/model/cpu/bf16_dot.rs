@@ -48,9 +48,9 @@ impl Acts {
     /// T rows of K values (K a multiple of 32), rounded ([`super::wide16::rounded`]) and
     /// regrouped.
     pub fn round(x: &[f32], t: usize, k: usize) -> Self {
+        use super::wide16::{rounded_into, Half};
         use rayon::prelude::*;
         debug_assert!(k.is_multiple_of(32) && x.len() == t * k);
-        use super::wide16::{rounded_into, Half};
         let per_chunk = k / 2 * TOKENS;
         let mut v = vec![0u32; t.div_ceil(TOKENS) * per_chunk];
         v.par_chunks_mut(per_chunk)
