@@ -160,7 +160,7 @@ fn byte_factory() -> Result<&'static ParserFactory> {
 /// marker, so no grammar matches them as text) and an encoder.
 struct GenTokEnv {
     trie: TokTrie,
-    encoder: tokenizers::Tokenizer,
+    encoder: crate::tokenizer::Encoder,
     canonical: bool,
 }
 
@@ -172,10 +172,7 @@ impl TokenizerEnv for GenTokEnv {
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<toktrie::TokenId> {
         // Bytes that are not UTF-8 are spelled greedily from the vocabulary instead.
         self.trie.tokenize_with_greedy_fallback(s, |text| {
-            self.encoder
-                .encode_fast(text, false)
-                .map(|e| e.get_ids().to_vec())
-                .unwrap_or_default()
+            self.encoder.encode(text).unwrap_or_default()
         })
     }
 
@@ -215,7 +212,7 @@ impl Grammars {
         }
         let env: TokEnv = Arc::new(GenTokEnv {
             trie,
-            encoder: tokenizer.inner().clone(),
+            encoder: tokenizer.encoder(),
             canonical: !tokenizer.adds_space_prefix(),
         });
         Ok(Self {

@@ -13,9 +13,11 @@
 //!   no prefix space (a prefix space is what makes a naive conversion put an extra space after
 //!   every special token).
 //! - `llama`: SentencePiece. llama.cpp repeatedly merges the adjacent pair whose concatenation
-//!   is the vocabulary entry with the highest score. A BPE model whose merge ranks are sorted by
-//!   the score of the merged token makes the same choices, so the merge list is derived from the
-//!   vocabulary and scores. Characters not in the vocabulary fall back to `<0xNN>` byte tokens.
+//!   is the vocabulary entry with the highest score; [`spm`] does exactly that on the vocabulary
+//!   and its scores. Characters not in the vocabulary fall back to `<0xNN>` byte tokens. (For
+//!   [`Tokenizer::inner`] the same rule is written as a `tokenizers` BPE model whose merges,
+//!   derived from the vocabulary, are ranked by the merged entry's score; that takes half a
+//!   second for a large vocabulary, so only a caller of `inner` builds it.)
 //!
 //! In both, control, user-defined and unknown-type tokens are cut out of the raw text before
 //! anything else runs, as llama.cpp's special-token partition does.
@@ -26,9 +28,12 @@
 //! they agree by construction, and a character split across several tokens is reassembled
 //! before it is shown.
 
+mod spm;
+
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::path::Path;
+use std::sync::{Arc, OnceLock};
 
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::quantized::gguf_file;
@@ -580,7 +585,11 @@ fn parse_byte_token(text: &str) -> Option<u8> {
 
 /// A tokenizer with the special ids a generator needs; see the module docs.
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
+    encoder: Encoder,
+    /// What [`Tokenizer::inner`] returns for a SentencePiece vocabulary, built on first use.
+    full: OnceLock<tokenizers::Tokenizer>,
+    /// The encoder that takes special-token text as text ([`Tokenizer::encode_plain`]).
+    plain: OnceLock<Encoder>,
     /// Raw vocabulary text per id (`Ġworld`, `▁world`, `<|im_end|>`).
     texts: Vec<String>,
     pieces: Pieces,
@@ -674,7 +683,19 @@ impl Tokenizer {
         let unk = get_id(md, KEY_UNK, n)?;
         let add_space_prefix = get_bool(md, KEY_ADD_SPACE_PREFIX)?.unwrap_or(spm);
 
-        let (mut inner, add_bos_default) = if spm {
+        // Added tokens are matched on the raw text (normalized = false), like llama.cpp's
+        // partition, so user-defined whitespace tokens (Gemma's "  ", "\n\n") match real
+        // spaces and newlines rather than `▁`.
+        let added: Vec<AddedToken> = tokens
+            .iter()
+            .zip(&kinds)
+            .filter(|(_, k)| k.matched_in_text())
+            .map(|(t, k)| {
+                AddedToken::from(t.clone(), *k != TokenKind::UserDefined).normalized(false)
+            })
+            .collect();
+
+        let (encoder, add_bos_default) = if spm {
             let scores = f32_array(md, KEY_SCORES)?;
             if scores.len() != n {
                 bail!(
@@ -682,11 +703,13 @@ impl Tokenizer {
                     scores.len()
                 );
             }
-            let unk_text = unk.map(|id| tokens[id as usize].clone());
-            (
-                build_spm(&tokens, &scores, unk_text, add_space_prefix)?,
-                true,
-            )
+            let encoder = SpmEncoder {
+                spm: Arc::new(spm::Spm::new(&tokens, scores, unk)),
+                split: spm_split(add_space_prefix, &added)?,
+                add_space_prefix,
+                added,
+            };
+            (Encoder(EncoderKind::Spm(Arc::new(encoder))), true)
         } else {
             // llama.cpp reads a missing or empty name as `default`.
             let pre_name = match md.get(KEY_PRE) {
@@ -704,25 +727,10 @@ impl Tokenizer {
             } else {
                 parse_merges(md)?
             };
-            (build_gpt2(&tokens, merges, pre)?, pre.add_bos)
+            let mut inner = build_gpt2(&tokens, merges, pre)?;
+            add_special(&mut inner, added)?;
+            (Encoder(EncoderKind::Crate(Arc::new(inner))), pre.add_bos)
         };
-
-        // Added tokens are matched on the raw text (normalized = false), like llama.cpp's
-        // partition, so user-defined whitespace tokens (Gemma's "  ", "\n\n") match real
-        // spaces and newlines rather than `▁`.
-        let added: Vec<AddedToken> = tokens
-            .iter()
-            .zip(&kinds)
-            .filter(|(_, k)| k.matched_in_text())
-            .map(|(t, k)| {
-                AddedToken::from(t.clone(), *k != TokenKind::UserDefined).normalized(false)
-            })
-            .collect();
-        if !added.is_empty() {
-            inner
-                .add_tokens(added)
-                .map_err(|e| anyhow!("registering special tokens: {e}"))?;
-        }
 
         let pieces = gguf_pieces(&tokens, &kinds, spm, md.contains_key(KEY_TOKEN_TYPE));
 
@@ -741,7 +749,9 @@ impl Tokenizer {
             .collect();
         Ok(Self {
             special,
-            inner,
+            encoder,
+            full: OnceLock::new(),
+            plain: OnceLock::new(),
             texts: tokens,
             pieces,
             bos,
@@ -821,7 +831,9 @@ impl Tokenizer {
 
         Ok(Self {
             special,
-            inner,
+            encoder: Encoder(EncoderKind::Crate(Arc::new(inner))),
+            full: OnceLock::new(),
+            plain: OnceLock::new(),
             texts,
             pieces,
             bos,
@@ -839,16 +851,25 @@ impl Tokenizer {
     /// special token. `add_bos`: prepend BOS when the model wants one
     /// (`tokenizer.ggml.add_bos_token`); pass true for a raw prompt.
     pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>> {
-        let encoding = self
-            .inner
-            .encode_fast(text, false)
-            .map_err(|e| anyhow!("tokenizing failed: {e}"))?;
-        let mut ids = Vec::with_capacity(encoding.len() + 1);
-        if add_bos && self.add_bos {
-            ids.extend(self.bos);
-        }
-        ids.extend_from_slice(encoding.get_ids());
-        Ok(ids)
+        let ids = self.encoder.encode(text)?;
+        Ok(match (add_bos && self.add_bos, self.bos) {
+            (true, Some(bos)) => std::iter::once(bos).chain(ids).collect(),
+            _ => ids,
+        })
+    }
+
+    /// Encode text with special-token text taken as plain text (llama.cpp's `parse_special =
+    /// false`): `<|im_start|>` in `text` becomes the ids of its characters. User-defined
+    /// tokens are still matched. No BOS.
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        self.plain
+            .get_or_init(|| self.encoder.special_as_text())
+            .encode(text)
+    }
+
+    /// The encoder alone (no BOS), to keep beside other state: cheap to clone.
+    pub fn encoder(&self) -> Encoder {
+        self.encoder.clone()
     }
 
     /// Decode ids to text. Skips nothing: special tokens come out as their text. Bytes that do
@@ -957,13 +978,22 @@ impl Tokenizer {
 
     /// The id of a vocabulary entry, written as stored (see `token_text`).
     pub fn id_of(&self, token: &str) -> Option<u32> {
-        self.inner.token_to_id(token)
+        match &self.encoder.0 {
+            EncoderKind::Crate(t) => t.token_to_id(token),
+            EncoderKind::Spm(e) => e.spm.lookup.get(token),
+        }
     }
 
-    /// The underlying `tokenizers` tokenizer. For GGUF vocabularies it has no post-processor:
-    /// BOS is added by [`Tokenizer::encode`], so `inner().encode(text, true)` adds nothing.
+    /// The vocabulary as a `tokenizers` tokenizer (to save as a tokenizer.json, or decode
+    /// through its decoder). For GGUF vocabularies it has no post-processor: BOS is added by
+    /// [`Tokenizer::encode`], so `inner().encode(text, true)` adds nothing. A SentencePiece
+    /// vocabulary's is built on the first call (half a second for Gemma's): gen's own encoder
+    /// does not need it.
     pub fn inner(&self) -> &tokenizers::Tokenizer {
-        &self.inner
+        match &self.encoder.0 {
+            EncoderKind::Crate(t) => t,
+            EncoderKind::Spm(e) => self.full.get_or_init(|| e.full(&self.texts)),
+        }
     }
 
     /// A streaming decoder: push ids one at a time, get the new text as soon as it is valid
@@ -1133,20 +1163,8 @@ fn build_spm(
         .build()
         .map_err(|e| anyhow!("building the SentencePiece model from `{KEY_TOKENS}`: {e}"))?;
     let mut inner = tokenizers::Tokenizer::new(bpe);
-
-    let escape = Replace::new(" ", SPACE_MARKER).map_err(|e| anyhow!("{e}"))?;
-    let normalizer = if add_space_prefix {
-        // Prepend runs per piece between special tokens and skips empty pieces, as llama.cpp
-        // prefixes every raw-text fragment.
-        NormalizerWrapper::Sequence(NormalizerSequence::new(vec![
-            NormalizerWrapper::Prepend(Prepend::new(SPACE_MARKER.to_owned())),
-            NormalizerWrapper::Replace(escape),
-        ]))
-    } else {
-        NormalizerWrapper::Replace(escape)
-    };
     inner
-        .with_normalizer(Some(normalizer))
+        .with_normalizer(Some(spm_normalizer(add_space_prefix)?))
         .map_err(|e| anyhow!("{e}"))?;
 
     let mut decoders = vec![
@@ -1161,6 +1179,136 @@ fn build_spm(
         decoders,
     ))));
     Ok(inner)
+}
+
+/// How SentencePiece text is normalized before merging: spaces become `▁`, and with
+/// `add_space_prefix` every piece between special tokens starts with one (Prepend runs per
+/// piece and skips empty pieces, as llama.cpp prefixes every raw-text fragment).
+fn spm_normalizer(add_space_prefix: bool) -> Result<NormalizerWrapper> {
+    let escape = Replace::new(" ", SPACE_MARKER).map_err(|e| anyhow!("{e}"))?;
+    Ok(if add_space_prefix {
+        NormalizerWrapper::Sequence(NormalizerSequence::new(vec![
+            NormalizerWrapper::Prepend(Prepend::new(SPACE_MARKER.to_owned())),
+            NormalizerWrapper::Replace(escape),
+        ]))
+    } else {
+        NormalizerWrapper::Replace(escape)
+    })
+}
+
+/// The part of a SentencePiece tokenizer that `tokenizers` keeps doing for gen's own encoder:
+/// cutting the special tokens out of the raw text and normalizing the rest. Its model has no
+/// vocabulary, so it numbers the special tokens its own way ([`SpmEncoder::encode`] looks
+/// their text up instead).
+fn spm_split(add_space_prefix: bool, added: &[AddedToken]) -> Result<tokenizers::Tokenizer> {
+    let mut split = tokenizers::Tokenizer::new(BPE::default());
+    split
+        .with_normalizer(Some(spm_normalizer(add_space_prefix)?))
+        .map_err(|e| anyhow!("{e}"))?;
+    add_special(&mut split, added.to_vec())?;
+    Ok(split)
+}
+
+/// Register the tokens cut out of the raw text before tokenizing (see `matched_in_text`).
+fn add_special(inner: &mut tokenizers::Tokenizer, added: Vec<AddedToken>) -> Result<()> {
+    if !added.is_empty() {
+        inner
+            .add_tokens(added)
+            .map_err(|e| anyhow!("registering special tokens: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Text to ids, without BOS: the `tokenizers` crate's tokenizer, or for a SentencePiece GGUF
+/// vocabulary gen's own merging ([`spm`]) behind that crate's special-token split. Cheap to
+/// clone.
+#[derive(Clone)]
+pub struct Encoder(EncoderKind);
+
+#[derive(Clone)]
+enum EncoderKind {
+    Crate(Arc<tokenizers::Tokenizer>),
+    Spm(Arc<SpmEncoder>),
+}
+
+struct SpmEncoder {
+    spm: Arc<spm::Spm>,
+    split: tokenizers::Tokenizer,
+    /// What the `tokenizers` form of this vocabulary ([`Tokenizer::inner`]) is built from.
+    add_space_prefix: bool,
+    added: Vec<AddedToken>,
+}
+
+impl Encoder {
+    /// The ids of `text` (special-token text parsed as the special token), without BOS.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        match &self.0 {
+            EncoderKind::Crate(t) => Ok(t
+                .encode_fast(text, false)
+                .map_err(|e| anyhow!("tokenizing failed: {e}"))?
+                .get_ids()
+                .to_vec()),
+            EncoderKind::Spm(e) => e.encode(text),
+        }
+    }
+
+    /// The same encoder with special tokens (not user-defined ones) left in the text.
+    fn special_as_text(&self) -> Encoder {
+        Encoder(match &self.0 {
+            EncoderKind::Crate(t) => {
+                let mut t = (**t).clone();
+                t.set_encode_special_tokens(true);
+                EncoderKind::Crate(Arc::new(t))
+            }
+            EncoderKind::Spm(e) => {
+                let mut split = e.split.clone();
+                split.set_encode_special_tokens(true);
+                EncoderKind::Spm(Arc::new(SpmEncoder {
+                    spm: e.spm.clone(),
+                    split,
+                    add_space_prefix: e.add_space_prefix,
+                    added: e.added.clone(),
+                }))
+            }
+        })
+    }
+}
+
+impl SpmEncoder {
+    fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        use tokenizers::{OffsetReferential, OffsetType};
+        let pieces = self
+            .split
+            .get_added_vocabulary()
+            .extract_and_normalize(self.split.get_normalizer(), text);
+        let mut ids = Vec::with_capacity(text.len() / 2 + 1);
+        for (piece, _, special) in pieces.get_splits(OffsetReferential::Original, OffsetType::Byte)
+        {
+            match special {
+                Some(tokens) => {
+                    for t in tokens {
+                        let id = self.spm.lookup.get(&t.value).ok_or_else(|| {
+                            anyhow!("tokenizing failed: special token {:?} not found", t.value)
+                        })?;
+                        ids.push(id);
+                    }
+                }
+                None => self.spm.encode(piece, &mut ids),
+            }
+        }
+        Ok(ids)
+    }
+
+    /// This vocabulary as a `tokenizers` BPE model (see `spm_merges`), with its special tokens.
+    fn full(&self, texts: &[String]) -> tokenizers::Tokenizer {
+        let unk = self.spm.unk().map(|id| texts[id as usize].clone());
+        // The merges come from the vocabulary itself, so every one names entries it has: the
+        // build cannot fail, nor can registering tokens that `spm_split` took.
+        let mut inner = build_spm(texts, self.spm.scores(), unk, self.add_space_prefix)
+            .expect("a BPE model whose merges come from its own vocabulary");
+        add_special(&mut inner, self.added.clone()).expect("special tokens as registered before");
+        inner
+    }
 }
 
 /// BPE merges that make a BPE model behave like llama.cpp's SentencePiece merging: every way
@@ -1257,7 +1405,13 @@ fn longest_token(texts: &[String], pieces: &Pieces) -> usize {
 /// unknown token or all 256 `<0xNN>` byte-fallback tokens keep everything; any other
 /// SentencePiece vocabulary may drop any byte.
 fn gguf_droppable_bytes(tokens: &[String], spm: bool, has_unk: bool) -> [bool; 256] {
-    let known: HashSet<&str> = tokens.iter().map(String::as_str).collect();
+    // Only entries of a byte token's or a character's length are asked about (`<0xNN>` is
+    // six bytes): a set of those, not of the whole vocabulary (25 ms for Gemma's 262k).
+    let known: HashSet<&str> = tokens
+        .iter()
+        .map(String::as_str)
+        .filter(|t| t.len() <= 6)
+        .collect();
     let mut droppable = [false; 256];
     if spm {
         let all_bytes = (0..=255u8).all(|b| known.contains(format!("<0x{b:02X}>").as_str()));
@@ -1801,6 +1955,27 @@ mod tests {
         let mut md = spm_md(false);
         md.insert(KEY_SCORES.into(), Value::Array(vec![Value::F32(0.0)]));
         assert!(err(&md).contains(KEY_SCORES));
+    }
+
+    /// gen's SentencePiece encoder and the `tokenizers` model `inner()` builds for the same
+    /// vocabulary (what a saved tokenizer.json holds) give the same ids.
+    #[test]
+    fn spm_encoder_agrees_with_its_tokenizers_form() {
+        for prefix in [false, true] {
+            let t = Tokenizer::from_gguf_metadata(&spm_md(prefix)).unwrap();
+            for text in [
+                "abc",
+                "ab bc  abc",
+                "é b<end_of_turn>ca",
+                "<start_of_turn>bbb\ncab  ",
+                "",
+                " ",
+            ] {
+                let ours = t.encode(text, false).unwrap();
+                let crate_ids = t.inner().encode_fast(text, false).unwrap();
+                assert_eq!(ours, crate_ids.get_ids(), "{text:?} (prefix {prefix})");
+            }
+        }
     }
 
     #[test]
