@@ -1853,6 +1853,23 @@ mod tests {
 
     /// A SentencePiece vocab whose scores make "bc" win over "ab".
     fn spm_md(add_space_prefix: bool) -> HashMap<String, Value> {
+        let entries = [
+            ("▁", -1.0),
+            ("a", -2.0),
+            ("b", -3.0),
+            ("c", -4.0),
+            ("ab", -5.0),
+            ("bc", -1.5),
+            ("▁a", -0.5),
+            ("▁b", -6.0),
+        ]
+        .map(|(t, score)| (t.to_string(), score));
+        spm_md_with(add_space_prefix, &entries)
+    }
+
+    /// A SentencePiece vocab: unknown, BOS, EOS, two turn markers, a user-defined "  ", the 256
+    /// byte tokens, then `entries` (text, score) as normal tokens.
+    fn spm_md_with(add_space_prefix: bool, entries: &[(String, f32)]) -> HashMap<String, Value> {
         let mut tokens: Vec<(String, f32, i32)> = vec![
             ("<unk>".into(), 0.0, 2),
             ("<s>".into(), 0.0, 3),
@@ -1864,17 +1881,8 @@ mod tests {
         for b in 0..=255u8 {
             tokens.push((format!("<0x{b:02X}>"), 0.0, 6));
         }
-        for (t, score) in [
-            ("▁", -1.0),
-            ("a", -2.0),
-            ("b", -3.0),
-            ("c", -4.0),
-            ("ab", -5.0),
-            ("bc", -1.5),
-            ("▁a", -0.5),
-            ("▁b", -6.0),
-        ] {
-            tokens.push((t.into(), score, 1));
+        for (t, score) in entries {
+            tokens.push((t.clone(), *score, 1));
         }
         let mut md = HashMap::new();
         md.insert(KEY_MODEL.into(), s("llama"));
@@ -1974,6 +1982,59 @@ mod tests {
                 let ours = t.encode(text, false).unwrap();
                 let crate_ids = t.inner().encode_fast(text, false).unwrap();
                 assert_eq!(ours, crate_ids.get_ids(), "{text:?} (prefix {prefix})");
+            }
+        }
+    }
+
+    /// Random SentencePiece vocabularies (every character of an entry an entry of its own, as
+    /// in real ones; distinct scores) and random texts with spaces, special tokens and
+    /// characters the vocabulary lacks: gen's encoder and the `tokenizers` form agree.
+    #[test]
+    fn spm_encoder_agrees_with_its_tokenizers_form_on_random_vocabularies() {
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move |n: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n as u64) as usize
+        };
+        let alphabet = ["a", "b", "c", "▁", "é", "日"];
+        let extra = [" ", "x", "\n", "<end_of_turn>", "  ", "ab"];
+        for round in 0..60 {
+            let mut texts: Vec<String> = alphabet.iter().map(|c| c.to_string()).collect();
+            while texts.len() < 40 {
+                let len = 2 + next(4);
+                let t: String = (0..len).map(|_| alphabet[next(alphabet.len())]).collect();
+                if !texts.contains(&t) {
+                    texts.push(t);
+                }
+            }
+            // Distinct scores in a random order.
+            let mut scores: Vec<f32> = (0..texts.len()).map(|i| -(i as f32) - 1.0).collect();
+            for i in (1..scores.len()).rev() {
+                scores.swap(i, next(i + 1));
+            }
+            let entries: Vec<(String, f32)> = texts.into_iter().zip(scores).collect();
+            let t = Tokenizer::from_gguf_metadata(&spm_md_with(round % 2 == 0, &entries)).unwrap();
+            for _ in 0..40 {
+                let text: String = (0..next(24))
+                    .map(|_| match next(4) {
+                        0 => extra[next(extra.len())],
+                        _ => alphabet[next(alphabet.len())],
+                    })
+                    .collect();
+                let ours = t.encode(&text, false).unwrap();
+                let crate_ids = t.inner().encode_fast(text.as_str(), false).unwrap();
+                assert_eq!(ours, crate_ids.get_ids(), "round {round}, {text:?}");
+                assert_eq!(
+                    t.encode_plain(&text).unwrap(),
+                    {
+                        let mut plain = t.inner().clone();
+                        plain.set_encode_special_tokens(true);
+                        plain.encode_fast(text.as_str(), false).unwrap().get_ids().to_vec()
+                    },
+                    "round {round}, {text:?} with special tokens as text"
+                );
             }
         }
     }
