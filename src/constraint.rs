@@ -171,9 +171,8 @@ impl TokenizerEnv for GenTokEnv {
 
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<toktrie::TokenId> {
         // Bytes that are not UTF-8 are spelled greedily from the vocabulary instead.
-        self.trie.tokenize_with_greedy_fallback(s, |text| {
-            self.encoder.encode(text).unwrap_or_default()
-        })
+        self.trie
+            .tokenize_with_greedy_fallback(s, |text| self.encoder.encode(text).unwrap_or_default())
     }
 
     fn tokenize_is_canonical(&self) -> bool {

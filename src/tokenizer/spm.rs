@@ -13,86 +13,14 @@
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
-/// The vocabulary's texts in one buffer, and an open-addressing table from text to id.
-pub(super) struct Lookup {
-    bytes: Vec<u8>,
-    /// Text of id i: `bytes[starts[i]..starts[i + 1]]`.
-    starts: Vec<usize>,
-    /// id + 1 per slot, 0 for empty; a power of two long, at most half full.
-    slots: Vec<u32>,
-}
-
-fn hash(s: &[u8]) -> u64 {
-    const K: u64 = 0x9E37_79B9_7F4A_7C15;
-    let mut h = (s.len() as u64).wrapping_mul(K);
-    let mut chunks = s.chunks_exact(8);
-    for c in &mut chunks {
-        let w = u64::from_le_bytes(c.try_into().expect("8 bytes"));
-        h = (h.rotate_left(23) ^ w).wrapping_mul(K);
-    }
-    let rest = chunks.remainder();
-    if !rest.is_empty() {
-        let mut tail = [0u8; 8];
-        tail[..rest.len()].copy_from_slice(rest);
-        h = (h.rotate_left(23) ^ u64::from_le_bytes(tail)).wrapping_mul(K);
-    }
-    h ^ (h >> 29)
-}
-
-impl Lookup {
-    /// Every text gets its id; where a text repeats, the last id holds it (as llama.cpp's and
-    /// `tokenizers`' maps keep the last one inserted).
-    pub(super) fn new(texts: &[String]) -> Self {
-        let total: usize = texts.iter().map(String::len).sum();
-        let mut bytes = Vec::with_capacity(total);
-        let mut starts = Vec::with_capacity(texts.len() + 1);
-        starts.push(0);
-        for t in texts {
-            bytes.extend_from_slice(t.as_bytes());
-            starts.push(bytes.len());
-        }
-        let mut table = Self {
-            bytes,
-            starts,
-            slots: vec![0; (texts.len() * 2).next_power_of_two().max(16)],
-        };
-        for id in 0..texts.len() as u32 {
-            let slot = table.find(table.text(id));
-            table.slots[slot] = id + 1;
-        }
-        table
-    }
-
-    fn text(&self, id: u32) -> &[u8] {
-        let i = id as usize;
-        &self.bytes[self.starts[i]..self.starts[i + 1]]
-    }
-
-    /// The slot that holds `s`, or the empty slot where it would go.
-    fn find(&self, s: &[u8]) -> usize {
-        let mask = self.slots.len() - 1;
-        let mut slot = hash(s) as usize & mask;
-        loop {
-            match self.slots[slot] {
-                0 => return slot,
-                id if self.text(id - 1) == s => return slot,
-                _ => slot = (slot + 1) & mask,
-            }
-        }
-    }
-
-    /// The id whose text is `s`.
-    pub(super) fn get(&self, s: &str) -> Option<u32> {
-        self.slots[self.find(s.as_bytes())].checked_sub(1)
-    }
-}
+use super::lookup::Lookup;
 
 /// What the encoder needs of a SentencePiece vocabulary.
 pub(super) struct Spm {
     pub(super) lookup: Lookup,
     scores: Vec<f32>,
     /// `<0xNN>` per byte, where the vocabulary has it.
-    byte_ids: [Option<u32>; 256],
+    byte_ids: Box<[Option<u32>; 256]>,
     unk: Option<u32>,
 }
 
@@ -141,7 +69,7 @@ impl Eq for Bigram {}
 impl Spm {
     pub(super) fn new(texts: &[String], scores: Vec<f32>, unk: Option<u32>) -> Self {
         let lookup = Lookup::new(texts);
-        let byte_ids = std::array::from_fn(|b| lookup.get(&format!("<0x{b:02X}>")));
+        let byte_ids = Box::new(std::array::from_fn(|b| lookup.get(&format!("<0x{b:02X}>"))));
         Self {
             lookup,
             scores,
@@ -248,10 +176,22 @@ mod tests {
     #[test]
     fn merges_the_highest_scored_pair_first() {
         // "abc": "ab" (-1) beats "bc" (-2), then "abc" is not an entry: [ab, c].
-        let spm = vocab(&[("a", -9.0), ("b", -9.0), ("c", -9.0), ("ab", -1.0), ("bc", -2.0)]);
+        let spm = vocab(&[
+            ("a", -9.0),
+            ("b", -9.0),
+            ("c", -9.0),
+            ("ab", -1.0),
+            ("bc", -2.0),
+        ]);
         assert_eq!(encode(&spm, "abc"), vec![3, 2]);
         // With "bc" scored higher it is [a, bc].
-        let spm = vocab(&[("a", -9.0), ("b", -9.0), ("c", -9.0), ("ab", -2.0), ("bc", -1.0)]);
+        let spm = vocab(&[
+            ("a", -9.0),
+            ("b", -9.0),
+            ("c", -9.0),
+            ("ab", -2.0),
+            ("bc", -1.0),
+        ]);
         assert_eq!(encode(&spm, "abc"), vec![0, 4]);
     }
 
@@ -288,20 +228,5 @@ mod tests {
         // llama.cpp merges before it falls back: "é" has no entry, "xé" has.
         let spm = vocab(&[("x", 0.0), ("xé", -1.0)]);
         assert_eq!(encode(&spm, "xé"), vec![1]);
-    }
-
-    #[test]
-    fn lookup_keeps_the_last_id_of_a_repeated_text() {
-        let texts: Vec<String> = ["a", "b", "a", ""].iter().map(|s| s.to_string()).collect();
-        let l = Lookup::new(&texts);
-        assert_eq!(l.get("a"), Some(2));
-        assert_eq!(l.get("b"), Some(1));
-        assert_eq!(l.get(""), Some(3));
-        assert_eq!(l.get("c"), None);
-        // Many entries: every one found, nothing else.
-        let texts: Vec<String> = (0..5000).map(|i| format!("t{i}")).collect();
-        let l = Lookup::new(&texts);
-        assert!((0..5000).all(|i| l.get(&format!("t{i}")) == Some(i)));
-        assert_eq!(l.get("t5000"), None);
     }
 }
