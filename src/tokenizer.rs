@@ -32,6 +32,33 @@
 //! they agree by construction, and a character split across several tokens is reassembled
 //! before it is shown.
 
+/// `Ord` and the comparisons it needs for the entries of a merge queue (`BinaryHeap`, whose top
+/// is the greatest), from one ordering of `$a` against `$b`.
+macro_rules! queue_order {
+    ($t:ty, |$a:ident, $b:ident| $order:expr) => {
+        impl Ord for $t {
+            fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+                let ($a, $b) = (self, other);
+                $order
+            }
+        }
+
+        impl PartialOrd for $t {
+            fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+                Some(self.cmp(other))
+            }
+        }
+
+        impl PartialEq for $t {
+            fn eq(&self, other: &Self) -> bool {
+                self.cmp(other) == std::cmp::Ordering::Equal
+            }
+        }
+
+        impl Eq for $t {}
+    };
+}
+
 mod bpe;
 mod lookup;
 mod spm;

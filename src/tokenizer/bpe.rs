@@ -8,7 +8,6 @@
 //! `tokenizers` crate index them instead (it copies every merge and every entry) was 0.14 s
 //! of Llama 3's 280,147 merges, more than half of its tokenizer's build.
 
-use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
 use anyhow::{bail, Result};
@@ -88,26 +87,8 @@ struct Merge {
     id: u32,
 }
 
-impl Ord for Merge {
-    /// The heap's top is the lowest rank, then the leftmost.
-    fn cmp(&self, other: &Self) -> Ordering {
-        other.rank.cmp(&self.rank).then(other.pos.cmp(&self.pos))
-    }
-}
-
-impl PartialOrd for Merge {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl PartialEq for Merge {
-    fn eq(&self, other: &Self) -> bool {
-        self.cmp(other) == Ordering::Equal
-    }
-}
-
-impl Eq for Merge {}
+// The heap's top is the lowest rank, then the leftmost.
+queue_order!(Merge, |a, b| b.rank.cmp(&a.rank).then(b.pos.cmp(&a.pos)));
 
 impl Bpe {
     /// `merges`: the file's `tokenizer.ggml.merges`, each "left right" (split at the first

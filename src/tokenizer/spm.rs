@@ -10,7 +10,6 @@
 //! start. The `tokenizers` crate still cuts the special tokens out of the raw text and
 //! normalizes the rest ([`Spm::encode`] takes its pieces).
 
-use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
 use super::lookup::Lookup;
@@ -43,28 +42,11 @@ struct Bigram {
     len: usize,
 }
 
-impl Ord for Bigram {
-    /// The heap's top is the highest score, then the leftmost.
-    fn cmp(&self, other: &Self) -> Ordering {
-        self.score
-            .total_cmp(&other.score)
-            .then(other.left.cmp(&self.left))
-    }
-}
-
-impl PartialOrd for Bigram {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl PartialEq for Bigram {
-    fn eq(&self, other: &Self) -> bool {
-        self.cmp(other) == Ordering::Equal
-    }
-}
-
-impl Eq for Bigram {}
+// The heap's top is the highest score, then the leftmost.
+queue_order!(Bigram, |a, b| a
+    .score
+    .total_cmp(&b.score)
+    .then(b.left.cmp(&a.left)));
 
 impl Spm {
     pub(super) fn new(texts: &[String], scores: Vec<f32>, unk: Option<u32>) -> Self {
