@@ -157,8 +157,11 @@ impl Checkpoint {
             let at = t.type_pos as usize;
             header[at..at + 4].copy_from_slice(&0u32.to_le_bytes());
         }
-        let content = gguf_file::Content::read(&mut std::io::Cursor::new(header))
+        let mut content = gguf_file::Content::read(&mut std::io::Cursor::new(header))
             .map_err(|e| anyhow!("{shown} is not a readable GGUF file: {e}"))?;
+        // The metadata moves to the checkpoint (tensors are read through the tensor index
+        // alone): a copy was 262,144 token strings and as many scores for Gemma's vocabulary.
+        let metadata = std::mem::take(&mut content.metadata);
         let own = summary
             .own_types
             .into_iter()
@@ -169,8 +172,7 @@ impl Checkpoint {
             .into_iter()
             .map(|(name, ggml, _)| (name, ggml))
             .collect();
-        let arch = content
-            .metadata
+        let arch = metadata
             .get("general.architecture")
             .and_then(|v| v.to_string().ok())
             .cloned()
@@ -182,7 +184,7 @@ impl Checkpoint {
         Ok(Self {
             arch,
             name,
-            metadata: content.metadata.clone(),
+            metadata,
             eos_token_ids: Vec::new(),
             store: Store::Gguf {
                 content,
