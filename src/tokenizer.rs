@@ -63,6 +63,33 @@ mod bpe;
 mod lookup;
 mod spm;
 
+/// `work(first, part)` on consecutive parts of `items` (`first`: the index of the part's first
+/// item), spread over the cores, the results in the parts' order. A part no thread can be had
+/// for runs on this one.
+fn by_parts<I: Sync, T: Send>(items: &[I], work: impl Fn(usize, &[I]) -> T + Sync) -> Vec<T> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+    let chunk = items.len().div_ceil(threads).max(1);
+    let work = &work;
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = items
+            .chunks(chunk)
+            .enumerate()
+            .map(|(i, part)| {
+                std::thread::Builder::new()
+                    .spawn_scoped(scope, move || work(i * chunk, part))
+                    .map_err(|_| (i, part))
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| match w {
+                Ok(w) => w.join().unwrap_or_else(|e| std::panic::resume_unwind(e)),
+                Err((i, part)) => work(i * chunk, part),
+            })
+            .collect()
+    })
+}
+
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::path::Path;
@@ -619,7 +646,7 @@ fn parse_byte_token(text: &str) -> Option<u8> {
 /// A tokenizer with the special ids a generator needs; see the module docs.
 pub struct Tokenizer {
     encoder: Encoder,
-    /// What [`Tokenizer::inner`] returns for a SentencePiece vocabulary, built on first use.
+    /// What [`Tokenizer::inner`] returns for a GGUF vocabulary, built on first use.
     full: OnceLock<tokenizers::Tokenizer>,
     /// The encoder that takes special-token text as text ([`Tokenizer::encode_plain`]).
     plain: OnceLock<Encoder>,
@@ -1424,8 +1451,6 @@ impl OwnEncoder {
 fn spm_merges(tokens: &[String], scores: &[f32], vocab: &Vocab) -> Vec<(String, String)> {
     // Gemma's 262k entries have ~2M split points to look up: spread them over the cores so
     // loading stays well under a second.
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
-    let chunk = tokens.len().div_ceil(threads).max(1);
     let splits_of = |first: usize, part: &[String]| {
         let mut found: Vec<(usize, usize)> = Vec::new();
         for (id, text) in (first..).zip(part) {
@@ -1442,25 +1467,7 @@ fn spm_merges(tokens: &[String], scores: &[f32], vocab: &Vocab) -> Vec<(String, 
         }
         found
     };
-    let mut found: Vec<(usize, usize)> = Vec::new();
-    std::thread::scope(|scope| {
-        let mut workers = Vec::new();
-        for (i, part) in tokens.chunks(chunk).enumerate() {
-            let first = i * chunk;
-            match std::thread::Builder::new().spawn_scoped(scope, move || splits_of(first, part)) {
-                Ok(worker) => workers.push(worker),
-                // No thread to be had: do this share here instead.
-                Err(_) => found.extend(splits_of(first, part)),
-            }
-        }
-        for worker in workers {
-            found.extend(
-                worker
-                    .join()
-                    .unwrap_or_else(|e| std::panic::resume_unwind(e)),
-            );
-        }
-    });
+    let mut found: Vec<(usize, usize)> = by_parts(tokens, splits_of).concat();
     found.sort_unstable_by(|a, b| {
         scores[b.0]
             .total_cmp(&scores[a.0])

@@ -328,9 +328,9 @@ pub fn load_gguf(
             supported.join(", ")
         );
     }
-    // The tokenizer is built on a thread of its own while the weights load (0.1 s for
-    // Gemma's 262k-entry vocabulary, 0.2 s for Llama 3's merges); the model's error, if any,
-    // is said first.
+    // The tokenizer is built on a thread of its own while the weights load (about 0.1 s for
+    // Gemma's 262k-entry vocabulary or Llama 3's 280k merges); the model's error, if any, is
+    // said first.
     let (model, tokenizer, tokenizer_s) = std::thread::scope(|s| {
         let building = s.spawn(|| {
             let started = std::time::Instant::now();

@@ -103,8 +103,6 @@ impl Bpe {
         let lookup = Lookup::new(texts);
         // Three lookups a merge (280,147 merges in Llama 3's file): spread over the cores, each
         // share resolved in rank order, then inserted in rank order.
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
-        let chunk = merges.len().div_ceil(threads).max(1);
         let resolve = |first: usize, part: &[&str]| -> Result<Vec<(u32, u32, u32)>> {
             let mut joined = String::new();
             (first..)
@@ -132,26 +130,7 @@ impl Bpe {
                 })
                 .collect()
         };
-        let resolved: Vec<Result<Vec<(u32, u32, u32)>>> = std::thread::scope(|scope| {
-            let workers: Vec<_> = merges
-                .chunks(chunk)
-                .enumerate()
-                .map(|(i, part)| {
-                    let resolve = &resolve;
-                    std::thread::Builder::new()
-                        .spawn_scoped(scope, move || resolve(i * chunk, part))
-                        .map_err(|_| (i, part))
-                })
-                .collect();
-            workers
-                .into_iter()
-                .map(|w| match w {
-                    Ok(w) => w.join().unwrap_or_else(|e| std::panic::resume_unwind(e)),
-                    // No thread to be had: this share here instead.
-                    Err((i, part)) => resolve(i * chunk, part),
-                })
-                .collect()
-        });
+        let resolved = super::by_parts(merges, resolve);
         let mut pairs = Pairs::with_capacity(merges.len());
         let mut rank = 0u32;
         for part in resolved {
