@@ -701,6 +701,10 @@ impl CpuQWeight {
             #[cfg(target_arch = "x86_64")]
             (WeightType::Q4_1, Kernel::Vnni) => call!(vnni, tile_q4_1),
             #[cfg(target_arch = "x86_64")]
+            (WeightType::Q8_0, Kernel::Avx2) if !act.wide.is_empty() => {
+                with_tokens!(n, N => unsafe { x86::tile_q8_0_i16::<N>(w, a, out, stride, real, stream) })
+            }
+            #[cfg(target_arch = "x86_64")]
             (WeightType::Q8_0, Kernel::Avx2) => call!(avx2, tile_q8_0),
             #[cfg(target_arch = "x86_64")]
             (WeightType::Q8_0, Kernel::Vnni) => call!(vnni, tile_q8_0),
@@ -1103,6 +1107,10 @@ struct ActTiles {
     offset: Vec<f32>,
     /// Q8_0: sum(q). Empty for Q8_1.
     isum: Vec<i32>,
+    /// Q8_0 for the AVX2 prefill kernel (`x86::tile_q8_0_i16`), else empty: per slot, the 32
+    /// quants as 16 pairs of i16, (q[4c], q[4c + 2]) and (q[4c + 1], q[4c + 3]) for c in 0..8
+    /// ([`super::q8::i16_pairs`]), 64 bytes at slot * 16.
+    wide: Vec<i32>,
     /// Blocks in a token's row.
     nb: usize,
     chunks: usize,
@@ -1116,6 +1124,7 @@ struct ActChunk {
     scale: *const f32,
     offset: *const f32,
     isum: *const i32,
+    wide: *const i32,
 }
 
 impl ActTiles {
@@ -1138,6 +1147,7 @@ impl ActTiles {
             } else {
                 vec![0; slots]
             },
+            wide: Vec::new(),
             nb,
             chunks,
         };
@@ -1196,6 +1206,9 @@ impl ActTiles {
         } else {
             work.into_iter().for_each(run);
         }
+        if !with_sums && kernel == Kernel::Avx2 && t >= super::q8::I16_TOKENS {
+            a.wide = super::q8::i16_pairs(&a.qs);
+        }
         a
     }
 
@@ -1210,6 +1223,7 @@ impl ActTiles {
             scale: self.scale.as_ptr().wrapping_add(at),
             offset: self.offset.as_ptr().wrapping_add(at),
             isum: self.isum.as_ptr().wrapping_add(at),
+            wide: self.wide.as_ptr().wrapping_add(at * 16),
         }
     }
 }
@@ -1795,6 +1809,59 @@ mod x86 {
         _mm256_xor_si256(w, _mm256_set1_epi8(-128))
     }
 
+    /// N tokens' activations (Q8_0, with [`super::ActTiles::wide`]) against a tile of 8 Q8_0
+    /// rows on AVX2, written as `tile_q8_0` writes: the codes sign-extended to 16 bits once per
+    /// block (their even and odd bytes of each 4, by shifts) and multiplied by the activations'
+    /// i16 pairs with one madd per 16 products, where the 8-bit route takes two signs, a
+    /// maddubs and a madd per 32 (all four on the same two pipes of Zen 3 and 4). The same
+    /// integer sums, so the same bits.
+    ///
+    /// # Safety
+    /// As for `tile_q8_0`; `a.wide` holds the chunk's pairs.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn tile_q8_0_i16<const N: usize>(
+        w: super::Tile<'_>,
+        a: super::ActChunk,
+        out: *mut f32,
+        stride: usize,
+        real: usize,
+        stream: bool,
+    ) {
+        use crate::model::cpu::q8::simd::{prefetch, store, widen};
+        let nb = w.d.len() / 8;
+        debug_assert!(w.qs.len() >= nb * 256);
+        const AHEAD: usize = super::PREFETCH_AHEAD;
+        let mut acc = [_mm256_setzero_ps(); N];
+        for b in 0..nb {
+            let base = w.qs.as_ptr().add(b * 256);
+            if stream {
+                for l in 0..4 {
+                    prefetch(base.wrapping_add(AHEAD + l * 64));
+                }
+            }
+            let wa = a.wide.add(b * super::TOKENS * 16);
+            let mut s = [_mm256_setzero_si256(); N];
+            for c in 0..8 {
+                let x = _mm256_loadu_si256(base.add(c * 32) as *const __m256i);
+                let lo = _mm256_srai_epi16(_mm256_slli_epi16(x, 8), 8);
+                let hi = _mm256_srai_epi16(x, 8);
+                for (i, s) in s.iter_mut().enumerate() {
+                    let p = wa.add(i * 16 + 2 * c);
+                    let e = _mm256_madd_epi16(lo, _mm256_set1_epi32(*p));
+                    let o = _mm256_madd_epi16(hi, _mm256_set1_epi32(*p.add(1)));
+                    *s = _mm256_add_epi32(*s, _mm256_add_epi32(e, o));
+                }
+            }
+            let dw = widen(w.d.as_ptr().add(b * 8));
+            let sb = a.scale.add(b * 8);
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let d = _mm256_mul_ps(dw, _mm256_set1_ps(*sb.add(i)));
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), d, *acc);
+            }
+        }
+        store(&acc, out, stride, real);
+    }
+
     x86_kernels!(
         avx2,
         "avx2,fma,f16c",
@@ -1836,8 +1903,9 @@ mod tests {
     /// The 512-bit kernels (two row groups a call, four for F16/BF16) give the 256-bit ones'
     /// bits, and the VNNI kernels the AVX2 ones' (but for the biased types): every type gen
     /// tiles, as a fused projection of parts whose widths are not multiples of 16 (so quads,
-    /// pairs, single groups and ragged ends all occur, as in a fused q/k/v), 1 to 13 tokens
-    /// (calls of 6 and 8 tokens and their remainders); each part of the fused product equals
+    /// pairs, single groups and ragged ends all occur, as in a fused q/k/v), 1 to 21 tokens
+    /// (calls of 6 and 8 tokens and their remainders; from 16, AVX2's 16-bit route for Q8_0,
+    /// `q8::I16_TOKENS`); each part of the fused product equals
     /// the part's own product, whose groups go together differently.
     #[test]
     fn paired_groups_and_parts_give_the_same_bits() {
@@ -1875,7 +1943,7 @@ mod tests {
             };
             let widths = [13, 24, 40, 72];
             let raws: Vec<Vec<u8>> = widths.iter().map(|&n| raw(n, n as u64 + 5)).collect();
-            for t in [1, 3, 8, 11, 13] {
+            for t in [1, 3, 8, 11, 13, 16, 21] {
                 let x = test_data(t * k, 40 + t as u64);
                 let mut whole = Vec::new();
                 for &kernel in kernels.iter().filter(|k| **k != Kernel::Scalar) {

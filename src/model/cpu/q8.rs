@@ -176,6 +176,36 @@ impl Call {
 /// tokens, do not ask.
 pub const PREFETCH_AHEAD: usize = 2048;
 
+/// Tokens from which AVX2 multiplies Q8_0 weights by the activations in 16 bits
+/// (`matmul::x86::tile_q8_0_i16`): `vpmaddwd` on the codes sign-extended once per block and
+/// the activations' i16 pairs ([`i16_pairs`]), 16 products an instruction, instead of the sign
+/// trick's two `vpsignb`, a `vpmaddubsw` and a `vpmaddwd` for 32, which share the same two pipes
+/// on Zen 3 and 4 (one on Zen 1). Below it (a decode step) the codes would be widened for too
+/// few tokens.
+pub const I16_TOKENS: usize = 16;
+
+/// Activation quants in 32-byte slots as the 16-bit kernel reads them: per 4 quants q0..q3,
+/// the words (q0, q2) and (q1, q3), each sign-extended to i16, the first in the low half. A
+/// code register's 4 bytes a row split the same way by shifts (even bytes: left 8 then
+/// arithmetic right 8; odd: arithmetic right 8), so one `vpmaddwd` adds a row's two products.
+pub fn i16_pairs(qs: &[u8]) -> Vec<i32> {
+    use rayon::prelude::*;
+    let pair = |lo: u8, hi: u8| {
+        (lo as i8 as i16 as u16 as u32 | (hi as i8 as i16 as u16 as u32) << 16) as i32
+    };
+    let mut wide = vec![0i32; qs.len() / 2];
+    let fill = |(q, w): (&[u8], &mut [i32])| {
+        for (g, w) in q.chunks_exact(4).zip(w.chunks_exact_mut(2)) {
+            w[0] = pair(g[0], g[2]);
+            w[1] = pair(g[1], g[3]);
+        }
+    };
+    qs.par_chunks(1 << 14)
+        .zip(wide.par_chunks_mut(1 << 13))
+        .for_each(fill);
+    wide
+}
+
 /// f32 -> f16 -> f32: the precision llama.cpp stores activation scales in.
 pub fn through_f16(v: f32) -> f32 {
     f16::from_f32(v).to_f32()
