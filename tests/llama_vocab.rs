@@ -200,3 +200,34 @@ fn llama_cpp_vocab_tests_match() {
         "{failures} inputs differ from llama.cpp (see above)"
     );
 }
+
+/// gen decodes a GGUF header itself (`gen::format::header`, for speed); on each of llama.cpp's
+/// vocab files, real headers with hundreds of thousands of strings, scores and token types, it
+/// must give what candle's `Content::read` gives: every key and value, every tensor, where the
+/// data starts.
+#[test]
+fn headers_decode_as_candle_decodes_them() {
+    let models = llama_cpp_tree().join("models");
+    let show = |c: &gguf_file::Content| {
+        let mut md: Vec<String> = c.metadata.iter().map(|kv| format!("{kv:?}")).collect();
+        md.sort();
+        let mut ts: Vec<String> = c
+            .tensor_infos
+            .iter()
+            .map(|(n, t)| format!("{n} {:?} {:?} {}", t.ggml_dtype, t.shape, t.offset))
+            .collect();
+        ts.sort();
+        (c.magic, md, ts, c.tensor_data_offset)
+    };
+    for (name, _) in VOCABS {
+        let path = models.join(format!("ggml-vocab-{name}.gguf"));
+        let bytes = std::fs::read(&path).unwrap();
+        let theirs = gguf_file::Content::read(&mut std::io::Cursor::new(&bytes)).unwrap();
+        let ours = gen::format::header::content(&bytes).unwrap();
+        assert!(theirs.metadata.len() > 10, "{name}");
+        assert!(
+            show(&ours) == show(&theirs),
+            "{name}: gen's header differs from candle's"
+        );
+    }
+}

@@ -157,7 +157,7 @@ impl Checkpoint {
             let at = t.type_pos as usize;
             header[at..at + 4].copy_from_slice(&0u32.to_le_bytes());
         }
-        let mut content = gguf_file::Content::read(&mut std::io::Cursor::new(header))
+        let mut content = super::header::content(&header)
             .map_err(|e| anyhow!("{shown} is not a readable GGUF file: {e}"))?;
         // The metadata moves to the checkpoint (tensors are read through the tensor index
         // alone): a copy was 262,144 token strings and as many scores for Gemma's vocabulary.

@@ -169,7 +169,7 @@ fn min_value_bytes(t: u32) -> Option<u64> {
 
 /// The tensor types candle can load, keyed by their ggml number. This mirrors candle 0.11's
 /// (crate-private) `GgmlDType::from_u32`; a unit test checks the two agree for every number.
-fn candle_dtype(t: u32) -> Option<GgmlDType> {
+pub(crate) fn candle_dtype(t: u32) -> Option<GgmlDType> {
     Some(match t {
         0 => GgmlDType::F32,
         1 => GgmlDType::F16,
