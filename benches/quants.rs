@@ -20,7 +20,11 @@
 //! GEN_KERNEL (the last column; GEN_BENCH_PATHS=0 leaves those out; `amx` and `bf16`, which
 //! differ from the 512-bit path only for BF16 matrices, on files with BF16 only).
 //! GEN_LLAMA_BENCH: the llama-bench binary (default: where `.ci/llama-server llama-bench`
-//! builds it); absent, the rows say "no peer". Not a test: nothing here asserts a speed.
+//! builds it); absent, the rows say "no peer". Where `.ci/llama-server llama-bench-avx2` has
+//! built llama-bench for AVX2 only (or GEN_LLAMA_BENCH_AVX2 names one) and gen has an `avx2`
+//! path, a last column sets gen's AVX2 path beside that build, each program on AVX2 alone:
+//! what a CPU without AVX-512 (Zen 1 to 3) would see, measured on one with it. Not a test:
+//! nothing here asserts a speed.
 
 mod common;
 
@@ -212,6 +216,20 @@ fn paths() -> Vec<Option<&'static str>> {
     p
 }
 
+/// llama-bench built for AVX2 only: GEN_LLAMA_BENCH_AVX2, else where `.ci/llama-server
+/// llama-bench-avx2` puts it; None (silently: it is optional) where neither is there.
+fn avx2_peer() -> Option<PathBuf> {
+    let bin = match std::env::var_os("GEN_LLAMA_BENCH_AVX2") {
+        Some(p) => PathBuf::from(p),
+        None => common::llama_tool("llama-bench", "GEN_LLAMA_BENCH")?
+            .parent()?
+            .parent()?
+            .parent()?
+            .join("build-avx2/bin/llama-bench"),
+    };
+    bin.is_file().then_some(bin)
+}
+
 fn run_gen(
     model: &Path,
     prompt: &Path,
@@ -367,6 +385,10 @@ fn main() {
     let (f32_peak, bf16_peak) = compute_peaks(threads);
     let peak = |p: Option<f64>| p.map_or("-".to_string(), |v| format!("{v:.0}"));
     let peer = common::llama_tool("llama-bench", "GEN_LLAMA_BENCH");
+    let paths = paths();
+    // llama-bench built for AVX2 only, beside gen's forced AVX2 path (index `avx2_at`).
+    let avx2_at = paths.iter().position(|p| *p == Some("avx2"));
+    let peer_avx2 = avx2_at.and_then(|_| avx2_peer());
     println!(
         "read bandwidth {bw:.1} GB/s, f32 / bf16 multiply-add peak {} / {} GMAC/s ({threads} threads) | {runs} rounds, medians | gen vs {}",
         peak(f32_peak),
@@ -375,20 +397,31 @@ fn main() {
             .map_or("no peer".into(), |p| p.display().to_string())
     );
     println!();
-    let paths = paths();
     let forced: Vec<&str> = paths.iter().flatten().copied().collect();
+    let avx2_head = match &peer_avx2 {
+        Some(p) => {
+            println!("AVX2 alone: gen's avx2 path against {}", p.display());
+            println!();
+            " AVX2 alone: llama.cpp's AVX2 build prefill, decode tok/s; gen avx2 / it |"
+        }
+        None => "",
+    };
     println!(
-        "| file (types by bytes) | MB/token | prefill tok/s llama.cpp / gen / ratio | decode tok/s llama.cpp / gen / ratio | roofline tok/s (read GB/s) | gen, llama.cpp / roofline | prefill, decode per path ({}) |",
+        "| file (types by bytes) | MB/token | prefill tok/s llama.cpp / gen / ratio | decode tok/s llama.cpp / gen / ratio | roofline tok/s (read GB/s) | gen, llama.cpp / roofline | prefill, decode per path ({}) |{avx2_head}",
         forced.join(" / ")
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!(
+        "|---|---|---|---|---|---|---|{}",
+        if avx2_head.is_empty() { "" } else { "---|" }
+    );
     let mut mixed = Vec::new();
     for f in files() {
         let (bytes, types) = decode_bytes(&f);
-        let (mut g, mut l) = (
+        let (mut g, mut l, mut l2) = (
             (0..paths.len())
                 .map(|_| Vec::new())
                 .collect::<Vec<Vec<Gen>>>(),
+            Vec::new(),
             Vec::new(),
         );
         // The memory's speed drifts (on a shared host from 12 to 46 GB/s within minutes): the
@@ -408,6 +441,9 @@ fn main() {
             if let Some(bin) = &peer {
                 l.extend(peer_sample(bin, &f, 512, threads));
             }
+            if let Some(bin) = &peer_avx2 {
+                l2.extend(peer_sample(bin, &f, 512, threads));
+            }
         }
         let med = |i: usize, pick: fn(&Gen) -> f64| median(g[i].iter().map(pick).collect());
         let (gp, gd) = (med(0, |s| s.prefill), med(0, |s| s.decode));
@@ -422,13 +458,28 @@ fn main() {
         let ld = median(l.iter().map(|s| s.1).collect());
         let read = median(reads);
         let roof = read * 1e9 / bytes;
+        let avx2 = match (avx2_at, &peer_avx2) {
+            (Some(i), Some(_)) => {
+                let (ap, ad) = (med(i, |s| s.prefill), med(i, |s| s.decode));
+                let lp2 = median(l2.iter().map(|s| s.0).collect());
+                let ld2 = median(l2.iter().map(|s| s.1).collect());
+                format!(
+                    " {}, {}; {}, {} |",
+                    show(lp2, 0),
+                    show(ld2, 1),
+                    ratio(ap, lp2),
+                    ratio(ad, ld2)
+                )
+            }
+            _ => String::new(),
+        };
         let name = f
             .file_stem()
             .unwrap_or_default()
             .to_string_lossy()
             .into_owned();
         println!(
-            "| {name} ({types}) | {:.1} | {} / {gp:.0} / {} | {} / {gd:.1} / {} | {roof:.0} ({read:.1}) | {:.0}%, {} | {per_path} |",
+            "| {name} ({types}) | {:.1} | {} / {gp:.0} / {} | {} / {gd:.1} / {} | {roof:.0} ({read:.1}) | {:.0}%, {} | {per_path} |{avx2}",
             bytes / 1e6,
             show(lp, 0),
             ratio(gp, lp),
