@@ -84,6 +84,27 @@ pub fn content(header: &[u8]) -> Result<Content> {
     })
 }
 
+/// A content as comparable text: the magic, every key and value and every tensor (name, type,
+/// shape, offset), each list sorted, and where the data starts. Two decodings of a header are
+/// the same exactly when these are.
+pub fn canonical(c: &Content) -> String {
+    let mut md: Vec<String> = c.metadata.iter().map(|kv| format!("{kv:?}")).collect();
+    md.sort();
+    let mut ts: Vec<String> = c
+        .tensor_infos
+        .iter()
+        .map(|(n, t)| format!("{n} {:?} {:?} {}", t.ggml_dtype, t.shape, t.offset))
+        .collect();
+    ts.sort();
+    format!(
+        "{:?}\n{}\n{}\n{}",
+        c.magic,
+        md.join("\n"),
+        ts.join("\n"),
+        c.tensor_data_offset
+    )
+}
+
 /// A cursor over the header's bytes; every read is bounds-checked.
 struct Bytes<'a> {
     b: &'a [u8],
@@ -231,18 +252,7 @@ mod tests {
         }
         let ours = content(&h).unwrap();
         let theirs = Content::read(&mut std::io::Cursor::new(&h)).unwrap();
-        let show = |c: &Content| {
-            let mut md: Vec<String> = c.metadata.iter().map(|kv| format!("{kv:?}")).collect();
-            md.sort();
-            let mut ts: Vec<String> = c
-                .tensor_infos
-                .iter()
-                .map(|(n, t)| format!("{n} {:?} {:?} {}", t.ggml_dtype, t.shape, t.offset))
-                .collect();
-            ts.sort();
-            (c.magic, md, ts, c.tensor_data_offset)
-        };
-        assert_eq!(show(&ours), show(&theirs));
+        assert_eq!(canonical(&ours), canonical(&theirs));
         assert_eq!(ours.metadata.len(), 15);
         assert_eq!(ours.tensor_data_offset % 64, 0);
         // Cut anywhere, it is an error, never a panic.
