@@ -1,9 +1,9 @@
 //! A GGUF header, already checked by [`super::gguf::validate`], decoded from memory into the
 //! form candle's loader takes (`gguf_file::Content`): what candle's own `Content::read` makes
-//! of the same bytes, value for value, in a fifth of the time. candle reads through a cursor
-//! one field at a time and copies every string twice (Gemma 3's 262,144 token strings, scores
-//! and types: about 40 ms of a 0.3 s start); here each string is one allocation, reused as
-//! the `String` when it is valid UTF-8.
+//! of the same bytes, value for value, somewhat faster. candle reads through a cursor one field
+//! at a time and copies every string twice; here each string is one allocation. Gemma 3's
+//! header (262,144 token strings, scores and types): 21-38 ms with candle's reader, 18-32 with
+//! this one (Zen 4), about 15 ms of a 0.27 s start. Allocating its 800,000 values bounds both.
 
 use std::collections::HashMap;
 
