@@ -217,11 +217,12 @@ fn paths() -> Vec<Option<&'static str>> {
 }
 
 /// llama-bench built for AVX2 only: GEN_LLAMA_BENCH_AVX2, else where `.ci/llama-server
-/// llama-bench-avx2` puts it; None (silently: it is optional) where neither is there.
-fn avx2_peer() -> Option<PathBuf> {
+/// llama-bench-avx2` puts it beside `peer`'s build; None (silently: it is optional) where
+/// neither is there.
+fn avx2_peer(peer: Option<&Path>) -> Option<PathBuf> {
     let bin = match std::env::var_os("GEN_LLAMA_BENCH_AVX2") {
         Some(p) => PathBuf::from(p),
-        None => common::llama_tool("llama-bench", "GEN_LLAMA_BENCH")?
+        None => peer?
             .parent()?
             .parent()?
             .parent()?
@@ -388,7 +389,7 @@ fn main() {
     let paths = paths();
     // llama-bench built for AVX2 only, beside gen's forced AVX2 path (index `avx2_at`).
     let avx2_at = paths.iter().position(|p| *p == Some("avx2"));
-    let peer_avx2 = avx2_at.and_then(|_| avx2_peer());
+    let peer_avx2 = avx2_at.and_then(|_| avx2_peer(peer.as_deref()));
     println!(
         "read bandwidth {bw:.1} GB/s, f32 / bf16 multiply-add peak {} / {} GMAC/s ({threads} threads) | {runs} rounds, medians | gen vs {}",
         peak(f32_peak),
