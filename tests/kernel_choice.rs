@@ -100,7 +100,7 @@ fn paths_are_measured_once_kept_and_give_the_same_text() {
         "{name}"
     );
     let kept = std::fs::read_to_string(&files[0]).unwrap();
-    assert!(kept.starts_with("gen kernel choices v4\n"), "{kept}");
+    assert!(kept.starts_with("gen kernel choices v5\n"), "{kept}");
     for ty in ["Q4_1", "Q8_0"] {
         for call in ["one", "few", "chunk"] {
             let line = kept
@@ -118,7 +118,7 @@ fn paths_are_measured_once_kept_and_give_the_same_text() {
     assert!(!forced.contains("measured"), "{forced}");
     assert_eq!(std::fs::read_to_string(&files[0]).unwrap(), kept);
     // A damaged file is said, measured again and replaced.
-    std::fs::write(&files[0], "gen kernel choices v4\nQ4_1 one warp-drive\n").unwrap();
+    std::fs::write(&files[0], "gen kernel choices v5\nQ4_1 one warp-drive\n").unwrap();
     let (third, err3) = run(cache, None);
     assert!(err3.contains("unreadable"), "{err3}");
     assert!(err3.contains("measured this CPU's kernel paths"), "{err3}");
@@ -150,7 +150,7 @@ fn paths_are_measured_once_kept_and_give_the_same_text() {
         assert!(err4.contains("measured this CPU's kernel paths"), "{err4}");
         let replaced = std::fs::read_to_string(&files[0]).unwrap();
         assert!(
-            replaced.starts_with("gen kernel choices v4\n"),
+            replaced.starts_with("gen kernel choices v5\n"),
             "{replaced}"
         );
     }

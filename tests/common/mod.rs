@@ -10,6 +10,7 @@ use gen::source::{self, FetchOptions, ModelSpec};
 
 pub mod hf;
 pub mod suite;
+pub mod typed;
 
 /// A known model, fetched (once per cache) through the same code path users get.
 pub fn known(name: &str) -> PathBuf {

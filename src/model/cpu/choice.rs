@@ -33,7 +33,10 @@ pub use super::q8::{Call, FEW};
 /// near-tie goes to AVX2 (`preferred_first`). 3: a debug build keeps its choices in a file of
 /// its own (`choices_file`); a v2 file may hold a debug build's, so it is measured again.
 /// 4: BF16 chunks may take the `vdpbf16ps` path ([`Kernel::Bf16`]), which a v3 file never timed.
-const VERSION: u32 = 4;
+/// 5: a type's paths all give the same bits ([`Kernel::agrees`]; a v4 file could give BF16
+/// chunks to AMX or `vdpbf16ps` and decode steps to the 512-bit path), and the Q8_K types'
+/// 512-bit kernels gather their sums in integers, as AVX2's do, so they time differently.
+const VERSION: u32 = 5;
 
 /// How much faster than the preferred path (the first of [`preferred_first`]) another must be
 /// to be chosen.
@@ -134,6 +137,12 @@ pub fn choose(ws: &mut [&mut CpuQWeight]) -> Chosen {
                     let evict = (call != Call::Many).then(|| &*evict);
                     let mut order = preferred_first(&paths, call);
                     order.retain(|k| refs.iter().all(|w| w.takes(*k)));
+                    // A token's products must not change with the size of its pass: after the
+                    // one-token call's pick, the others choose among the paths that give its
+                    // bits (`Kernel::agrees`).
+                    if let Some(one) = kept.get(ty, Call::One).or(fresh.get(ty, Call::One)) {
+                        order.retain(|k| Kernel::agrees(*k, one));
+                    }
                     let times = time_paths(&refs, &order, call, evict);
                     fresh.set(ty, call, &order, &times);
                 }
@@ -163,11 +172,24 @@ pub fn choose(ws: &mut [&mut CpuQWeight]) -> Chosen {
     }
     for w in ws.iter_mut() {
         let ty = w.type_name();
-        let pick = Call::ALL.map(|c| kept.get(ty, c).unwrap_or(paths[0]));
+        let pick = agreeing(Call::ALL.map(|c| kept.get(ty, c).unwrap_or(paths[0])));
         w.set_paths(pick);
     }
     done.file = Some(file);
     done
+}
+
+/// The kept paths of one type (one token, a few, a chunk), with any that would not give the
+/// one-token path's bits replaced by it: a file written by hand, or by a gen whose kernels
+/// differed, can mix them.
+fn agreeing(paths: [Kernel; 3]) -> [Kernel; 3] {
+    paths.map(|k| {
+        if Kernel::agrees(k, paths[0]) {
+            k
+        } else {
+            paths[0]
+        }
+    })
 }
 
 /// `done` for a run that cannot keep a measurement, with `why` as its warning: every matrix
@@ -209,13 +231,11 @@ fn preferred_first(paths: &[Kernel], call: Call) -> Vec<Kernel> {
     if call == Call::One {
         order.sort_by_key(|k| *k != Kernel::Avx2);
     }
-    // AMX and `vdpbf16ps` serve calls of many tokens only (`Kernel::forced_paths`). (`vdpbf16ps`
-    // timed for a few tokens on Zen 4, 2026-12-06, 3 calibrations: 2.2-2.8 ms against the
-    // 512-bit path's 1.7-2.0; rearranging a call's groups costs more than 4 tokens save.)
-    #[cfg(target_arch = "x86_64")]
-    if call != Call::Many {
-        order.retain(|k| !matches!(k, Kernel::Amx | Kernel::Bf16));
-    }
+    // AMX and `vdpbf16ps` are timed for every kind of call: a BF16 matrix takes one of them for
+    // all its calls or for none (their sums are not the 512-bit kernel's), and which is decided
+    // by the one-token call (`choose`). (`vdpbf16ps` timed for a few tokens on Zen 4,
+    // 2026-12-06, 3 calibrations: 2.2-2.8 ms against the 512-bit path's 1.7-2.0; rearranging
+    // a call's groups costs more than 4 tokens save.)
     let _ = call;
     order
 }

@@ -1901,12 +1901,12 @@ mod tests {
     use super::*;
 
     /// The 512-bit kernels (two row groups a call, four for F16/BF16) give the 256-bit ones'
-    /// bits, and the VNNI kernels the AVX2 ones' (but for the biased types): every type gen
-    /// tiles, as a fused projection of parts whose widths are not multiples of 16 (so quads,
-    /// pairs, single groups and ragged ends all occur, as in a fused q/k/v), 1 to 21 tokens
-    /// (calls of 6 and 8 tokens and their remainders; from 16, AVX2's 16-bit route for Q8_0,
-    /// `q8::I16_TOKENS`); each part of the fused product equals
-    /// the part's own product, whose groups go together differently.
+    /// bits, and the VNNI kernels the AVX2 ones': every type gen tiles, as a fused projection
+    /// of parts whose widths are not multiples of 16 (so quads, pairs, single groups and
+    /// ragged ends all occur, as in a fused q/k/v), 1 to 64 tokens (calls of 6 and 8 tokens
+    /// and their remainders; from 16, AVX2's 16-bit route for Q8_0, `q8::I16_TOKENS`; from 24,
+    /// the F16/BF16 kernels' wider blocks, `WIDEN_TOKENS`); each part of the fused product
+    /// equals the part's own product, whose groups go together differently.
     #[test]
     fn paired_groups_and_parts_give_the_same_bits() {
         let kernels = crate::model::cpu::q8::test_kernels();
@@ -1943,7 +1943,7 @@ mod tests {
             };
             let widths = [13, 24, 40, 72];
             let raws: Vec<Vec<u8>> = widths.iter().map(|&n| raw(n, n as u64 + 5)).collect();
-            for t in [1, 3, 8, 11, 13, 16, 21] {
+            for t in [1, 3, 8, 11, 13, 16, 21, 24, 45, 64] {
                 let x = test_data(t * k, 40 + t as u64);
                 let mut whole = Vec::new();
                 for &kernel in kernels.iter().filter(|k| **k != Kernel::Scalar) {
@@ -1958,14 +1958,10 @@ mod tests {
                     }
                     whole.push((kernel, parts));
                 }
-                // The Q8_K types scale the same integer sums in another order on each: VNNI
-                // takes Q3_K, Q6_K and IQ4_XS another route (signed codes, biased
-                // activations: `Spec::biased`), AVX2 applies all their sub-scales in
-                // integers. kernels_match_ggml_dequantization holds them to the scalar
-                // kernel's sums within float rounding.
-                let q8k =
-                    quants::QType::from_ggml(id).is_some_and(|q| q.spec().act == quants::Act::Q8K);
-                for (kernel, parts) in whole[1..].iter().filter(|_| !q8k) {
+                // Every SIMD path gives the same bits for every type and token count: what lets
+                // the kernel choice take different paths for a decode step, a batch step and
+                // a prefill chunk without a token's logits depending on its pass.
+                for (kernel, parts) in &whole[1..] {
                     assert_eq!(
                         parts, &whole[0].1,
                         "type {id}: {kernel:?} vs {:?} t={t}",

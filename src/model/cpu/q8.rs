@@ -94,21 +94,55 @@ impl Kernel {
         false
     }
 
-    /// The paths for one token, a few and a prefill chunk where `GEN_KERNEL` forces them:
-    /// `amx` forces AMX for chunks (on the 512-bit path elsewhere) where the CPU has it, `bf16`
-    /// the `vdpbf16ps` path likewise.
+    /// The paths for one token, a few and a prefill chunk where `GEN_KERNEL` forces them, on
+    /// a matrix laid out for `layout`: `amx` forces AMX for every call (where the CPU has it;
+    /// else the 512-bit path), `bf16` the `vdpbf16ps` path likewise, so a token's products do
+    /// not change with the size of its pass. `GEN_KERNEL=ONE/FEW/CHUNK` (say
+    /// `avx2/avx512/bf16`) forces a path per kind of call ([`Call`]), as a measured choice may
+    /// mix them: what the tests run to check that every mix the CPU offers gives the same
+    /// bits. A path the CPU or the layout cannot take is the layout's own.
     pub fn forced_paths(layout: Kernel) -> [Kernel; 3] {
+        let forced = std::env::var("GEN_KERNEL").unwrap_or_default();
+        match Self::per_call(&forced) {
+            Some(names) => names.map(|n| Self::forced_one(n, layout)),
+            None => [Self::forced_one(&forced, layout); 3],
+        }
+    }
+
+    /// The three names of a `GEN_KERNEL=ONE/FEW/CHUNK` value, or None for another value.
+    pub fn per_call(forced: &str) -> Option<[&str; 3]> {
+        let mut parts = forced.split('/');
+        let names = [parts.next()?, parts.next()?, parts.next()?];
+        parts.next().is_none().then_some(names)
+    }
+
+    /// The path `GEN_KERNEL`'s `name` asks for on a matrix laid out for `layout`: `avx2`,
+    /// `avx512`, `amx` or `bf16` where the CPU and layout can take it, else the layout's own.
+    fn forced_one(name: &str, layout: Kernel) -> Kernel {
         #[cfg(target_arch = "x86_64")]
         if layout == Kernel::Vnni {
-            let forced = std::env::var("GEN_KERNEL").unwrap_or_default();
-            if forced == "amx" && super::amx::ready() {
-                return [Kernel::Vnni, Kernel::Vnni, Kernel::Amx];
-            }
-            if forced == "bf16" && super::bf16_dot::ready() {
-                return [Kernel::Vnni, Kernel::Vnni, Kernel::Bf16];
-            }
+            return match name {
+                "avx2" => Kernel::Avx2,
+                "amx" if super::amx::ready() => Kernel::Amx,
+                "bf16" if super::bf16_dot::ready() => Kernel::Bf16,
+                _ => Kernel::Vnni,
+            };
         }
-        [layout; 3]
+        let _ = name;
+        layout
+    }
+
+    /// Whether paths `a` and `b` give the same bits for every product of a matrix that takes
+    /// them ([`super::matmul::CpuQWeight::takes`]): the AVX2 and 512-bit kernels do for every
+    /// type (the same integer sums, then the same float operations in the same order); AMX and
+    /// `vdpbf16ps` sum BF16 products in another order, so they agree only with themselves.
+    pub fn agrees(a: Kernel, b: Kernel) -> bool {
+        let class = |k: Kernel| match k {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => Kernel::Vnni,
+            k => k,
+        };
+        class(a) == class(b)
     }
 }
 

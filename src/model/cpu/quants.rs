@@ -413,7 +413,7 @@ impl Spec {
     }
 
     /// A super-block's header in a tile: the 8 rows' d, then their dm (f16 bits), or for the
-    /// `biased` types their f32 `corr` (see [`super_corr`]).
+    /// `biased` types their i32 `corr` (see [`super_corr`]).
     pub const fn hdr_bytes(&self) -> usize {
         if self.has_dm() {
             32
@@ -745,7 +745,7 @@ fn repack_group<const TY: u8>(src: &[u8], real: usize, nsb: usize, out: &mut [u8
                 out[h + 16 + 2 * r..h + 18 + 2 * r].copy_from_slice(&dm.to_le_bytes());
             }
             if spec.biased() {
-                let corr = super_corr(spec, d, canon).to_le_bytes();
+                let corr = super_corr(spec, canon).to_le_bytes();
                 out[h + 16 + 4 * r..h + 20 + 4 * r].copy_from_slice(&corr);
             }
             for (i, c) in canon.iter().enumerate() {
@@ -755,12 +755,13 @@ fn repack_group<const TY: u8>(src: &[u8], real: usize, nsb: usize, out: &mut [u8
     }
 }
 
-/// What biasing the activations by 128 adds to one row's sums over a super-block of a
-/// `biased` type, in the units of the activation scale: d * (128 * sum over its blocks (or
-/// halves) of sub-scale * sum of the signed codes), rounded to f32 once. Every VNNI kernel
-/// subtracts it from the super-block's scaled sums before the activation scale.
+/// What biasing the activations by 128 adds to one row's integer sums over a super-block of a
+/// `biased` type: 128 * (sum over its blocks (or halves) of sub-scale * sum of the signed
+/// codes), an i32 (kept modulo 2^32: the kernels' sums wrap alike, so the difference is
+/// exact). Every VNNI kernel subtracts it from the super-block's sub-scaled integer sum before
+/// any float operation, so that sum is the one AVX2's kernel makes without a bias, bit for bit.
 #[inline(always)]
-fn super_corr(spec: Spec, d: u16, canon: &[Canon]) -> f32 {
+fn super_corr(spec: Spec, canon: &[Canon]) -> i32 {
     let parts = if spec.halves { 2 } else { 1 };
     let per = QK / parts;
     let mut c: i64 = 0;
@@ -776,7 +777,7 @@ fn super_corr(spec: Spec, d: u16, canon: &[Canon]) -> f32 {
             c += blk.sc[h] as i8 as i64 * w;
         }
     }
-    f16::from_bits(d).to_f32() * (128 * c) as f32
+    (128 * c) as i32
 }
 
 /// Block b of row r of a group (`out`: the group's bytes) into its planes and scale bytes.

@@ -8,14 +8,15 @@
 use crate::model::cpu::q8::simd::{dot_s_avx2, dot_u_avx2, dot_u_vnni};
 
 /// One token's block sums s0, s1 (the halves' integer dot products, one lane a row) folded
-/// into its running sums, as the type has it: the centre off with the activation sums, the
-/// sub-scales (per half or per block), the activation scale now or once per super-block
-/// (`facc`), the minimum terms. Written once for the 256- and 512-bit kernels, whose
-/// intrinsics come first ([sub, set1, add (i32), convert, mul, fmadd, set1 (f32)]).
+/// into its running sums, for the types whose activations have a scale per block (Q8_0,
+/// Q8_1): the centre off with the activation sums, the block's scale times the activation
+/// scale, the minimum terms. (The Q8_K types gather their sums in integers instead:
+/// `int_fold`.) Written once for the 256- and 512-bit kernels, whose intrinsics come first
+/// ([sub, set1, add (i32), convert, mul, fmadd, set1 (f32)]).
 macro_rules! fold_sums {
     (
         [$sub:path, $set1:path, $add:path, $cvt:path, $mul:path, $fma:path, $set1f:path],
-        $spec:expr, $centre:expr, $per_sb:expr, $s0:ident, $s1:ident, $acc:expr, $facc:expr,
+        $spec:expr, $centre:expr, $s0:ident, $s1:ident, $acc:expr,
         ($scale0:expr, $min0:expr), ($scale1:expr, $min1:expr), $da:expr, $a:expr, $slot:expr
     ) => {{
         let isum = $a.isum.add($slot * 4);
@@ -25,25 +26,16 @@ macro_rules! fold_sums {
                 $s0 = $sub($s0, $set1(*isum));
                 $s1 = $sub($s1, $set1(*isum.add(1)));
             }
-            if $per_sb {
-                $facc = $fma($cvt($s0), $scale0, $facc);
-                $facc = $fma($cvt($s1), $scale1, $facc);
-            } else {
-                let f = $mul($cvt($s0), $scale0);
-                let f = $fma($cvt($s1), $scale1, f);
-                $acc = $fma(f, $da, $acc);
-            }
+            let f = $mul($cvt($s0), $scale0);
+            let f = $fma($cvt($s1), $scale1, f);
+            $acc = $fma(f, $da, $acc);
         } else {
             let mut s = $add($s0, $s1);
             if $centre != 0 {
                 s = $sub(s, $set1(*isum.add(2)));
             }
-            if $per_sb {
-                $facc = $fma($cvt(s), $scale0, $facc);
-            } else {
-                let d = $mul($scale0, $da);
-                $acc = $fma($cvt(s), d, $acc);
-            }
+            let d = $mul($scale0, $da);
+            $acc = $fma($cvt(s), d, $acc);
         }
         $crate::model::cpu::quants_x86::min_terms!([$fma, $set1f], $spec, $acc, $min0, $min1, asum);
     }};
@@ -217,8 +209,12 @@ macro_rules! quant_kernels {
                 let biased = $vnni && spec.biased();
                 // AVX2 takes the centred types' centre off in 16 bits (`Spec::i16_centred`).
                 let centred = !$vnni && spec.i16_centred();
-                // AVX2 applies the Q8_K types' integer sub-scales in its madds.
-                let int_fold = !$vnni && spec.act == Act::Q8K;
+                // The Q8_K types' sub-scaled sums gather in integers over a super-block
+                // (`gather`): AVX2 applies the sub-scales in its madds, VNNI multiplies its
+                // dpbusd sums by them. Integer sums are exact, so both make the same ones, and
+                // the float operations after them are the same: the two paths give the same
+                // bits.
+                let int_fold = spec.act == Act::Q8K;
                 let centre = if centred {
                     0
                 } else {
@@ -230,14 +226,14 @@ macro_rules! quant_kernels {
                 }
                 let table = _mm256_loadu_si256(table.as_ptr() as *const __m256i);
                 let mut acc = [_mm256_setzero_ps(); N];
-                // Q8_K activations have one scale per super-block: the blocks' scaled sums
-                // gather here and meet that scale once per super-block.
-                let per_sb = spec.act == Act::Q8K;
+                // Q8_K activations have one scale per super-block: the blocks' sub-scaled
+                // integer sums gather here (as i32 bits) and meet that scale once per
+                // super-block.
                 let mut facc = [_mm256_setzero_ps(); N];
                 const AHEAD: usize = super::super::q8::PREFETCH_AHEAD;
                 let mut dv = _mm256_setzero_ps();
                 let mut dmv = _mm256_setzero_ps();
-                let mut corr = _mm256_setzero_ps();
+                let mut corr = _mm256_setzero_si256();
                 for b in 0..nb {
                     let base = buf.add(spec.block_at(b));
                     if stream {
@@ -254,7 +250,7 @@ macro_rules! quant_kernels {
                             dmv = widen(hdr.add(16) as *const u16);
                         }
                         if biased {
-                            corr = _mm256_loadu_ps(hdr.add(16) as *const f32);
+                            corr = _mm256_loadu_si256(hdr.add(16) as *const __m256i);
                         }
                     }
                     let mut wv = unpack::<TY>(base, table);
@@ -285,7 +281,8 @@ macro_rules! quant_kernels {
                     };
                     let (scale0, min0) = sub(0);
                     let (scale1, min1) = if spec.halves { sub(1) } else { (scale0, min0) };
-                    let (mul0, mul1) = madd_factors::<TY>(base, int_fold);
+                    let (mul0, mul1) = madd_factors::<TY>(base, int_fold && !$vnni);
+                    let (isc0, isc1) = int_scales::<TY>(base, int_fold && $vnni);
                     let qb = a.qs.add(b * 256);
                     for (i, (acc, facc)) in acc.iter_mut().zip(facc.iter_mut()).enumerate() {
                         let slot = b * TOKENS + i;
@@ -313,9 +310,20 @@ macro_rules! quant_kernels {
                         }
                         let da = _mm256_set1_ps(*a.d.add(slot));
                         if int_fold {
+                            if $vnni {
+                                // The sub-scales, in integers (AVX2 took them in its madds).
+                                if spec.halves {
+                                    s0 = _mm256_mullo_epi32(s0, isc0);
+                                    s1 = _mm256_mullo_epi32(s1, isc1);
+                                } else {
+                                    s0 = _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), isc0);
+                                    s1 = _mm256_setzero_si256();
+                                }
+                            }
                             let last = b % spec.per_super == spec.per_super - 1;
                             let (mins, asum) = ((min0, min1), a.asum.add(slot * 4));
-                            gather::<TY>(acc, facc, (s0, s1), mins, asum, last, (dv, da));
+                            let corr = biased.then_some(corr);
+                            gather::<TY>(acc, facc, (s0, s1), mins, asum, (last, corr), (dv, da));
                             continue;
                         }
                         fold_sums!(
@@ -330,24 +338,15 @@ macro_rules! quant_kernels {
                             ],
                             spec,
                             centre,
-                            per_sb,
                             s0,
                             s1,
                             *acc,
-                            *facc,
                             (scale0, min0),
                             (scale1, min1),
                             da,
                             a,
                             slot
                         );
-                        if per_sb && b % spec.per_super == spec.per_super - 1 {
-                            if biased {
-                                *facc = _mm256_sub_ps(*facc, corr);
-                            }
-                            *acc = _mm256_fmadd_ps(*facc, da, *acc);
-                            *facc = _mm256_setzero_ps();
-                        }
                     }
                 }
                 store(&acc, out, stride, real);
@@ -376,6 +375,31 @@ macro_rules! quant_kernels {
                 };
                 let m0 = sc16(0);
                 (m0, if spec.halves { sc16(1) } else { m0 })
+            }
+
+            /// VNNI's integer sub-scales of a block (halves 0 and 1), one i32 lane a row, for
+            /// the Q8_K types (`int_fold`), else zeros: the values AVX2's madds take
+            /// (`madd_factors`).
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn int_scales<const TY: u8>(
+                base: *const u8,
+                int_fold: bool,
+            ) -> (__m256i, __m256i) {
+                let spec = spec_of(TY);
+                if !int_fold {
+                    return (_mm256_setzero_si256(), _mm256_setzero_si256());
+                }
+                let sc = |h: usize| {
+                    let at = base.add(spec.plane_bytes() + h * 8) as *const __m128i;
+                    let mut raw = _mm_loadl_epi64(at);
+                    if spec.min == Min::Packed {
+                        raw = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+                    }
+                    _mm256_cvtepi8_epi32(raw)
+                };
+                let m0 = sc(0);
+                (m0, if spec.halves { sc(1) } else { m0 })
             }
 
             /// One token's block sums (halves 0 and 1) on AVX2: the maddubs results of
@@ -427,9 +451,10 @@ macro_rules! quant_kernels {
                 (s0, s1)
             }
 
-            /// AVX2, Q8_K types: a token's sub-scaled block sums gather in integers over the
+            /// Q8_K types: a token's sub-scaled block sums gather in integers over the
             /// super-block (in `facc`'s bits), meeting d and the activation scale once (at the
-            /// `last` block); the minimum terms go into `acc` per block (`min_terms`).
+            /// `last` block, after the bias's `corr` comes off where given); the minimum terms
+            /// go into `acc` per block (`min_terms`). The 512-bit kernel does the same per lane.
             #[inline]
             #[allow(clippy::too_many_arguments)]
             #[target_feature(enable = $features)]
@@ -439,11 +464,12 @@ macro_rules! quant_kernels {
                 (s0, s1): (__m256i, __m256i),
                 (min0, min1): (__m256, __m256),
                 asum: *const f32,
-                last: bool,
+                (last, corr): (bool, Option<__m256i>),
                 (dv, da): (__m256, __m256),
             ) {
                 let spec = spec_of(TY);
-                let isb = _mm256_add_epi32(_mm256_castps_si256(*facc), _mm256_add_epi32(s0, s1));
+                let mut isb =
+                    _mm256_add_epi32(_mm256_castps_si256(*facc), _mm256_add_epi32(s0, s1));
                 *facc = _mm256_castsi256_ps(isb);
                 super::min_terms!(
                     [_mm256_fmadd_ps, _mm256_set1_ps],
@@ -454,6 +480,9 @@ macro_rules! quant_kernels {
                     asum
                 );
                 if last {
+                    if let Some(corr) = corr {
+                        isb = _mm256_sub_epi32(isb, corr);
+                    }
                     let f = _mm256_cvtepi32_ps(isb);
                     *acc = _mm256_fmadd_ps(f, _mm256_mul_ps(dv, da), *acc);
                     *facc = _mm256_setzero_ps();

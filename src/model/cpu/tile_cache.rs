@@ -38,8 +38,9 @@ use crate::format::mapped::Mapped;
 
 const MAGIC: &[u8; 8] = b"gentiles";
 /// Bumped whenever a layout of [`super::matmul`], [`super::quants`] or [`super::wide16`]
-/// changes, or what this file holds: files of another version are not used.
-pub const VERSION: u32 = 1;
+/// changes, or what this file holds: files of another version are not used. 2: the biased
+/// Q8_K types' `corr` is an i32 of the integer sums, no longer an f32 with d in it.
+pub const VERSION: u32 = 2;
 const HEAD: usize = 8 + 4 + 32 + 8;
 const ALIGN: usize = 64;
 /// Files at least this large are cached unless `GEN_TILE_CACHE=off`.
