@@ -1,6 +1,7 @@
 //! The report printed on stderr after a run: what was generated and what it cost.
 //! Human-readable lines, or one JSON object (`--stats json`) for scripts.
 
+use std::collections::BTreeMap;
 use std::io::Write;
 
 use serde::Serialize;
@@ -16,6 +17,10 @@ pub struct Report {
     pub load_s: f64,
     /// Where `load_s` went.
     pub load: LoadTimes,
+    /// Per weight type, the CPU kernel paths of one token, a few and a chunk (absent off gen's
+    /// CPU kernels): every path of a type gives the same bits, so they say how fast, not what.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub kernels: BTreeMap<String, String>,
     pub prompt_tokens: usize,
     /// Of the prompt tokens, how many came from the prefix cache or a prompt-cache file.
     pub cached_tokens: usize,
@@ -165,6 +170,7 @@ impl Report {
             device: device.to_string(),
             load_s,
             load: LoadTimes::default(),
+            kernels: BTreeMap::new(),
             prompt_tokens: gen.prompt_tokens,
             cached_tokens: gen.reused_tokens,
             prompt_cache_load_s: None,
@@ -202,6 +208,12 @@ impl Report {
             self.tool_calls = Some(p.openai_calls(0));
             self.malformed_tool_calls = Some(p.malformed);
         }
+        self
+    }
+
+    /// Sets the kernel paths per weight type (`LanguageModel::kernel_paths`).
+    pub fn with_kernels(mut self, kernels: BTreeMap<String, String>) -> Self {
+        self.kernels = kernels;
         self
     }
 
@@ -304,6 +316,10 @@ pub struct BatchReport {
     pub load_s: f64,
     /// Where `load_s` went.
     pub load: LoadTimes,
+    /// Per weight type, the CPU kernel paths of one token, a few and a chunk (absent off gen's
+    /// CPU kernels): every path of a type gives the same bits, so they say how fast, not what.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub kernels: BTreeMap<String, String>,
     pub prompts: usize,
     pub failed: usize,
     pub batch_size: usize,
@@ -350,6 +366,7 @@ impl BatchReport {
             device: device.to_string(),
             load_s,
             load: LoadTimes::default(),
+            kernels: BTreeMap::new(),
             prompts,
             failed,
             batch_size,
@@ -400,6 +417,12 @@ impl BatchReport {
             let stats: Vec<_> = masks.iter().map(|(_, s)| *s).collect();
             self.constraint = Some(ConstraintReport::new(kind, &stats));
         }
+        self
+    }
+
+    /// Sets the kernel paths per weight type (`LanguageModel::kernel_paths`).
+    pub fn with_kernels(mut self, kernels: BTreeMap<String, String>) -> Self {
+        self.kernels = kernels;
         self
     }
 

@@ -175,6 +175,7 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
             loaded.model.kv_bytes_per_token() * BLOCK_SIZE,
         )
         .with_load_times(session.load_times)
+        .with_kernels(loaded.model.kernel_paths())
         .with_constraints(&masks)
         .with_speculation(cfg.speculate.map(|(_, k)| k), &stats);
         let mut err = std::io::stderr().lock();

@@ -435,7 +435,8 @@ impl Chat {
                         gen,
                         (!self.params.is_greedy()).then_some(self.params.seed),
                     )
-                    .with_load_times(self.session.load_times);
+                    .with_load_times(self.session.load_times)
+                    .with_kernels(self.session.loaded.model.kernel_paths());
                     report.write_human(&mut std::io::stderr().lock())?;
                 }
                 None => self.note("no reply yet"),

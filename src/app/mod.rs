@@ -387,6 +387,7 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
             seed,
         )
         .with_load_times(session.load_times)
+        .with_kernels(loaded.model.kernel_paths())
         .with_constraint(sampler.constraint())
         .with_prompt_cache(cache.as_ref().map(|c| c.load_time))
         .with_reasoning(reasoning)

@@ -52,6 +52,8 @@ struct KernelPaths {
     /// Per weight type, the paths of one token, a few and a chunk ("Q4_K avx2/avx2/avx512-vnni");
     /// empty when every product takes the instruction set's path.
     summary: String,
+    /// The same per type, whatever chose them (measured, by rule or forced).
+    per_type: std::collections::BTreeMap<String, String>,
     notes: Vec<String>,
     /// Time taken choosing them: reading the kept choices, or measuring them.
     seconds: f64,
@@ -63,7 +65,7 @@ impl KernelPaths {
         let mut per_type = std::collections::BTreeMap::new();
         for w in weights.cpu_matrices_mut() {
             let paths = Call::ALL.map(|c| w.path(c.sample_tokens()).name());
-            per_type.insert(w.type_name(), paths.join("/"));
+            per_type.insert(w.type_name().to_string(), paths.join("/"));
         }
         let summary = match chosen.file {
             Some(_) => per_type
@@ -86,6 +88,7 @@ impl KernelPaths {
             summary,
             notes,
             seconds: 0.0,
+            per_type,
         }
     }
 }
@@ -215,6 +218,10 @@ impl LanguageModel for Decoder {
             kernels_s: self.kernels.seconds,
             ..self.weights.times
         }
+    }
+
+    fn kernel_paths(&self) -> std::collections::BTreeMap<String, String> {
+        self.kernels.per_type.clone()
     }
 
     fn kv_layout(&self) -> String {

@@ -173,6 +173,13 @@ pub trait LanguageModel {
         Vec::new()
     }
 
+    /// Per weight type, the CPU paths its products take for one token, a few and a chunk
+    /// ("avx2/avx512-vnni/avx512-vnni"): `kernels` in `--stats json`. Empty off gen's CPU
+    /// kernels.
+    fn kernel_paths(&self) -> std::collections::BTreeMap<String, String> {
+        Default::default()
+    }
+
     /// Where loading the weights went (the tokenizer's share is the loader's).
     fn load_times(&self) -> LoadTimes {
         LoadTimes::default()

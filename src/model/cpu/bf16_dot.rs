@@ -8,9 +8,9 @@
 //! per product, to nearest even, as llama.cpp's `GGML_FP32_TO_BF16` does; every product of two
 //! bf16 values is exact in f32, and the sums are f32, in another order than the other paths'
 //! (a lane's two products at once, one sum a row): the path rounds differently in the last
-//! bits, so it is taken only where the calibration ([`super::choice`])
-//! measured it faster for calls of many tokens and kept that choice, or where `GEN_KERNEL=bf16`
-//! forces it.
+//! bits, so a BF16 matrix takes it for all its calls or for none: where the calibration
+//! ([`super::choice`]) measured it faster for one token (the call that decides a type's
+//! paths), or where `GEN_KERNEL=bf16` forces it.
 //!
 //! One call: up to [`TOKENS`] tokens of one chunk against 1 to 4 groups of 8 rows, taken as
 //! pairs (16 rows a register; an absent group's rows are zero) in the layout of
@@ -27,13 +27,6 @@ use super::amx_half::TILE;
 /// Tokens a chunk and at most a call: 12 tokens by 2 registers of 16 rows are 24 sums, with
 /// the 2 weight registers and a broadcast within the 32 registers.
 pub const TOKENS: usize = 12;
-
-/// Whether this CPU has the instructions (with the 512-bit path, the base of this one).
-pub fn ready() -> bool {
-    is_x86_feature_detected!("avx512bf16")
-        && is_x86_feature_detected!("avx512f")
-        && is_x86_feature_detected!("avx512bw")
-}
 
 /// A product's activations rounded to bf16, in chunks of [`TOKENS`] tokens: per chunk, per
 /// pair of columns, the chunk's tokens' pairs side by side (one u32 each, the even column in
@@ -81,7 +74,7 @@ impl Acts {
 /// token i: its first `real` outputs.
 ///
 /// # Safety
-/// [`ready`]; `acts` holds token's chunk; `w` as `prepare` made it for H pairs and `acts`' k;
+/// [`super::q8::Kernel::bf16_ready`]; `acts` holds token's chunk; `w` as `prepare` made it for H pairs and `acts`' k;
 /// out valid for the writes.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 pub unsafe fn call<const H: usize, const N: usize>(

@@ -490,7 +490,7 @@ impl CpuQWeight {
         let acts = bf16_dot::Acts::round(x, t, k);
         self.paired_parts(tiles, t, widths, (bf16_dot::TOKENS, 1 << 30), |w, groups, c| {
             let (token, n, out, stride, real) = c;
-            // SAFETY: this path is only taken where `bf16_dot::ready` said so; `schedule`
+            // SAFETY: this path is only taken where `Kernel::bf16_ready` said so; `schedule`
             // promises out for tokens token..token + n, one chunk of `acts` from its start.
             unsafe {
                 if groups > 2 {
@@ -534,7 +534,7 @@ impl CpuQWeight {
                     if fresh {
                         let ws: Vec<&[u16]> = (g..g + groups).map(|j| tiles.tile(j)).collect();
                         // SAFETY: both paths run only on CPUs with AVX-512 (`amx::ready`,
-                        // `bf16_dot::ready`); each group holds k * 8 values, k a multiple of 32
+                        // `Kernel::bf16_ready`); each group holds k * 8 values, k a multiple of 32
                         // (`takes`).
                         unsafe { super::amx_half::prepare(&ws, k, w) };
                     }

@@ -89,7 +89,7 @@ impl Kernel {
     pub fn bf16_ready() -> bool {
         #[cfg(target_arch = "x86_64")]
         if Kernel::detect() == Kernel::Vnni {
-            return super::bf16_dot::ready();
+            return has_bf16_dot();
         }
         false
     }
@@ -124,7 +124,7 @@ impl Kernel {
             return match name {
                 "avx2" => Kernel::Avx2,
                 "amx" if super::amx::ready() => Kernel::Amx,
-                "bf16" if super::bf16_dot::ready() => Kernel::Bf16,
+                "bf16" if has_bf16_dot() => Kernel::Bf16,
                 _ => Kernel::Vnni,
             };
         }
@@ -144,6 +144,16 @@ impl Kernel {
         };
         class(a) == class(b)
     }
+}
+
+/// Whether this CPU has the instructions of the `vdpbf16ps` path ([`super::bf16_dot`]), with
+/// the 512-bit path, the base of that one. (Asked here, where the paths are chosen, so that
+/// `bf16_dot`, which builds on `wide16` and through it on this module, is not needed here.)
+#[cfg(target_arch = "x86_64")]
+fn has_bf16_dot() -> bool {
+    is_x86_feature_detected!("avx512bf16")
+        && is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
 }
 
 /// The kinds of call a path is chosen for, by the tokens a product multiplies.
