@@ -26,7 +26,8 @@ Examples:
 
 stdout carries only the generated text (with --batch, one JSON line per prompt); the report goes
 to stderr.
-Exit status: 0 done, 1 error (with --batch: any prompt failed), 2 bad usage, 130 interrupted (Ctrl-C).";
+Exit status: 0 done, 1 error (with --batch: any prompt failed), 2 bad usage, 128 + the signal when
+one ended the run (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP; the text so far and the report are written).";
 
 /// Generate text from a local language model, one token per forward pass.
 #[derive(Debug, Parser)]
@@ -42,7 +43,7 @@ pub struct Args {
     pub prompt: Option<String>,
 
     /// Read the prompt from a file.
-    #[arg(long, value_name = "PATH", conflicts_with = "prompt")]
+    #[arg(short = 'f', long, value_name = "PATH", conflicts_with = "prompt")]
     pub prompt_file: Option<PathBuf>,
 
     /// Model: a known name (default smollm2-135m), a path to a .gguf file, a Hugging Face
@@ -74,20 +75,27 @@ pub struct Args {
     pub offline: bool,
 
     /// Most tokens to generate.
-    #[arg(short = 'n', long, default_value_t = 256)]
+    #[arg(short = 'n', long, visible_alias = "n-predict", default_value_t = 256)]
     pub max_new: usize,
 
-    /// Stop here (never printed). Repeatable.
+    /// Stop here (never printed). Repeatable. `\n`, `\t` and the other escapes below apply.
     #[arg(long, value_name = "TEXT")]
     pub stop: Vec<String>,
+
+    /// Take --prompt, --stop and --system as typed: without it, `\n`, `\r`, `\t`, `\\`, `\"`,
+    /// `\'` and `\xHH` in them are processed as llama.cpp processes them (so `--stop "\n\n"` is
+    /// a blank line). Files and standard input are never processed.
+    #[arg(long)]
+    pub no_escape: bool,
 
     /// When prompt plus --max-new exceeds the context window, generate until the window is full
     /// instead of refusing to start.
     #[arg(long)]
     pub stop_at_context: bool,
 
-    /// Context window in tokens (default: the model's own).
-    #[arg(long, value_name = "TOKENS")]
+    /// Context window in tokens (default: the model's own; more is capped to it, with a
+    /// warning).
+    #[arg(short = 'c', long, value_name = "TOKENS")]
     pub ctx_size: Option<usize>,
 
     /// Keep generating past the end-of-sequence token (for benchmarks).
@@ -95,7 +103,13 @@ pub struct Args {
     pub ignore_eos: bool,
 
     /// Sampling temperature; 0 is greedy (always the most likely token).
-    #[arg(short, long, default_value_t = 0.8, allow_negative_numbers = true)]
+    #[arg(
+        short,
+        long,
+        visible_alias = "temp",
+        default_value_t = 0.8,
+        allow_negative_numbers = true
+    )]
     pub temperature: f64,
 
     /// Sample only among the K most likely tokens (0: off).
@@ -120,15 +134,15 @@ pub struct Args {
 
     /// Random seed; the same seed and inputs give the same text (default: a fresh one, shown in
     /// the report).
-    #[arg(long)]
+    #[arg(short = 's', long)]
     pub seed: Option<u64>,
 
     /// Render the prompt through the model's chat template as a user message.
     #[arg(long)]
     pub chat: bool,
 
-    /// System message for --chat and gen chat.
-    #[arg(long)]
+    /// System message for --chat and gen chat (also `--system-prompt`, `-sys`).
+    #[arg(long, visible_alias = "system-prompt")]
     pub system: Option<String>,
 
     /// A conversation to continue: a JSON array of {"role", "content"} messages (system, user,
@@ -568,12 +582,15 @@ impl Args {
         if interactive && constraint.is_some() {
             bail!("--json, --json-schema, --grammar and --regex apply to one prompt (and --batch), not gen chat");
         }
+        let escape = |t: String| if self.no_escape { t } else { unescape(&t) };
         let prompt = match (self.prompt, self.prompt_file) {
             (_, Some(path)) => PromptSource::File(path),
             (Some(p), None) if p == "-" => PromptSource::Stdin,
-            (Some(p), None) => PromptSource::Text(p),
+            (Some(p), None) => PromptSource::Text(escape(p)),
             (None, None) => PromptSource::Stdin,
         };
+        let stops: Vec<String> = self.stop.into_iter().map(escape).collect();
+        let system = self.system.map(escape);
         let offline = self.offline || env_flag("HF_HUB_OFFLINE");
         let model = source::parse_model_arg(
             self.model.as_deref(),
@@ -599,7 +616,7 @@ impl Args {
             batch,
             chat: self.chat || interactive,
             interactive,
-            system: self.system,
+            system,
             messages: self.messages,
             chat_template: self.chat_template,
             // A budget of nothing: the template's switch turns thinking off, as llama.cpp does.
@@ -616,7 +633,7 @@ impl Args {
             dry_run: self.dry_run,
             echo: self.echo,
             max_new: self.max_new,
-            stops: self.stop,
+            stops,
             stop_at_context: self.stop_at_context,
             ctx_size: self.ctx_size,
             ignore_eos: self.ignore_eos,
@@ -635,6 +652,57 @@ impl Args {
             verbose: self.verbose,
         })
     }
+}
+
+/// A string from the command line with its escapes processed as llama.cpp's
+/// `string_process_escapes` does: `\n`, `\r`, `\t`, `\\`, `\"`, `\'`, `\xHH` (one byte, as
+/// Latin-1 would not be: the bytes are UTF-8 decoded after, lossily); any other backslash stays
+/// as typed, and a trailing one too.
+pub fn unescape(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] != b'\\' || i + 1 == b.len() {
+            out.push(b[i]);
+            i += 1;
+            continue;
+        }
+        let c = b[i + 1];
+        let simple = match c {
+            b'n' => Some(b'\n'),
+            b'r' => Some(b'\r'),
+            b't' => Some(b'\t'),
+            b'\\' | b'"' | b'\'' => Some(c),
+            _ => None,
+        };
+        if let Some(v) = simple {
+            out.push(v);
+            i += 2;
+            continue;
+        }
+        let hex = |j: usize| b.get(j).and_then(|h| (*h as char).to_digit(16));
+        if c == b'x' {
+            if let (Some(h), Some(l)) = (hex(i + 2), hex(i + 3)) {
+                out.push((h * 16 + l) as u8);
+                i += 4;
+                continue;
+            }
+        }
+        out.push(b'\\');
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// `-sys` (llama-cli's spelling of `--system-prompt`, a short flag of three letters that clap
+/// cannot declare) as `--system`; every other argument as it is.
+pub fn llama_spellings(
+    args: impl IntoIterator<Item = std::ffi::OsString>,
+) -> Vec<std::ffi::OsString> {
+    args.into_iter()
+        .map(|a| if a == "-sys" { "--system".into() } else { a })
+        .collect()
 }
 
 /// --endpoint and what goes with it, checked.

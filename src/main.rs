@@ -27,7 +27,7 @@ fn tune_allocator() {}
 
 fn main() -> ExitCode {
     tune_allocator();
-    let args = match cli::Args::try_parse() {
+    let args = match cli::Args::try_parse_from(cli::llama_spellings(std::env::args_os())) {
         Ok(args) => args,
         Err(e) if !e.use_stderr() => {
             // --help and --version: their text is what the user asked for.
@@ -38,7 +38,14 @@ fn main() -> ExitCode {
             let rendered = e.to_string();
             let first = rendered.lines().next().unwrap_or_default();
             let first = first.strip_prefix("error: ").unwrap_or(first);
-            eprintln!("gen: error: {first} (see gen --help)");
+            // clap's suggestion for a mistyped flag or value, on the same line.
+            let tip = rendered
+                .lines()
+                .map(str::trim)
+                .find_map(|l| l.strip_prefix("tip: "))
+                .map(|t| format!("; {t}"))
+                .unwrap_or_default();
+            eprintln!("gen: error: {first}{tip} (see gen --help)");
             return ExitCode::from(2);
         }
     };
@@ -65,7 +72,7 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(app::Outcome::Done) => ExitCode::SUCCESS,
-        Ok(app::Outcome::Interrupted) => ExitCode::from(interrupt::EXIT_INTERRUPTED as u8),
+        Ok(app::Outcome::Interrupted) => ExitCode::from(interrupt::exit_status() as u8),
         Ok(app::Outcome::PromptsFailed { failed, total }) => {
             eprintln!("gen: error: {failed} of {total} prompts failed (see their \"error\" lines)");
             ExitCode::from(1)
@@ -73,10 +80,14 @@ fn main() -> ExitCode {
         Err(e) => {
             if interrupt::requested() {
                 eprintln!("gen: interrupted");
-                return ExitCode::from(interrupt::EXIT_INTERRUPTED as u8);
+                return ExitCode::from(interrupt::exit_status() as u8);
             }
             eprintln!("gen: error: {e:#}");
-            ExitCode::from(1)
+            // A usage error found only after parsing (an empty prompt) exits as clap's do.
+            match e.downcast_ref::<app::Usage>() {
+                Some(_) => ExitCode::from(2),
+                None => ExitCode::from(1),
+            }
         }
     }
 }

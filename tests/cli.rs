@@ -267,8 +267,8 @@ fn bad_input_is_one_line_and_exit_1() {
 
     // (arguments, standard input, what the error line must mention)
     type Case<'a> = (Vec<String>, Option<&'a [u8]>, &'a str);
+    // (An empty prompt is a usage error, exit 2: tests/scripts.rs.)
     let cases: Vec<Case> = vec![
-        (vec![], Some(b"   \n"), "empty"),
         (vec![], Some(&[0x66, 0x6f, 0xff, 0xfe]), "UTF-8"),
         (
             s(&["--model", not_gguf.to_str().unwrap(), "--prompt", "x"]),

@@ -283,6 +283,10 @@ impl Chat {
         let interrupted = gen.stop == StopReason::Interrupted;
         self.last = Some(gen);
         if interrupted {
+            if !interrupt::by_ctrl_c() {
+                // SIGTERM or SIGHUP: the session ends (the reply so far is shown and kept).
+                anyhow::bail!("ended by a signal");
+            }
             interrupt::clear();
             return Ok(Turn::Interrupted);
         }

@@ -37,6 +37,19 @@ pub enum Outcome {
     },
 }
 
+/// A usage error found after the flags were parsed (an empty prompt): exit status 2, as for
+/// a bad flag, where runtime failures exit 1.
+#[derive(Debug)]
+pub struct Usage(pub String);
+
+impl std::fmt::Display for Usage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Usage {}
+
 /// A loaded model, ready to take prompts.
 pub(crate) struct Session {
     pub loaded: model::Loaded,
@@ -111,6 +124,13 @@ impl Session {
         }
         let model_ctx = loaded.model.info().context_len;
         let context_len = cfg.ctx_size.map_or(model_ctx, |c| c.min(model_ctx));
+        if let Some(c) = cfg.ctx_size.filter(|c| *c > model_ctx) {
+            // Said even with -q: it changes what fits.
+            eprintln!(
+                "gen: warning: --ctx-size {c} is beyond the {model_ctx} tokens this model was \
+                 trained for; the window is {model_ctx}"
+            );
+        }
         loaded.model.set_context_window(context_len);
         Ok(Some(Self {
             load_times: loaded.times,
@@ -276,7 +296,11 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         None => read_prompt(&cfg.prompt)?,
     };
     if conversation.is_none() && prompt_text.trim().is_empty() {
-        bail!("the prompt is empty: give one with --prompt, --prompt-file or on standard input");
+        return Err(Usage(
+            "the prompt is empty: give one with --prompt, --prompt-file or on standard input"
+                .into(),
+        )
+        .into());
     }
     let Some(mut session) = Session::open(cfg)? else {
         return Ok(Outcome::Interrupted);

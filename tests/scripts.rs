@@ -1,0 +1,249 @@
+//! gen as scripts meet it: escapes in command-line strings, llama-cli's spellings, clap's
+//! suggestions, exit statuses (2 for usage, 128 + the signal for SIGTERM and SIGHUP), and the
+//! warning for a window past the model's, on the default model through the binary.
+
+mod common;
+
+use std::io::{BufRead, Read, Write};
+use std::process::{Output, Stdio};
+
+use common::{gen, smollm2, text};
+
+fn run(args: &[&str]) -> Output {
+    gen()
+        .arg("--model")
+        .arg(smollm2())
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn escapes_in_command_line_strings_are_processed_unless_turned_off() {
+    use gen::cli::unescape;
+    assert_eq!(unescape(r"a\nb\tc\rd"), "a\nb\tc\rd");
+    assert_eq!(unescape(r#"\\ \" \'"#), "\\ \" '");
+    assert_eq!(unescape(r"\x41\x7a"), "Az");
+    // Unknown escapes, a short \x and a trailing backslash stay as typed.
+    assert_eq!(unescape(r"\q \x4 \xZZ end\"), r"\q \x4 \xZZ end\");
+    assert_eq!(unescape("plain: é"), "plain: é");
+
+    // --help's example: --stop "\n\n" stops at the first blank line, which is never printed.
+    let args = [
+        "--prompt",
+        "Write three short paragraphs about the sea.",
+        "-n",
+        "200",
+    ];
+    let greedy = ["--temperature", "0", "--chat", "-q"];
+    let free = run(&[&args[..], &greedy].concat());
+    let full = text(&free.stdout);
+    assert!(
+        full.contains("\n\n"),
+        "the reply has a blank line to stop at: {full:?}"
+    );
+    let stopped = run(&[&args[..], &greedy, &["--stop", r"\n\n"]].concat());
+    assert!(stopped.status.success(), "{}", text(&stopped.stderr));
+    let cut = text(&stopped.stdout);
+    assert_eq!(
+        cut,
+        full[..full.find("\n\n").unwrap()],
+        "stops at the blank line"
+    );
+    // --no-escape takes the two characters as typed: the reply runs past the blank line.
+    let typed = run(&[&args[..], &greedy, &["--stop", r"\n\n", "--no-escape"]].concat());
+    assert_eq!(text(&typed.stdout), full);
+    // --prompt's escapes: "a\nb" is the same prompt as a real newline.
+    let dry = |p: &str, extra: &[&str]| {
+        text(&run(&[&["--prompt", p, "--dry-run", "-q"][..], extra].concat()).stdout)
+    };
+    assert_eq!(dry(r"one\ntwo", &[]), dry("one\ntwo", &[]));
+    assert_eq!(dry(r"one\ntwo", &["--no-escape"]), r"one\ntwo");
+}
+
+#[test]
+fn llama_cli_spellings_are_taken() {
+    let dir = std::env::temp_dir().join(format!("gen-scripts-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("p.txt");
+    std::fs::write(&file, "The capital of France is").unwrap();
+    let f = file.to_str().unwrap();
+    let ours = run(&[
+        "--prompt-file",
+        f,
+        "--max-new",
+        "6",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "3",
+        "--ctx-size",
+        "256",
+        "-q",
+    ]);
+    let theirs = run(&[
+        "-f",
+        f,
+        "--n-predict",
+        "6",
+        "--temp",
+        "0.9",
+        "-s",
+        "3",
+        "-c",
+        "256",
+        "-q",
+    ]);
+    assert!(theirs.status.success(), "{}", text(&theirs.stderr));
+    assert_eq!(text(&theirs.stdout), text(&ours.stdout));
+    // -sys and --system-prompt are --system.
+    let sys = |flag: &str| {
+        let out = run(&[
+            "--chat",
+            "--prompt",
+            "Hi",
+            flag,
+            "You are terse.",
+            "--dry-run",
+            "-q",
+        ]);
+        assert!(out.status.success(), "{flag}: {}", text(&out.stderr));
+        text(&out.stdout)
+    };
+    assert!(sys("--system").contains("You are terse."));
+    assert_eq!(sys("-sys"), sys("--system"));
+    assert_eq!(sys("--system-prompt"), sys("--system"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn usage_errors_exit_2_with_one_line_and_a_suggestion() {
+    let typo = run(&["--prompt", "x", "--temprature", "0"]);
+    assert_eq!(typo.status.code(), Some(2));
+    let line = common::one_error_line(&typo);
+    assert!(line.contains("--temperature"), "a suggestion: {line}");
+    // An empty prompt is a usage error too.
+    let empty = run(&["--prompt", "   "]);
+    assert_eq!(empty.status.code(), Some(2), "{}", text(&empty.stderr));
+    assert!(common::one_error_line(&empty).contains("the prompt is empty"));
+}
+
+#[test]
+fn a_window_past_the_models_is_capped_with_a_warning_even_when_quiet() {
+    let out = run(&["--prompt", "Hi", "-n", "2", "--ctx-size", "100000", "-q"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("--ctx-size 100000") && err.contains("8192"),
+        "one warning naming both: {err}"
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
+}
+
+/// `sig` sent once the reply has begun: the text so far on stdout, the report on stderr with
+/// `stop: interrupted`, exit 128 + the signal.
+fn signalled_single(sig: &str, code: i32) {
+    let mut child = gen()
+        .arg("--model")
+        .arg(smollm2())
+        .args([
+            "--prompt",
+            "Once upon a time",
+            "-n",
+            "3000",
+            "--ctx-size",
+            "4096",
+        ])
+        .args(["--temperature", "0", "--ignore-eos", "--stats", "json"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut first = [0u8; 1];
+    stdout.read_exact(&mut first).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let kill = std::process::Command::new("kill")
+        .args([&format!("-{sig}"), &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let mut rest = Vec::new();
+    stdout.read_to_end(&mut rest).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(code), "{sig}: {err}");
+    assert!(
+        !rest.is_empty() || first[0] != 0,
+        "the text so far was written"
+    );
+    let report: serde_json::Value = serde_json::from_str(err.lines().last().unwrap()).unwrap();
+    assert_eq!(report["stop_reason"], "interrupted", "{err}");
+    let n = report["generated_tokens"].as_u64().unwrap();
+    assert!(n > 0 && n < 3000, "{n}");
+}
+
+#[test]
+fn sigterm_and_sighup_end_a_run_as_ctrl_c_does_with_their_own_status() {
+    signalled_single("TERM", 143);
+    signalled_single("HUP", 129);
+}
+
+#[test]
+fn sigterm_writes_every_batch_line_and_the_report() {
+    let mut child = gen()
+        .arg("--model")
+        .arg(smollm2())
+        .args([
+            "--batch",
+            "-",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "-n",
+            "2000",
+        ])
+        .args(["--ctx-size", "4096", "--batch-size", "1", "--stats", "json"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"{\"prompt\": \"Hi\", \"max_new\": 2}\n{\"prompt\": \"Once upon a time\"}\n{\"prompt\": \"The end\"}\n")
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    stdout.read_line(&mut first).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(143), "{err}");
+    let lines: Vec<serde_json::Value> = std::iter::once(first.as_str())
+        .chain(rest.lines())
+        .map(|l| serde_json::from_str(l.trim()).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3, "every line written");
+    assert_eq!(lines[0]["stop"], "max-new");
+    assert_eq!(lines[1]["stop"], "interrupted");
+    assert_eq!(lines[2]["stop"], "interrupted");
+    let report = err
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .expect("the report");
+    let report: serde_json::Value = serde_json::from_str(report).unwrap();
+    assert_eq!(report["prompts"], 3, "{err}");
+}
