@@ -17,7 +17,7 @@ Examples:
   echo \"Write a haiku about rust\" | gen --chat --temperature 0.7
   gen chat --system \"Answer briefly.\"
   gen chat --messages saved.json < more-turns.txt
-  gen --prompt-file question.txt --stop \"\\n\\n\" --stats json 2>stats.json
+  gen --prompt-file question.txt --stop \"\\n\\n\" --stats-file stats.json
   gen --batch prompts.jsonl --temperature 0 > replies.jsonl
   gen --chat --prompt \"Classify: I loved it\" --json-schema label.json
   gen --endpoint http://gpu-box:8000/v1 --batch prompts.jsonl --concurrency 32 > replies.jsonl
@@ -310,6 +310,11 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = StatsFormat::Human)]
     pub stats: StatsFormat,
 
+    /// Also write the report as one JSON object to FILE (whole or absent: written beside it,
+    /// then renamed), whatever else reaches stderr and with -q too: what a script reads.
+    #[arg(long, value_name = "FILE")]
+    pub stats_file: Option<PathBuf>,
+
     /// Print no report and no progress bars.
     #[arg(short, long)]
     pub quiet: bool,
@@ -492,6 +497,8 @@ pub struct Config {
     pub device: DeviceChoice,
     pub threads: Option<usize>,
     pub stats: StatsFormat,
+    /// --stats-file: the JSON report's own file.
+    pub stats_file: Option<PathBuf>,
     pub quiet: bool,
     /// The prefix cache is on (not --no-prefix-cache).
     pub prefix_cache: bool,
@@ -648,6 +655,7 @@ impl Args {
             prompt_cache: self.prompt_cache,
             speculate: self.speculate.map(|s| (s, self.draft_max)),
             stats: self.stats,
+            stats_file: self.stats_file,
             quiet: self.quiet,
             verbose: self.verbose,
         })

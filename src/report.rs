@@ -42,6 +42,10 @@ pub struct Report {
     /// What the grammar cost, when the reply had one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub constraint: Option<ConstraintReport>,
+    /// With a grammar (--json, --json-schema, --grammar, --regex): whether the reply completed
+    /// it (false: cut by --max-new, the window, a stop string or an interrupt).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub complete: Option<bool>,
     /// What speculation proposed and kept, with --speculate.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub speculate: Option<SpeculateReport>,
@@ -193,6 +197,7 @@ impl Report {
             stop_reason: gen.stop.as_str().to_string(),
             seed,
             constraint: None,
+            complete: None,
             speculate: gen
                 .speculation
                 .as_ref()
@@ -306,6 +311,30 @@ impl Report {
             false => self.write_human(w),
         }
     }
+}
+
+/// Writes `report` as one JSON object and a newline to `path` (`--stats-file`): to a file beside
+/// it first, renamed into place, so the file is whole or absent.
+pub fn save_json(path: &std::path::Path, report: &impl Serialize) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp{}", std::process::id()));
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        serde_json::to_writer(&mut f, report)?;
+        writeln!(f)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    };
+    write()
+        .map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            e
+        })
+        .with_context(|| format!("writing --stats-file {}", path.display()))
 }
 
 /// The report of a batch run (`--batch`).

@@ -247,3 +247,120 @@ fn sigterm_writes_every_batch_line_and_the_report() {
     let report: serde_json::Value = serde_json::from_str(report).unwrap();
     assert_eq!(report["prompts"], 3, "{err}");
 }
+
+#[test]
+fn stats_file_holds_the_json_report_whatever_reaches_stderr() {
+    let dir = std::env::temp_dir().join(format!("gen-stats-file-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("stats.json");
+    let f = file.to_str().unwrap();
+    // A warning on stderr (the window) and -q: the file is the report all the same.
+    let out = run(&[
+        "--prompt",
+        "Hi",
+        "-n",
+        "3",
+        "--ctx-size",
+        "100000",
+        "-q",
+        "--stats-file",
+        f,
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(report["generated_tokens"], 3);
+    assert!(text(&out.stderr).contains("warning"));
+    // A batch run's report, beside human lines on stderr.
+    let mut cmd = gen();
+    cmd.arg("--model").arg(smollm2());
+    cmd.args(["--batch", "-", "-n", "2", "--stats-file", f]);
+    let out = common::with_stdin(cmd, "one\ntwo\n");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(report["prompts"], 2);
+    assert!(
+        text(&out.stderr).contains("forward passes"),
+        "the human report too"
+    );
+    // No temporary file is left beside it.
+    let left: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
+    assert_eq!(left.len(), 1, "{left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn gen_chat_over_a_pipe_goes_on_past_a_bad_command_and_says_so_at_the_end() {
+    let mut cmd = gen();
+    cmd.arg("--model").arg(smollm2());
+    cmd.args(["chat", "-n", "4", "--temperature", "0", "-q"]);
+    let out = common::with_stdin(cmd, "hi\n/foo\n/set temperature nope\nmore \\\nlines\n");
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "a line failed: {err}");
+    assert!(err.contains("/foo"), "{err}");
+    assert!(err.contains("2 of 4 lines"), "{err}");
+    // Both turns replied (each reply ends with a blank line).
+    assert_eq!(
+        text(&out.stdout).matches("\n\n").count(),
+        2,
+        "{:?}",
+        text(&out.stdout)
+    );
+}
+
+/// A structured reply that did not complete its grammar says so: `complete` false in the report
+/// and the batch line, the warning even with -q, and exit 1 for a single run.
+#[test]
+fn an_incomplete_structured_reply_is_flagged_and_fails() {
+    let dir = std::env::temp_dir().join(format!("gen-complete-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("stats.json");
+    let f = file.to_str().unwrap();
+    let report = || -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap()
+    };
+    let base = [
+        "--prompt",
+        "A number:",
+        "--temperature",
+        "0",
+        "-q",
+        "--stats-file",
+        f,
+    ];
+    let cut = run(&[&base[..], &["--regex", "[0-9]{8}", "-n", "2"]].concat());
+    assert_eq!(cut.status.code(), Some(1), "{}", text(&cut.stderr));
+    assert!(
+        text(&cut.stderr).contains("incomplete"),
+        "{}",
+        text(&cut.stderr)
+    );
+    assert_eq!(report()["complete"], false);
+    let whole = run(&[&base[..], &["--regex", "[0-9]{3}", "-n", "10"]].concat());
+    assert!(whole.status.success(), "{}", text(&whole.stderr));
+    assert_eq!(text(&whole.stdout).len(), 3);
+    assert_eq!(report()["complete"], true);
+    // Without a grammar there is no such field.
+    run(&["--prompt", "Hi", "-n", "2", "-q", "--stats-file", f]);
+    assert!(report().get("complete").is_none());
+    // Batch lines say it per line.
+    let mut cmd = gen();
+    cmd.arg("--model")
+        .arg(smollm2())
+        .args(["--batch", "-", "--temperature", "0", "-q"]);
+    let out = common::with_stdin(
+        cmd,
+        "{\"prompt\": \"A number:\", \"regex\": \"[0-9]{8}\", \"max_new\": 2}\n\
+         {\"prompt\": \"A number:\", \"regex\": \"[0-9]{3}\", \"max_new\": 10}\n\
+         {\"prompt\": \"Hi\", \"max_new\": 2}\n",
+    );
+    let lines: Vec<serde_json::Value> = text(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines[0]["complete"], false);
+    assert_eq!(lines[1]["complete"], true);
+    assert!(lines[2].get("complete").is_none());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -287,10 +287,12 @@ fn a_lark_grammar_and_regexes_hold_whatever_the_model_wants() {
             "Do not write JSON. Write a poem about the sea.",
             &["-n", "150", flag],
         );
-        assert!(out.status.success(), "{}", text(&out.stderr));
         let reply = text(&out.stdout);
         let err = text(&out.stderr);
-        if err.contains("stop: grammar") {
+        // A reply the grammar ended succeeds; one --max-new cut fails (exit 1), saying so.
+        let ended = err.contains("stop: grammar");
+        assert_eq!(out.status.code(), Some(if ended { 0 } else { 1 }), "{err}");
+        if ended {
             let v: Value =
                 serde_json::from_str(&reply).unwrap_or_else(|e| panic!("{reply:?}: {e}"));
             if flag == "--json" {
@@ -379,13 +381,23 @@ fn a_reply_cut_by_max_new_says_so_and_the_report_has_the_mask_cost() {
         "Describe the book Pride and Prejudice as JSON.",
         &["-n", "6", "--json-schema", &schema, "--stats", "json"],
     );
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    // A cut reply is a failed run: exit 1, the last line saying why.
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
     let err = text(&out.stderr);
     assert!(
         err.contains("is incomplete by its grammar (--max-new came first; stop: max-new)"),
         "{err}"
     );
-    let report: Value = serde_json::from_str(err.lines().last().unwrap()).unwrap();
+    let mut lines = err.lines().rev();
+    assert!(
+        lines
+            .next()
+            .unwrap()
+            .contains("did not complete its grammar"),
+        "{err}"
+    );
+    let report: Value = serde_json::from_str(lines.next().unwrap()).unwrap();
+    assert_eq!(report["complete"], false);
     assert_eq!(report["stop_reason"], "max-new");
     assert_eq!(report["generated_tokens"], 6);
     assert_eq!(report["constraint"]["kind"], "json-schema");

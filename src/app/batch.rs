@@ -163,7 +163,7 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
     let closed = out.closed;
     let failed = out.failed;
 
-    if !cfg.quiet && !closed {
+    if (!cfg.quiet && !closed) || cfg.stats_file.is_some() {
         let report = BatchReport::new(
             loaded.model.info().name.as_str(),
             &session.device_name,
@@ -178,10 +178,15 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
         .with_kernels(loaded.model.kernel_paths())
         .with_constraints(&masks)
         .with_speculation(cfg.speculate.map(|(_, k)| k), &stats);
-        let mut err = std::io::stderr().lock();
-        match cfg.stats {
-            StatsFormat::Human => report.write_human(&mut err)?,
-            StatsFormat::Json => report.write_json(&mut err)?,
+        if let Some(path) = &cfg.stats_file {
+            crate::report::save_json(path, &report)?;
+        }
+        if !cfg.quiet && !closed {
+            let mut err = std::io::stderr().lock();
+            match cfg.stats {
+                StatsFormat::Human => report.write_human(&mut err)?,
+                StatsFormat::Json => report.write_json(&mut err)?,
+            }
         }
     }
     Ok(out.outcome())
@@ -344,11 +349,10 @@ impl BatchSink for Sink<'_, '_> {
             t.text.push_str(&t.stops.finish());
         }
         let p = &self.ran[index];
+        let mut complete = None;
         if let (Some(spec), Some(stats)) = (&p.constraint, o.mask) {
             self.masks.push((spec.kind(), stats));
-            if !self.quiet {
-                super::warn_incomplete(o.stop, Some(p.entry.line));
-            }
+            complete = Some(!super::warn_incomplete(o.stop, Some(p.entry.line)));
         }
         let ms = |d: Duration| (d.as_secs_f64() * 1e5).round() / 100.0;
         let calls = self
@@ -368,6 +372,7 @@ impl BatchSink for Sink<'_, '_> {
             ttft_ms: Some(ms(o.time_to_first_token)),
             wait_ms: Some(ms(o.wait)),
             seed: (!p.sampling.is_greedy()).then_some(p.sampling.seed),
+            complete,
             reasoning: t.thinking.as_ref().map(|th| th.text.as_str()),
             reasoning_tokens: t.thinking.as_ref().map(|th| th.tokens),
             tool_calls: calls.as_ref().map(|p| p.openai_calls(0)),

@@ -135,29 +135,56 @@ impl Chat {
         })
     }
 
-    /// Standard input, one user turn per line; replies to stdout, each followed by a blank line.
+    /// Standard input, one user turn per line (a line ending in `\` goes on with the next, as
+    /// on a terminal); replies to stdout, each followed by a blank line. A bad command or value,
+    /// or a turn that fails, is one line on stderr and the next line is read; the exit status
+    /// at the end says whether any failed.
     fn scripted(&mut self) -> Result<Outcome> {
         let stdin = std::io::stdin();
+        let (mut failed, mut lines) = (0, 0);
+        let mut pending = String::new();
         for line in stdin.lock().lines() {
             let line = line.context("cannot read standard input")?;
             let line = line.trim_end_matches('\r');
+            if let Some(head) = line.strip_suffix('\\') {
+                pending.push_str(head);
+                pending.push('\n');
+                continue;
+            }
+            let line = std::mem::take(&mut pending) + line;
             if line.trim().is_empty() {
                 continue;
             }
-            let Some(input) = Input::of(line) else {
-                if !self.command(&line[1..])? {
-                    break;
+            lines += 1;
+            let Some(input) = Input::of(&line) else {
+                match self.command(&line.trim_start()[1..]) {
+                    Ok(true) => continue,
+                    Ok(false) => break,
+                    Err(e) => {
+                        eprintln!("gen: error: {e:#}");
+                        failed += 1;
+                        continue;
+                    }
                 }
-                continue;
             };
-            if let Turn::Interrupted = self.turn(input)? {
-                return Ok(Outcome::Interrupted);
+            match self.turn(input) {
+                Ok(Turn::Interrupted) => return Ok(Outcome::Interrupted),
+                Ok(_) => {}
+                Err(e) if interrupt::requested() => return Err(e),
+                Err(e) => {
+                    eprintln!("gen: error: {e:#}");
+                    failed += 1;
+                    continue;
+                }
             }
             let mut out = std::io::stdout().lock();
             let _ = out.write_all(b"\n\n");
             let _ = out.flush();
             drop(out);
             self.status();
+        }
+        if failed > 0 {
+            bail!("{failed} of {lines} lines of standard input failed (see the lines above)");
         }
         Ok(Outcome::Done)
     }

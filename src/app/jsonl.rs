@@ -36,6 +36,9 @@ pub(crate) struct Line<'a> {
     pub wait_ms: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
+    /// With a grammar: whether the reply completed it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub complete: Option<bool>,
     /// The reply's thinking, kept out of `text` (a chat template with a thinking block).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reasoning: Option<&'a str>,
@@ -297,6 +300,7 @@ impl Writer {
             ttft_ms: None,
             wait_ms: None,
             seed: None,
+            complete: None,
             reasoning: None,
             reasoning_tokens: None,
             tool_calls: None,

@@ -285,6 +285,12 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
     if cfg.interactive {
         return chat_repl::run(cfg);
     }
+    run_one(cfg)
+}
+
+/// One prompt on a local model: the prompt read, the model loaded, the reply streamed, the
+/// report written.
+fn run_one(cfg: &Config) -> Result<Outcome> {
     // A saved conversation is the prompt itself.
     let conversation = cfg
         .messages
@@ -397,11 +403,11 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         out.write("\n")?;
     }
     drop(out);
-    if constraint.is_some() && !cfg.quiet {
-        warn_incomplete(gen.stop, None);
-    }
+    // A structured reply that did not complete its grammar: warned (even with -q), `complete`
+    // false in the report, and exit 1 after it.
+    let incomplete = constraint.is_some() && warn_incomplete(gen.stop, None);
 
-    if !cfg.quiet {
+    if !cfg.quiet || cfg.stats_file.is_some() {
         let seed = (!cfg.sampling.is_greedy()).then_some(cfg.sampling.seed);
         let report = Report::new(
             loaded.model.info().name.as_str(),
@@ -416,33 +422,55 @@ pub fn run(cfg: &Config) -> Result<Outcome> {
         .with_prompt_cache(cache.as_ref().map(|c| c.load_time))
         .with_reasoning(reasoning)
         .with_tool_calls(calls.as_ref());
+        let report = Report {
+            complete: constraint.is_some().then_some(!incomplete),
+            ..report
+        };
+        emit(cfg, &report)?;
+    }
+    if gen.stop == StopReason::Interrupted {
+        return Ok(Outcome::Interrupted);
+    }
+    if incomplete {
+        bail!(
+            "the reply did not complete its grammar (stop: {})",
+            gen.stop.as_str()
+        );
+    }
+    Ok(Outcome::Done)
+}
+
+/// The report to `--stats-file` where asked, and to stderr unless -q.
+fn emit(cfg: &Config, report: &Report) -> Result<()> {
+    if let Some(path) = &cfg.stats_file {
+        crate::report::save_json(path, report)?;
+    }
+    if !cfg.quiet {
         report.write(
             cfg.stats == StatsFormat::Json,
             &mut std::io::stderr().lock(),
         )?;
     }
-    Ok(if gen.stop == StopReason::Interrupted {
-        Outcome::Interrupted
-    } else {
-        Outcome::Done
-    })
+    Ok(())
 }
 
 /// A reply cut before its grammar's end is not valid output: say so (`item`: which batch
-/// line) rather than let a script find out.
-pub(crate) fn warn_incomplete(stop: StopReason, item: Option<usize>) {
+/// line) rather than let a script find out; -q does not hide it. Returns whether it was cut.
+pub(crate) fn warn_incomplete(stop: StopReason, item: Option<usize>) -> bool {
     let why = match stop {
         StopReason::MaxNew => "--max-new came first",
         StopReason::ContextFull => "the context window filled first",
         StopReason::Stop => "a stop string came first",
         StopReason::Interrupted => "interrupted",
-        _ => return,
+        StopReason::OutputClosed => "the output closed",
+        _ => return false,
     };
     let which = item.map_or(String::new(), |i| format!(" of line {i}"));
     eprintln!(
         "gen: warning: the reply{which} is incomplete by its grammar ({why}; stop: {})",
         stop.as_str()
     );
+    true
 }
 
 fn stdout_is_terminal() -> bool {

@@ -50,7 +50,16 @@ struct RemoteReport {
 }
 
 impl RemoteReport {
-    fn write(&self, format: StatsFormat) -> Result<()> {
+    /// To `--stats-file` where asked, and to stderr unless -q (or, `to_stderr` false, the
+    /// reader of stdout went away).
+    fn write(&self, cfg: &Config, to_stderr: bool) -> Result<()> {
+        if let Some(path) = &cfg.stats_file {
+            crate::report::save_json(path, self)?;
+        }
+        if cfg.quiet || !to_stderr {
+            return Ok(());
+        }
+        let format = cfg.stats;
         let mut w = std::io::stderr().lock();
         if format == StatsFormat::Json {
             serde_json::to_writer(&mut w, self)?;
@@ -130,7 +139,11 @@ pub fn run_one(cfg: &Config, rc: &RemoteConfig) -> Result<Outcome> {
         None => read_prompt(&cfg.prompt)?,
     };
     if messages.is_none() && text.trim().is_empty() {
-        bail!("the prompt is empty: give one with --prompt, --prompt-file or on standard input");
+        return Err(super::Usage(
+            "the prompt is empty: give one with --prompt, --prompt-file or on standard input"
+                .into(),
+        )
+        .into());
     }
     let messages = messages.or_else(|| {
         cfg.chat
@@ -162,7 +175,7 @@ pub fn run_one(cfg: &Config, rc: &RemoteConfig) -> Result<Outcome> {
             false => eprintln!("{r}"),
         }
     }
-    if !cfg.quiet {
+    if !cfg.quiet || cfg.stats_file.is_some() {
         let decode = reply.total.saturating_sub(reply.ttft).as_secs_f64();
         RemoteReport {
             endpoint: rc.url.clone(),
@@ -184,7 +197,7 @@ pub fn run_one(cfg: &Config, rc: &RemoteConfig) -> Result<Outcome> {
             reasoning: (!reply.reasoning.is_empty()).then(|| reply.reasoning.clone()),
             tool_calls: cfg.tools.as_ref().map(|_| reply.tool_calls.clone()),
         }
-        .write(cfg.stats)?;
+        .write(cfg, true)?;
     }
     Ok(if reply.stop == "interrupted" {
         Outcome::Interrupted
@@ -282,7 +295,7 @@ pub fn run_batch(cfg: &Config, bc: &BatchConfig, rc: &RemoteConfig) -> Result<Ou
     }
     let elapsed = start.elapsed().as_secs_f64();
     let failed = out.failed;
-    if !cfg.quiet && !out.closed {
+    if (!cfg.quiet && !out.closed) || cfg.stats_file.is_some() {
         RemoteReport {
             endpoint: rc.url.clone(),
             model: ep.model.clone(),
@@ -303,7 +316,7 @@ pub fn run_batch(cfg: &Config, bc: &BatchConfig, rc: &RemoteConfig) -> Result<Ou
             reasoning: None,
             tool_calls: None,
         }
-        .write(cfg.stats)?;
+        .write(cfg, !out.closed)?;
     }
     Ok(out.outcome())
 }
@@ -426,6 +439,7 @@ impl Tally {
             ttft_ms: (reply.attempts > 0).then(|| ms(reply.ttft)),
             wait_ms: None,
             seed: sampled.then_some(job.params.sampling.seed),
+            complete: None,
             reasoning: (!reply.reasoning.is_empty()).then_some(reply.reasoning.as_str()),
             reasoning_tokens: None,
             tool_calls: cfg.tools.as_ref().map(|_| reply.tool_calls.clone()),

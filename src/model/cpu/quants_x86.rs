@@ -311,14 +311,7 @@ macro_rules! quant_kernels {
                         let da = _mm256_set1_ps(*a.d.add(slot));
                         if int_fold {
                             if $vnni {
-                                // The sub-scales, in integers (AVX2 took them in its madds).
-                                if spec.halves {
-                                    s0 = _mm256_mullo_epi32(s0, isc0);
-                                    s1 = _mm256_mullo_epi32(s1, isc1);
-                                } else {
-                                    s0 = _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), isc0);
-                                    s1 = _mm256_setzero_si256();
-                                }
+                                (s0, s1) = sub_scaled::<TY>((s0, s1), (isc0, isc1));
                             }
                             let last = b % spec.per_super == spec.per_super - 1;
                             let (mins, asum) = ((min0, min1), a.asum.add(slot * 4));
@@ -400,6 +393,22 @@ macro_rules! quant_kernels {
                 };
                 let m0 = sc(0);
                 (m0, if spec.halves { sc(1) } else { m0 })
+            }
+
+            /// VNNI, Q8_K types: a block's sums (halves 0 and 1) times the integer sub-scales,
+            /// in integers (AVX2 takes them in its madds).
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn sub_scaled<const TY: u8>(
+                (s0, s1): (__m256i, __m256i),
+                (isc0, isc1): (__m256i, __m256i),
+            ) -> (__m256i, __m256i) {
+                if spec_of(TY).halves {
+                    (_mm256_mullo_epi32(s0, isc0), _mm256_mullo_epi32(s1, isc1))
+                } else {
+                    let s = _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), isc0);
+                    (s, _mm256_setzero_si256())
+                }
             }
 
             /// One token's block sums (halves 0 and 1) on AVX2: the maddubs results of
