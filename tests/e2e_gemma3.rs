@@ -27,8 +27,9 @@ fn references() -> Vec<Greedy> {
 /// 0.11 and 0.36 (candle's kernels before them: 117 of 120, gaps below 0.5; an intermediate
 /// version of gen's, which applied the Q8_K activation scale per block instead of per
 /// super-block, had one gap of 0.71). Since Q6_K runs biased on VNNI (signed codes against
-/// activations plus 128, the bias's sums taken off once per super-block: the same integer
-/// sums, rounded in f32 at a few times their magnitude), 116 of 120, the largest gap 0.63.
+/// activations plus 128, the bias's sums taken off once per super-block), 116 of 120, the
+/// largest gap 0.63; since 2026-12-07 that correction and the sub-scales apply in integers on
+/// every SIMD path (the AVX2 path's sums, bit for bit).
 /// With a sixth prompt (2026-12-03, an AVX2 machine, no VNNI): 141 of 144, gaps 0.45 at most
 /// (GEN_KERNEL=scalar: 141 of 144, 0.28). gen's kernels agree with candle's to 1e-5 on each
 /// matrix (below).

@@ -1677,9 +1677,9 @@ pub(crate) mod tests {
                     outs.push(got);
                 }
                 // The SIMD kernels against the scalar one: the same integer sums, scaled in
-                // another order (for the biased types on VNNI with the bias's sums taken off
-                // per super-block: terms up to 128 / |quant| times bigger; for the Q8_K types
-                // on AVX2 sub-scaled in integers, one rounding a super-block).
+                // another order (the Q8_K types on every SIMD kernel sub-scaled in integers,
+                // the bias of the biased types on VNNI taken off in integers too: one rounding
+                // a super-block, where the scalar kernel rounds per block).
                 for o in &outs[1..] {
                     for ((a, b), l1) in o.iter().zip(&outs[0]).zip(&l1s) {
                         // (Measured: at most 5e-8 of the magnitudes.)
