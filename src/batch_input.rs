@@ -37,6 +37,11 @@ pub struct Entry {
     /// `"grammar": "..."` or `"regex": "..."`, already checked. None: as on the command line;
     /// Some(None): no constraint for this line (`"json": false`).
     pub constraint: Option<Option<Spec>>,
+    /// An OpenAI batch line's API by its `url`: Some(true) for `/v1/chat/completions` (a
+    /// `prompt` goes through the chat template, the output line is a chat completion),
+    /// Some(false) for `/v1/completions` (raw text, a text completion), whatever `--chat` says;
+    /// None: as `--chat` says.
+    pub chat: Option<bool>,
 }
 
 /// A line that could not be read as a prompt.
@@ -73,6 +78,9 @@ struct Record {
     stop: Option<serde_json::Value>,
     #[serde(default)]
     json: Option<serde_json::Value>,
+    /// An OpenAI batch line's `url` (carried over by `from_openai_batch`).
+    #[serde(default)]
+    url: Option<serde_json::Value>,
     #[serde(default)]
     json_schema: Option<serde_json::Value>,
     #[serde(default)]
@@ -101,6 +109,9 @@ fn from_openai_batch(value: serde_json::Value) -> Result<serde_json::Value, Stri
     }
     let mut line = serde_json::Map::new();
     line.insert("id".into(), custom_id.clone());
+    if let Some(url) = value.get("url").filter(|u| !u.is_null()) {
+        line.insert("url".into(), url.clone());
+    }
     for (from, to) in [
         ("prompt", "prompt"),
         ("messages", "messages"),
@@ -180,6 +191,7 @@ pub fn parse(input: &str, format: BatchFormat) -> Vec<Result<Entry, LineError>> 
                     seed: None,
                     stop: None,
                     constraint: None,
+                    chat: None,
                 })
             })
             .collect();
@@ -260,6 +272,16 @@ fn parse_record(line: usize, text: &str) -> Result<Entry, LineError> {
     {
         return Err(fail("a \"stop\" string is empty"));
     }
+    let chat = match r.url {
+        None | Some(serde_json::Value::Null) => None,
+        Some(serde_json::Value::String(u)) if u.ends_with("/chat/completions") => Some(true),
+        Some(serde_json::Value::String(u)) if u.ends_with("/completions") => Some(false),
+        Some(_) => {
+            return Err(fail(
+                "\"url\" must be /v1/completions or /v1/chat/completions",
+            ))
+        }
+    };
     Ok(Entry {
         line,
         id,
@@ -270,6 +292,7 @@ fn parse_record(line: usize, text: &str) -> Result<Entry, LineError> {
         seed,
         stop,
         constraint,
+        chat,
     })
 }
 

@@ -364,3 +364,56 @@ fn an_incomplete_structured_reply_is_flagged_and_fails() {
     assert!(lines[2].get("complete").is_none());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// OpenAI batch input: each line's `url` decides whether its prompt goes through the chat
+/// template and whether its output is a chat or a text completion, whatever `--chat` says.
+#[test]
+fn an_openai_batch_lines_url_decides_its_template_and_shape() {
+    let input = concat!(
+        r#"{"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 6, "temperature": 0}}"#,
+        "\n",
+        r#"{"custom_id": "t", "method": "POST", "url": "/v1/completions", "body": {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}}"#,
+        "\n",
+        r#"{"custom_id": "p", "method": "POST", "url": "/v1/chat/completions", "body": {"prompt": "Say hi", "max_tokens": 6, "temperature": 0}}"#,
+        "\n",
+    );
+    let alone = |chat: bool| {
+        let mut args = vec![
+            "--prompt",
+            "The capital of France is",
+            "-n",
+            "6",
+            "-t",
+            "0",
+            "-q",
+        ];
+        if chat {
+            args = vec!["--prompt", "Say hi", "-n", "6", "-t", "0", "-q", "--chat"];
+        }
+        text(&run(&args).stdout)
+    };
+    for flag in [None, Some("--chat")] {
+        let mut cmd = gen();
+        cmd.arg("--model").arg(smollm2());
+        cmd.args(["--batch", "-", "--batch-output", "openai", "-q"]);
+        cmd.args(flag);
+        let out = common::with_stdin(cmd, input);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let lines: Vec<serde_json::Value> = text(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let body = |i: usize| &lines[i]["response"]["body"];
+        assert_eq!(body(0)["object"], "chat.completion", "{flag:?}");
+        assert_eq!(body(1)["object"], "text_completion", "{flag:?}");
+        assert_eq!(body(2)["object"], "chat.completion", "{flag:?}");
+        // The text completion is the raw prompt's, --chat or not; a chat line's bare prompt
+        // goes through the template as a user message.
+        assert_eq!(body(1)["choices"][0]["text"], alone(false), "{flag:?}");
+        assert_eq!(
+            body(2)["choices"][0]["message"]["content"],
+            alone(true),
+            "{flag:?}"
+        );
+    }
+}

@@ -268,7 +268,7 @@ fn prepare(
     let max_new = entry.max_new.unwrap_or(cfg.max_new);
     let (ids, start) = match &entry.messages {
         Some(conv) => session.conversation(cfg, &conv.messages(), max_new),
-        None => session.prompt(cfg, &entry.prompt, max_new),
+        None => session.prompt_as(cfg, &entry.prompt, max_new, entry.chat.unwrap_or(cfg.chat)),
     }
     .map_err(fail)?;
     let mut sampling = cfg.sampling.clone();
@@ -373,6 +373,7 @@ impl BatchSink for Sink<'_, '_> {
             wait_ms: Some(ms(o.wait)),
             seed: (!p.sampling.is_greedy()).then_some(p.sampling.seed),
             complete,
+            chat: p.entry.chat,
             reasoning: t.thinking.as_ref().map(|th| th.text.as_str()),
             reasoning_tokens: t.thinking.as_ref().map(|th| th.tokens),
             tool_calls: calls.as_ref().map(|p| p.openai_calls(0)),

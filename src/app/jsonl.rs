@@ -51,6 +51,10 @@ pub(crate) struct Line<'a> {
     /// With --tools: the text outside the calls (OpenAI's `content`).
     #[serde(skip)]
     pub content: Option<String>,
+    /// The line's API by its `url` (OpenAI's shape: a chat or a text completion); None: as
+    /// `--chat` says.
+    #[serde(skip)]
+    pub chat: Option<bool>,
 }
 
 /// The shape of each output line (`--batch-output`).
@@ -68,6 +72,7 @@ impl Shape {
         let Shape::OpenAi { chat, model } = self else {
             return Ok(serde_json::to_string(l)?);
         };
+        let chat = &l.chat.unwrap_or(*chat);
         let custom_id =
             l.id.clone()
                 .unwrap_or_else(|| format!("line-{}", l.line).into());
@@ -301,6 +306,7 @@ impl Writer {
             wait_ms: None,
             seed: None,
             complete: None,
+            chat: None,
             reasoning: None,
             reasoning_tokens: None,
             tool_calls: None,

@@ -153,7 +153,19 @@ impl Session {
         prompt_text: &str,
         max_new: usize,
     ) -> Result<(Vec<u32>, Option<thinking::Start>)> {
-        if cfg.chat {
+        self.prompt_as(cfg, prompt_text, max_new, cfg.chat)
+    }
+
+    /// [`Self::prompt`], through the chat template or not as `chat` says (a batch line's
+    /// `url` may say otherwise than `--chat`).
+    pub fn prompt_as(
+        &self,
+        cfg: &Config,
+        prompt_text: &str,
+        max_new: usize,
+        chat: bool,
+    ) -> Result<(Vec<u32>, Option<thinking::Start>)> {
+        if chat {
             let messages = chat::one_shot(cfg.system.as_deref(), prompt_text);
             return self.conversation(cfg, &messages, max_new);
         }

@@ -338,8 +338,9 @@ fn job(cfg: &Config, index: usize, entry: Entry) -> Result<Job, LineError> {
     }
     let messages = match &entry.messages {
         Some(c) => Some(c.messages()),
-        None => cfg
+        None => entry
             .chat
+            .unwrap_or(cfg.chat)
             .then(|| chat::one_shot(cfg.system.as_deref(), &entry.prompt)),
     };
     let mut p = params(cfg);
@@ -440,6 +441,7 @@ impl Tally {
             wait_ms: None,
             seed: sampled.then_some(job.params.sampling.seed),
             complete: None,
+            chat: e.chat,
             reasoning: (!reply.reasoning.is_empty()).then_some(reply.reasoning.as_str()),
             reasoning_tokens: None,
             tool_calls: cfg.tools.as_ref().map(|_| reply.tool_calls.clone()),
