@@ -703,6 +703,46 @@ pub fn unescape(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// gen chat's slash commands, as `/help` and `gen chat --help` list them.
+pub const CHAT_COMMANDS: &str = "\
+commands:
+  /help                 this list
+  /reset                start over (the system message stays)
+  /system TEXT          set the system message (/system alone removes it)
+  /undo                 drop the last exchange
+  /save FILE            write the conversation as JSON ({\"role\", \"content\"} messages)
+  /load FILE            continue a conversation saved with /save (or --messages)
+  /set NAME VALUE       temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
+                        seed, max_new
+  /stats                the last reply's full report
+  /tool TEXT            the result of the model's pending tool call (with --tools); the
+                        model then replies
+  /exit                 end the chat (also Ctrl-D, or Ctrl-C on an empty line)
+A line ending in \\ continues on the next line (also Alt-Enter); Ctrl-C stops a reply.";
+
+/// The help a command line asks for that clap does not give itself: `gen help` (the long help),
+/// `gen help chat` and `gen chat --help` (it, with gen chat's slash commands). None otherwise.
+pub fn help_request(args: &[std::ffi::OsString]) -> Option<String> {
+    use clap::CommandFactory;
+    let words: Vec<&str> = args.iter().skip(1).filter_map(|a| a.to_str()).collect();
+    let chat = match words.as_slice() {
+        ["help"] => false,
+        ["help", "chat"] => true,
+        w if w.first() == Some(&"chat") && w.iter().any(|a| *a == "--help" || *a == "-h") => true,
+        _ => return None,
+    };
+    let help = Args::command().render_long_help().to_string();
+    Some(match chat {
+        false => help,
+        true => format!(
+            "gen chat: a conversation in the terminal, or one user turn per line of standard \
+             input. It takes the flags below (model, sampling, --system, --messages, ...).\n\n\
+             {}\n\n{help}",
+            CHAT_COMMANDS
+        ),
+    })
+}
+
 /// `-sys` (llama-cli's spelling of `--system-prompt`, a short flag of three letters that clap
 /// cannot declare) as `--system`; every other argument as it is.
 pub fn llama_spellings(

@@ -27,7 +27,12 @@ fn tune_allocator() {}
 
 fn main() -> ExitCode {
     tune_allocator();
-    let args = match cli::Args::try_parse_from(cli::llama_spellings(std::env::args_os())) {
+    let argv = cli::llama_spellings(std::env::args_os());
+    if let Some(help) = cli::help_request(&argv) {
+        print!("{help}");
+        return ExitCode::SUCCESS;
+    }
+    let args = match cli::Args::try_parse_from(argv) {
         Ok(args) => args,
         Err(e) if !e.use_stderr() => {
             // --help and --version: their text is what the user asked for.

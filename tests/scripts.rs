@@ -417,3 +417,19 @@ fn an_openai_batch_lines_url_decides_its_template_and_shape() {
         );
     }
 }
+
+/// `gen help` is the long help; `gen chat --help` and `gen help chat` list the slash commands.
+#[test]
+fn help_as_subcommands_and_for_gen_chat() {
+    let top = gen().arg("help").output().unwrap();
+    assert!(top.status.success());
+    assert!(text(&top.stdout).contains("Usage: gen"), "{}", text(&top.stdout));
+    for args in [&["chat", "--help"][..], &["help", "chat"], &["chat", "-h"]] {
+        let out = gen().args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}");
+        let help = text(&out.stdout);
+        for want in ["/undo", "/save FILE", "/set NAME VALUE", "--system"] {
+            assert!(help.contains(want), "{args:?}: {want} missing");
+        }
+    }
+}

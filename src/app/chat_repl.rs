@@ -28,21 +28,7 @@ use crate::report::Report;
 use crate::sampler::{Sampler, SamplingParams};
 use crate::{interrupt, model::kv_cache::blocks_for};
 
-const HELP: &str = "\
-commands:
-  /help                 this list
-  /reset                start over (the system message stays)
-  /system TEXT          set the system message (/system alone removes it)
-  /undo                 drop the last exchange
-  /save FILE            write the conversation as JSON ({\"role\", \"content\"} messages)
-  /load FILE            continue a conversation saved with /save (or --messages)
-  /set NAME VALUE       temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
-                        seed, max_new
-  /stats                the last reply's full report
-  /tool TEXT            the result of the model's pending tool call (with --tools); the
-                        model then replies
-  /exit                 end the chat (also Ctrl-D, or Ctrl-C on an empty line)
-A line ending in \\ continues on the next line (also Alt-Enter); Ctrl-C stops a reply.";
+use crate::cli::CHAT_COMMANDS as HELP;
 
 /// The chat's state between turns.
 struct Chat {
