@@ -4,9 +4,6 @@
 
 mod common;
 
-use std::io::Write;
-use std::process::Stdio;
-
 use anyhow::Result;
 use candle_core::Device;
 use common::counting::{Counting, EOS};
@@ -534,46 +531,8 @@ fn batch_input_errors_are_one_line() {
 /// running one with what it generated, the waiting ones empty), then exit 130.
 #[test]
 fn ctrl_c_writes_every_line_and_exits_130() {
-    use std::io::BufRead;
-    let model = common::smollm2();
-    let mut child = common::gen()
-        .args(["--model", model.to_str().unwrap(), "--batch", "-"])
-        .args(["--temperature", "0", "--ignore-eos", "-n", "2000"])
-        .args(["--ctx-size", "4096", "--batch-size", "1", "--stats", "json"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(b"{\"prompt\": \"Hi\", \"max_new\": 2}\n{\"prompt\": \"Once upon a time\"}\n{\"prompt\": \"The end\"}\n")
-        .unwrap();
-    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
-    let mut first = String::new();
-    stdout.read_line(&mut first).unwrap();
-    // The second prompt is running now; let it generate a little.
-    std::thread::sleep(std::time::Duration::from_millis(300));
-    let status = std::process::Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let mut rest = String::new();
-    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(130),
-        "{}",
-        common::text(&out.stderr)
-    );
-    let got: Vec<serde_json::Value> = std::iter::once(first.as_str())
-        .chain(rest.lines())
-        .map(|l| serde_json::from_str(l.trim()).unwrap())
-        .collect();
+    let (code, err, got) = common::signalled_batch("INT");
+    assert_eq!(code, Some(130), "{err}");
     assert_eq!(got.len(), 3);
     assert_eq!(
         (got[0]["stop"].as_str(), got[0]["tokens"].as_u64()),

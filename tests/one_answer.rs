@@ -26,27 +26,9 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
-use common::typed::{scratch, write_model, VOCAB};
+use common::typed::{scratch, write_model, TYPES, VOCAB};
 use gen::model::kv_cache::blocks_for;
 use gen::model::{LanguageModel, SeqStep};
-
-/// Every type gen runs on its own kernels, by ggml number.
-const TYPES: [(u32, &str); 14] = [
-    (1, "F16"),
-    (30, "BF16"),
-    (2, "Q4_0"),
-    (3, "Q4_1"),
-    (6, "Q5_0"),
-    (7, "Q5_1"),
-    (8, "Q8_0"),
-    (10, "Q2_K"),
-    (11, "Q3_K"),
-    (12, "Q4_K"),
-    (13, "Q5_K"),
-    (14, "Q6_K"),
-    (20, "IQ4_NL"),
-    (23, "IQ4_XS"),
-];
 
 const PROMPT: usize = 21;
 const REPLY: usize = 20;

@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::io::{BufRead, Read, Write};
+use std::io::Read;
 use std::process::{Output, Stdio};
 
 use common::{gen, smollm2, text};
@@ -193,48 +193,8 @@ fn sigterm_and_sighup_end_a_run_as_ctrl_c_does_with_their_own_status() {
 
 #[test]
 fn sigterm_writes_every_batch_line_and_the_report() {
-    let mut child = gen()
-        .arg("--model")
-        .arg(smollm2())
-        .args([
-            "--batch",
-            "-",
-            "--temperature",
-            "0",
-            "--ignore-eos",
-            "-n",
-            "2000",
-        ])
-        .args(["--ctx-size", "4096", "--batch-size", "1", "--stats", "json"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(b"{\"prompt\": \"Hi\", \"max_new\": 2}\n{\"prompt\": \"Once upon a time\"}\n{\"prompt\": \"The end\"}\n")
-        .unwrap();
-    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
-    let mut first = String::new();
-    stdout.read_line(&mut first).unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(300));
-    let kill = std::process::Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(kill.success());
-    let mut rest = String::new();
-    stdout.read_to_string(&mut rest).unwrap();
-    let out = child.wait_with_output().unwrap();
-    let err = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(143), "{err}");
-    let lines: Vec<serde_json::Value> = std::iter::once(first.as_str())
-        .chain(rest.lines())
-        .map(|l| serde_json::from_str(l.trim()).unwrap())
-        .collect();
+    let (code, err, lines) = common::signalled_batch("TERM");
+    assert_eq!(code, Some(143), "{err}");
     assert_eq!(lines.len(), 3, "every line written");
     assert_eq!(lines[0]["stop"], "max-new");
     assert_eq!(lines[1]["stop"], "interrupted");
@@ -423,7 +383,11 @@ fn an_openai_batch_lines_url_decides_its_template_and_shape() {
 fn help_as_subcommands_and_for_gen_chat() {
     let top = gen().arg("help").output().unwrap();
     assert!(top.status.success());
-    assert!(text(&top.stdout).contains("Usage: gen"), "{}", text(&top.stdout));
+    assert!(
+        text(&top.stdout).contains("Usage: gen"),
+        "{}",
+        text(&top.stdout)
+    );
     for args in [&["chat", "--help"][..], &["help", "chat"], &["chat", "-h"]] {
         let out = gen().args(args).output().unwrap();
         assert!(out.status.success(), "{args:?}");

@@ -293,3 +293,53 @@ pub fn logits_of(loaded: &mut gen::model::Loaded, tokens: &[u32], split: usize) 
     }
     out
 }
+
+/// A `--batch` of three prompts on the default model, one at a time (the first of 2 tokens,
+/// the others of up to 2,000), sent `kill -SIG` 300 ms after the first line is out: its exit
+/// status, its stderr and every line it wrote.
+pub fn signalled_batch(sig: &str) -> (Option<i32>, String, Vec<serde_json::Value>) {
+    use std::io::{BufRead, Read, Write};
+    use std::process::Stdio;
+    let mut child = gen()
+        .arg("--model")
+        .arg(smollm2())
+        .args([
+            "--batch",
+            "-",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "-n",
+            "2000",
+        ])
+        .args(["--ctx-size", "4096", "--batch-size", "1", "--stats", "json"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"{\"prompt\": \"Hi\", \"max_new\": 2}\n{\"prompt\": \"Once upon a time\"}\n{\"prompt\": \"The end\"}\n")
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    stdout.read_line(&mut first).unwrap();
+    // The second prompt is running now; let it generate a little.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let status = Command::new("kill")
+        .args([format!("-{sig}"), child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let lines = std::iter::once(first.as_str())
+        .chain(rest.lines())
+        .map(|l| serde_json::from_str(l.trim()).unwrap())
+        .collect();
+    (out.status.code(), text(&out.stderr), lines)
+}

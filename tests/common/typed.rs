@@ -18,6 +18,24 @@ const KV: usize = super::SMALL_QWEN2.kv;
 const HD: usize = super::SMALL_QWEN2.hd;
 const FF: usize = super::SMALL_QWEN2.ff;
 pub const VOCAB: usize = 64;
+
+/// Every type gen runs on its own kernels, by ggml number: F16 and BF16, then the quantized.
+pub const TYPES: [(u32, &str); 14] = [
+    (1, "F16"),
+    (30, "BF16"),
+    (2, "Q4_0"),
+    (3, "Q4_1"),
+    (6, "Q5_0"),
+    (7, "Q5_1"),
+    (8, "Q8_0"),
+    (10, "Q2_K"),
+    (11, "Q3_K"),
+    (12, "Q4_K"),
+    (13, "Q5_K"),
+    (14, "Q6_K"),
+    (20, "IQ4_NL"),
+    (23, "IQ4_XS"),
+];
 const LAYERS: usize = super::SMALL_QWEN2.layers;
 
 const IQ4: [i8; 16] = [
