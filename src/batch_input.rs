@@ -31,6 +31,9 @@ pub struct Entry {
     pub messages: Option<crate::conversation::Conversation>,
     pub max_new: Option<usize>,
     pub temperature: Option<f64>,
+    /// OpenAI's `presence_penalty` and `frequency_penalty` for this line.
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
     pub seed: Option<u64>,
     pub stop: Option<Vec<String>>,
     /// What the reply must be: `"json": true` (or `"any"`), `"json_schema": {...}`,
@@ -72,6 +75,10 @@ struct Record {
     max_new: Option<serde_json::Value>,
     #[serde(default)]
     temperature: Option<serde_json::Value>,
+    #[serde(default)]
+    presence_penalty: Option<serde_json::Value>,
+    #[serde(default)]
+    frequency_penalty: Option<serde_json::Value>,
     #[serde(default)]
     seed: Option<serde_json::Value>,
     #[serde(default)]
@@ -118,6 +125,8 @@ fn from_openai_batch(value: serde_json::Value) -> Result<serde_json::Value, Stri
         ("max_tokens", "max_new"),
         ("max_completion_tokens", "max_new"),
         ("temperature", "temperature"),
+        ("presence_penalty", "presence_penalty"),
+        ("frequency_penalty", "frequency_penalty"),
         ("seed", "seed"),
         ("stop", "stop"),
     ] {
@@ -188,6 +197,8 @@ pub fn parse(input: &str, format: BatchFormat) -> Vec<Result<Entry, LineError>> 
                     messages: None,
                     max_new: None,
                     temperature: None,
+                    presence_penalty: None,
+                    frequency_penalty: None,
                     seed: None,
                     stop: None,
                     constraint: None,
@@ -244,6 +255,15 @@ fn parse_record(line: usize, text: &str) -> Result<Entry, LineError> {
             _ => return Err(fail("\"temperature\" must be a number, 0 or more")),
         },
     };
+    let penalty = |v: Option<serde_json::Value>, name: &str| match v {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(v) => match v.as_f64() {
+            Some(x) if (-2.0..=2.0).contains(&x) => Ok(Some(x as f32)),
+            _ => Err(fail(&format!("\"{name}\" must be a number in [-2, 2]"))),
+        },
+    };
+    let presence_penalty = penalty(r.presence_penalty, "presence_penalty")?;
+    let frequency_penalty = penalty(r.frequency_penalty, "frequency_penalty")?;
     let seed = match r.seed {
         None | Some(serde_json::Value::Null) => None,
         Some(v) => match v.as_u64() {
@@ -289,6 +309,8 @@ fn parse_record(line: usize, text: &str) -> Result<Entry, LineError> {
         messages,
         max_new,
         temperature,
+        presence_penalty,
+        frequency_penalty,
         seed,
         stop,
         constraint,

@@ -128,9 +128,29 @@ pub struct Args {
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub repeat_penalty: f32,
 
-    /// How many recent tokens the repetition penalty looks at.
+    /// How many recent tokens the repetition, presence and frequency penalties look at.
     #[arg(long, default_value_t = 64)]
     pub repeat_last_n: usize,
+
+    /// OpenAI's presence penalty, in [-2, 2]: lowers the logit of every token seen in the last
+    /// --repeat-last-n tokens by this much (0: off).
+    #[arg(
+        long,
+        value_name = "P",
+        default_value_t = 0.0,
+        allow_negative_numbers = true
+    )]
+    pub presence_penalty: f32,
+
+    /// OpenAI's frequency penalty, in [-2, 2]: lowers a token's logit by this much for each
+    /// time it was seen in the last --repeat-last-n tokens (0: off).
+    #[arg(
+        long,
+        value_name = "F",
+        default_value_t = 0.0,
+        allow_negative_numbers = true
+    )]
+    pub frequency_penalty: f32,
 
     /// Random seed; the same seed and inputs give the same text (default: a fresh one, shown in
     /// the report).
@@ -582,6 +602,8 @@ impl Args {
             min_p: self.min_p,
             repeat_penalty: self.repeat_penalty,
             repeat_last_n: self.repeat_last_n,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
             seed,
         };
         sampling.validate()?;
@@ -713,7 +735,7 @@ commands:
   /save FILE            write the conversation as JSON ({\"role\", \"content\"} messages)
   /load FILE            continue a conversation saved with /save (or --messages)
   /set NAME VALUE       temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
-                        seed, max_new
+                        presence_penalty, frequency_penalty, seed, max_new
   /stats                the last reply's full report
   /tool TEXT            the result of the model's pending tool call (with --tools); the
                         model then replies

@@ -253,6 +253,12 @@ impl Endpoint {
             body["repeat_penalty"] = json!(s.repeat_penalty);
             body["repeat_last_n"] = json!(s.repeat_last_n);
         }
+        if s.presence_penalty != 0.0 {
+            body["presence_penalty"] = json!(s.presence_penalty);
+        }
+        if s.frequency_penalty != 0.0 {
+            body["frequency_penalty"] = json!(s.frequency_penalty);
+        }
         if !p.stop.is_empty() {
             body["stop"] = json!(p.stop);
         }

@@ -23,8 +23,14 @@ pub struct SamplingParams {
     pub min_p: f64,
     /// 1.0 means off.
     pub repeat_penalty: f32,
-    /// How many of the most recent tokens the penalty looks at.
+    /// How many of the most recent tokens the penalties look at.
     pub repeat_last_n: usize,
+    /// OpenAI's presence penalty: subtracted once from the logit of every token seen in the
+    /// last `repeat_last_n` (0: off; -2 to 2).
+    pub presence_penalty: f32,
+    /// OpenAI's frequency penalty: subtracted from a token's logit once per time it was seen
+    /// there (0: off; -2 to 2).
+    pub frequency_penalty: f32,
     pub seed: u64,
 }
 
@@ -37,6 +43,8 @@ impl Default for SamplingParams {
             min_p: 0.0,
             repeat_penalty: 1.0,
             repeat_last_n: 64,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: 0,
         }
     }
@@ -61,6 +69,14 @@ impl SamplingParams {
                 "--repeat-penalty must be positive, got {}",
                 self.repeat_penalty
             );
+        }
+        for (name, v) in [
+            ("--presence-penalty", self.presence_penalty),
+            ("--frequency-penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                bail!("{name} must be in [-2, 2], as OpenAI's, got {v}");
+            }
         }
         Ok(())
     }
@@ -144,7 +160,10 @@ impl Sampler {
     /// Whether `sample` picks the largest logit as it is (greedy, no repetition penalty): then
     /// whoever holds the logits may take the argmax where they are, for many rows at once.
     pub fn is_plain_argmax(&self) -> bool {
-        let penalised = self.params.repeat_penalty != 1.0 && self.params.repeat_last_n > 0;
+        let p = &self.params;
+        let penalised =
+            (p.repeat_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0)
+                && p.repeat_last_n > 0;
         self.params.is_greedy() && !penalised && self.constraint.is_none()
     }
 
@@ -213,20 +232,26 @@ impl Sampler {
     /// with weights summing to the returned total) after top-k, temperature, top-p and min-p.
     fn weigh(&mut self, row: &mut [f32], history: &[u32]) -> Result<Weighed> {
         let p = &self.params;
-        if p.repeat_penalty != 1.0 {
+        if p.repeat_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
             let start = history.len().saturating_sub(p.repeat_last_n);
             let mut seen = history[start..].to_vec();
             seen.sort_unstable();
-            seen.dedup();
-            for &id in &seen {
-                if let Some(l) = row.get_mut(id as usize) {
-                    // As in llama.cpp and the CTRL paper: shrink a positive logit, grow a negative one.
+            // Each seen token once, with how often it was seen, as llama.cpp's penalties
+            // sampler counts them over the same window.
+            for run in seen.chunk_by(|a, b| a == b) {
+                let Some(l) = row.get_mut(run[0] as usize) else {
+                    continue;
+                };
+                if p.repeat_penalty != 1.0 {
+                    // As in llama.cpp and the CTRL paper: shrink a positive logit, grow a
+                    // negative one.
                     *l = if *l > 0.0 {
                         *l / p.repeat_penalty
                     } else {
                         *l * p.repeat_penalty
                     };
                 }
+                *l -= run.len() as f32 * p.frequency_penalty + p.presence_penalty;
             }
         }
         if p.is_greedy() {
@@ -373,6 +398,37 @@ mod tests {
     fn greedy_picks_the_largest() {
         let mut s = Sampler::new(SamplingParams::default());
         assert_eq!(s.sample(&logits(&[0.1, 3.0, -1.0, 2.9]), &[]).unwrap(), 1);
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_are_openais() {
+        let with = |presence: f32, frequency: f32| {
+            let p = SamplingParams {
+                presence_penalty: presence,
+                frequency_penalty: frequency,
+                ..Default::default()
+            };
+            let mut row = vec![0.1, 3.0, -1.0, 2.9];
+            // Token 1 seen twice, token 2 once, in the window.
+            let id = Sampler::new(p).sample_row(&mut row, &[1, 2, 1]).unwrap();
+            (id, row)
+        };
+        // Presence: once per seen token. 3.0 - 0.2 = 2.8 < 2.9.
+        let (id, row) = with(0.2, 0.0);
+        assert_eq!((id, row[1], row[2]), (3, 3.0 - 0.2, -1.0 - 0.2));
+        // Frequency: once per time seen. 3.0 - 2 * 0.04 = 2.92 > 2.9; -1 - 0.04.
+        let (id, row) = with(0.0, 0.04);
+        assert_eq!((id, row[1], row[2]), (1, 3.0 - 2.0 * 0.04, -1.0 - 0.04));
+        // Both, as llama.cpp adds them; negative values encourage.
+        let (_, row) = with(-0.5, 0.25);
+        assert_eq!(row[1], 3.0 - (2.0 * 0.25 - 0.5));
+        assert_eq!(row[3], 2.9, "an unseen token is left alone");
+        // Out of OpenAI's range: a usage error.
+        let bad = SamplingParams {
+            frequency_penalty: 2.5,
+            ..Default::default()
+        };
+        assert!(bad.validate().is_err());
     }
 
     #[test]

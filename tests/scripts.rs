@@ -397,3 +397,47 @@ fn help_as_subcommands_and_for_gen_chat() {
         }
     }
 }
+
+/// OpenAI's presence and frequency penalties: flags and batch fields, checked in range.
+#[test]
+fn presence_and_frequency_penalties_are_taken_and_checked() {
+    let plain = run(&["--prompt", "1, 1, 1, 1,", "-n", "8", "-t", "0", "-q"]);
+    let penalised = run(&[
+        "--prompt",
+        "1, 1, 1, 1,",
+        "-n",
+        "8",
+        "-t",
+        "0",
+        "-q",
+        "--frequency-penalty",
+        "2",
+    ]);
+    assert!(penalised.status.success(), "{}", text(&penalised.stderr));
+    assert_ne!(
+        text(&plain.stdout),
+        text(&penalised.stdout),
+        "the penalty changes the reply"
+    );
+    let bad = run(&["--prompt", "x", "--presence-penalty", "3"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(common::one_error_line(&bad).contains("--presence-penalty"));
+    // As batch fields: the same reply as the flag; out of range, that line's error.
+    let mut cmd = gen();
+    cmd.arg("--model")
+        .arg(smollm2())
+        .args(["--batch", "-", "-n", "8", "-t", "0", "-q"]);
+    let out = common::with_stdin(
+        cmd,
+        "{\"prompt\": \"1, 1, 1, 1,\", \"frequency_penalty\": 2}\n{\"prompt\": \"x\", \"presence_penalty\": 9}\n",
+    );
+    let lines: Vec<serde_json::Value> = text(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines[0]["text"], text(&penalised.stdout));
+    assert!(lines[1]["error"]
+        .as_str()
+        .unwrap()
+        .contains("presence_penalty"));
+}

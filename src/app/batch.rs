@@ -275,6 +275,10 @@ fn prepare(
     if let Some(t) = entry.temperature {
         sampling.temperature = t;
     }
+    sampling.presence_penalty = entry.presence_penalty.unwrap_or(sampling.presence_penalty);
+    sampling.frequency_penalty = entry
+        .frequency_penalty
+        .unwrap_or(sampling.frequency_penalty);
     // Prompt i samples with seed + i: the same stream whatever else is in the batch, and the
     // first prompt samples as a single run with the same --seed would.
     sampling.seed = entry

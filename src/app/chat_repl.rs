@@ -478,6 +478,8 @@ impl Chat {
             "min_p" => p.min_p = value.parse().with_context(bad)?,
             "repeat_penalty" => p.repeat_penalty = value.parse().with_context(bad)?,
             "repeat_last_n" => p.repeat_last_n = value.parse().with_context(bad)?,
+            "presence_penalty" => p.presence_penalty = value.parse().with_context(bad)?,
+            "frequency_penalty" => p.frequency_penalty = value.parse().with_context(bad)?,
             "seed" => p.seed = value.parse().with_context(bad)?,
             "max_new" => {
                 let n: usize = value.parse().with_context(bad)?;
@@ -490,7 +492,8 @@ impl Chat {
             }
             other => bail!(
                 "/set: unknown option {other:?} (temperature, top_k, top_p, min_p, \
-                 repeat_penalty, repeat_last_n, seed, max_new)"
+                 repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, seed, \
+                 max_new)"
             ),
         }
         p.validate()?;

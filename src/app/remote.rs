@@ -348,6 +348,12 @@ fn job(cfg: &Config, index: usize, entry: Entry) -> Result<Job, LineError> {
     if let Some(t) = entry.temperature {
         p.sampling.temperature = t;
     }
+    p.sampling.presence_penalty = entry
+        .presence_penalty
+        .unwrap_or(p.sampling.presence_penalty);
+    p.sampling.frequency_penalty = entry
+        .frequency_penalty
+        .unwrap_or(p.sampling.frequency_penalty);
     // As locally: item i samples with seed + i unless it brings its own.
     p.sampling.seed = entry
         .seed
