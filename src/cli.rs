@@ -260,7 +260,7 @@ pub struct Args {
     /// Keep the prompt's KV cache in FILE: a run whose prompt begins as the saved one did, on
     /// the same model file, loads those tokens' keys and values instead of computing them,
     /// then saves its own prompt there. A file that does not fit (another model, damaged) is
-    /// ignored with a warning and rewritten.
+    /// ignored with a warning and rewritten; one that is not a prompt cache stops the run.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["batch", "no_prefix_cache"])]
     pub prompt_cache: Option<PathBuf>,
 
