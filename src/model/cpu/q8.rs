@@ -110,7 +110,7 @@ impl Kernel {
     }
 
     /// The three names of a `GEN_KERNEL=ONE/FEW/CHUNK` value, or None for another value.
-    pub fn per_call(forced: &str) -> Option<[&str; 3]> {
+    fn per_call(forced: &str) -> Option<[&str; 3]> {
         let mut parts = forced.split('/');
         let names = [parts.next()?, parts.next()?, parts.next()?];
         parts.next().is_none().then_some(names)

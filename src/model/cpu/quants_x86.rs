@@ -137,6 +137,20 @@ macro_rules! unpack_codes {
 }
 pub(crate) use unpack_codes;
 
+/// The integer sub-scale bytes of half `h` of a block (Q2_K's low nibbles), as `$bytes(offset)`
+/// reads the rows' bytes at that offset (8, or 16 for two tiles): what the Q8_K types' sums are
+/// multiplied by, in AVX2's madds and VNNI's `vpmulld`.
+macro_rules! sub_scale_bytes {
+    ($spec:expr, $bytes:expr, $h:expr) => {{
+        let mut raw = $bytes($spec.plane_bytes() + $h * 8);
+        if $spec.min == Min::Packed {
+            raw = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+        }
+        raw
+    }};
+}
+pub(crate) use sub_scale_bytes;
+
 /// One block's scale and minimum per row for sub-scale byte `h`: the super-block's `dv` times
 /// the integer sub-scale, and minus `dmv` times the sub-minimum (or `dv` and `dmv` themselves
 /// for types without sub-scales). `$bytes(offset)` reads the rows' bytes at that offset in the
@@ -358,12 +372,9 @@ macro_rules! quant_kernels {
                 if !int_fold {
                     return (_mm256_set1_epi16(1), _mm256_set1_epi16(1));
                 }
+                let bytes = |o: usize| _mm_loadl_epi64(base.add(o) as *const __m128i);
                 let sc16 = |h: usize| {
-                    let at = base.add(spec.plane_bytes() + h * 8) as *const __m128i;
-                    let mut raw = _mm_loadl_epi64(at);
-                    if spec.min == Min::Packed {
-                        raw = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
-                    }
+                    let raw = super::sub_scale_bytes!(spec, bytes, h);
                     _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(raw, raw))
                 };
                 let m0 = sc16(0);
@@ -383,14 +394,8 @@ macro_rules! quant_kernels {
                 if !int_fold {
                     return (_mm256_setzero_si256(), _mm256_setzero_si256());
                 }
-                let sc = |h: usize| {
-                    let at = base.add(spec.plane_bytes() + h * 8) as *const __m128i;
-                    let mut raw = _mm_loadl_epi64(at);
-                    if spec.min == Min::Packed {
-                        raw = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
-                    }
-                    _mm256_cvtepi8_epi32(raw)
-                };
+                let bytes = |o: usize| _mm_loadl_epi64(base.add(o) as *const __m128i);
+                let sc = |h: usize| _mm256_cvtepi8_epi32(super::sub_scale_bytes!(spec, bytes, h));
                 let m0 = sc(0);
                 (m0, if spec.halves { sc(1) } else { m0 })
             }

@@ -9,7 +9,7 @@
 #![cfg(target_arch = "x86_64")]
 
 use super::quants::{spec_of, Act, ActChunk, Bits, Min, Tile, IQ4_VALUES, TOKENS};
-use super::quants_x86::{block_scales, fold_sums, unpack_codes};
+use super::quants_x86::{block_scales, fold_sums, sub_scale_bytes, unpack_codes};
 use std::arch::x86_64::*;
 
 /// 32 bytes at p0 (the first group's) and 32 at p1, as one register.
@@ -75,14 +75,8 @@ unsafe fn sub_scale<const TY: u8>(
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn int_scales<const TY: u8>(b0: *const u8, b1: *const u8) -> (__m512i, __m512i) {
     let spec = spec_of(TY);
-    let sc = |h: usize| {
-        let o = spec.plane_bytes() + h * 8;
-        let mut raw = join8(b0.add(o), b1.add(o));
-        if spec.min == Min::Packed {
-            raw = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
-        }
-        _mm512_cvtepi8_epi32(raw)
-    };
+    let bytes = |o: usize| join8(b0.add(o), b1.add(o));
+    let sc = |h: usize| _mm512_cvtepi8_epi32(sub_scale_bytes!(spec, bytes, h));
     let m0 = sc(0);
     (m0, if spec.halves { sc(1) } else { m0 })
 }
