@@ -90,24 +90,40 @@ fn tokens(s: usize, n: usize) -> Vec<u32> {
         .collect()
 }
 
-/// The watched sequence's rows: its prompt's (the last token's logits), then one per reply
-/// token, each token alone in its pass.
-fn alone(m: &mut dyn LanguageModel) -> Vec<Bits> {
+/// The watched sequence alone in its passes: its prompt prefilled in chunks of `chunks` tokens
+/// (the last chunk's row: the prompt's last token's logits), then its reply fed in decode
+/// steps of `steps` tokens (summing to REPLY - 1; a row per token).
+fn one_sequence(m: &mut dyn LanguageModel, chunks: &[usize], steps: &[usize]) -> Vec<Bits> {
     let all = tokens(0, PROMPT + REPLY);
     let seq = m.new_sequence();
     assert!(m.reserve(seq, all.len()));
-    let mut rows = bits(
-        &m.forward(&[SeqStep::prefill(seq, &all[..PROMPT], 0)])
-            .unwrap(),
-    );
-    for p in PROMPT..all.len() - 1 {
-        rows.extend(bits(
-            &m.forward(&[SeqStep::decode(seq, &all[p..p + 1], p)])
-                .unwrap(),
-        ));
+    let mut rows = Vec::new();
+    let mut at = 0;
+    for n in chunks {
+        let step = SeqStep::prefill(seq, &all[at..at + n], at);
+        rows = bits(&m.forward(&[step]).unwrap());
+        at += n;
     }
+    assert_eq!(at, PROMPT);
+    for n in steps {
+        let step = SeqStep::decode(seq, &all[at..at + n], at);
+        rows.extend(bits(&m.forward(&[step]).unwrap()));
+        at += n;
+    }
+    assert_eq!(at, all.len() - 1);
     m.free_sequence(seq);
     rows
+}
+
+/// The reply fed `first` tokens in one decode step, then `k` at a time.
+fn steps(first: usize, k: usize) -> Vec<usize> {
+    let mut out = vec![first];
+    let mut left = REPLY - 1 - first;
+    while left > 0 {
+        out.push(k.min(left));
+        left -= k.min(left);
+    }
+    out
 }
 
 /// The watched sequence decoding in lockstep with `others` more, itself at index `at` of
@@ -140,27 +156,6 @@ fn in_a_batch(m: &mut dyn LanguageModel, others: usize, at: usize) -> Vec<Bits> 
     rows
 }
 
-/// The reply's tokens fed `k` at a time (a speculative check's multi-token decode steps).
-fn checked(m: &mut dyn LanguageModel, k: usize) -> Vec<Bits> {
-    let all = tokens(0, PROMPT + REPLY);
-    let seq = m.new_sequence();
-    assert!(m.reserve(seq, all.len()));
-    let mut rows = bits(
-        &m.forward(&[SeqStep::prefill(seq, &all[..PROMPT], 0)])
-            .unwrap(),
-    );
-    let mut p = PROMPT;
-    while p < all.len() - 1 {
-        let end = (p + k).min(all.len() - 1);
-        rows.extend(bits(
-            &m.forward(&[SeqStep::decode(seq, &all[p..end], p)]).unwrap(),
-        ));
-        p = end;
-    }
-    m.free_sequence(seq);
-    rows
-}
-
 /// One token a pass, each pass beside a 20-token prompt of another sequence (first in the
 /// pass; a new one each pass, as the model's window is short), so every product is a chunk's.
 fn beside_a_prefill(m: &mut dyn LanguageModel) -> Vec<Bits> {
@@ -188,54 +183,6 @@ fn beside_a_prefill(m: &mut dyn LanguageModel) -> Vec<Bits> {
     rows
 }
 
-/// Preempted after `h` reply tokens and resumed as the engine resumes (`batch.rs`): its
-/// prompt prefilled again, then its reply so far as one decode step of h tokens (whose last row
-/// is the h-th token's), then one token a pass. Returns the rows from there.
-fn resumed(m: &mut dyn LanguageModel, h: usize) -> Vec<Bits> {
-    let all = tokens(0, PROMPT + REPLY);
-    let seq = m.new_sequence();
-    assert!(m.reserve(seq, all.len()));
-    m.forward(&[SeqStep::prefill(seq, &all[..PROMPT], 0)])
-        .unwrap();
-    let reply = &all[PROMPT..PROMPT + h];
-    let mut rows = bits(&m.forward(&[SeqStep::decode(seq, reply, PROMPT)]).unwrap());
-    rows.drain(..h - 1);
-    for p in PROMPT + h..all.len() - 1 {
-        rows.extend(bits(
-            &m.forward(&[SeqStep::decode(seq, &all[p..p + 1], p)])
-                .unwrap(),
-        ));
-    }
-    m.free_sequence(seq);
-    rows
-}
-
-/// The prompt prefilled in chunks of these sizes (as a pass's token budget may cut it), then
-/// one token a pass.
-fn chunked(m: &mut dyn LanguageModel, sizes: &[usize]) -> Vec<Bits> {
-    let all = tokens(0, PROMPT + REPLY);
-    let seq = m.new_sequence();
-    assert!(m.reserve(seq, all.len()));
-    let mut at = 0;
-    let mut rows = Vec::new();
-    for n in sizes {
-        rows = bits(
-            &m.forward(&[SeqStep::prefill(seq, &all[at..at + n], at)])
-                .unwrap(),
-        );
-        at += n;
-    }
-    assert_eq!(at, PROMPT);
-    for p in PROMPT..all.len() - 1 {
-        rows.extend(bits(
-            &m.forward(&[SeqStep::decode(seq, &all[p..p + 1], p)])
-                .unwrap(),
-        ));
-    }
-    m.free_sequence(seq);
-    rows
-}
-
 /// Which rows of `got` differ from `want` (as positions after the prompt).
 fn differing(got: &[Bits], want: &[Bits]) -> Vec<usize> {
     assert_eq!(got.len(), want.len(), "row counts");
@@ -248,7 +195,8 @@ fn check_model(path: &Path, tok: &Path, label: &str) -> (Vec<String>, Vec<Bits>)
     let mut loaded = gen::model::load(path, &Device::Cpu, Some(tok), None).unwrap();
     let m = loaded.model.as_mut();
     m.reserve_pool(17 * blocks_for(PROMPT + REPLY) + 4).unwrap();
-    let want = alone(m);
+    // One token a pass.
+    let want = one_sequence(m, &[PROMPT], &steps(1, 1));
     let mut failures = Vec::new();
     let mut check = |what: String, got: Vec<Bits>, want: &[Bits]| {
         let bad = differing(&got, want);
@@ -263,19 +211,21 @@ fn check_model(path: &Path, tok: &Path, label: &str) -> (Vec<String>, Vec<Bits>)
             &want,
         );
     }
+    // Speculative checks: several tokens of the reply in one decode step.
     for k in [4, 17] {
-        check(format!("checked {k} at a time"), checked(m, k), &want);
+        let got = one_sequence(m, &[PROMPT], &steps(k, k));
+        check(format!("checked {k} at a time"), got, &want);
     }
     check("beside a prefill chunk".into(), beside_a_prefill(m), &want);
     for sizes in [&[5, 16][..], &[7, 7, 7], &[20, 1]] {
-        check(
-            format!("prompt in chunks {sizes:?}"),
-            chunked(m, sizes),
-            &want,
-        );
+        let got = one_sequence(m, sizes, &steps(1, 1));
+        check(format!("prompt in chunks {sizes:?}"), got, &want);
     }
+    // Preempted after h reply tokens and resumed as the engine resumes (`batch.rs`): its
+    // prompt prefilled again, its reply so far as one decode step, then one token a pass.
     for h in [1, 8, 18] {
-        check(format!("resumed after {h}"), resumed(m, h), &want[h..]);
+        let got = one_sequence(m, &[PROMPT], &steps(h, 1));
+        check(format!("resumed after {h}"), got, &want);
     }
     (failures, want)
 }
