@@ -367,6 +367,9 @@ impl ReasoningArg {
 pub enum Command {
     /// A multi-turn conversation.
     Chat,
+    /// List the known short names (fetched or not) and the model files in gen's cache and the
+    /// Hugging Face hub cache, with their sizes.
+    Models,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -54,6 +54,11 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if args.command == Some(cli::Command::Models) {
+        let hub = gen::source::hub::HubConfig::from_env().cache_dir;
+        print!("{}", gen::source::listing::listing(&gen::source::cache_dir(), &hub));
+        return ExitCode::SUCCESS;
+    }
     let threads = args.threads;
     let cfg = match args.resolve() {
         Ok(cfg) => cfg,

@@ -227,6 +227,7 @@ impl Report {
         self
     }
 
+
     pub fn with_prompt_cache(mut self, load: Option<std::time::Duration>) -> Self {
         self.prompt_cache_load_s = load.map(|d| d.as_secs_f64());
         self
@@ -351,6 +352,11 @@ pub struct BatchReport {
     pub kernels: BTreeMap<String, String>,
     pub prompts: usize,
     pub failed: usize,
+    /// Lines written to stdout: all of them unless the run was cut short.
+    pub written: usize,
+    /// Why the run ended: "done", "interrupted" (a signal) or "output-closed" (the reader of
+    /// stdout went away, as with `| head`).
+    pub stop_reason: String,
     pub batch_size: usize,
     pub prompt_tokens: usize,
     /// Of the prompt tokens, how many came from the prefix cache.
@@ -398,6 +404,8 @@ impl BatchReport {
             kernels: BTreeMap::new(),
             prompts,
             failed,
+            written: prompts,
+            stop_reason: "done".to_string(),
             batch_size,
             prompt_tokens: stats.prompt_tokens,
             cached_tokens: stats.cached_tokens,
@@ -455,6 +463,13 @@ impl BatchReport {
         self
     }
 
+    /// The run ended early (`stop`: "interrupted" or "output-closed") with `written` lines out.
+    pub fn with_end(mut self, written: usize, stop: &str) -> Self {
+        self.written = written;
+        self.stop_reason = stop.to_string();
+        self
+    }
+
     pub fn with_load_times(mut self, load: LoadTimes) -> Self {
         self.load = load;
         self
@@ -467,6 +482,13 @@ impl BatchReport {
             "prompts        {} ({} failed), up to {} per pass",
             self.prompts, self.failed, self.batch_size
         )?;
+        if self.stop_reason != "done" {
+            writeln!(
+                w,
+                "stopped        {} after {} of {} lines",
+                self.stop_reason, self.written, self.prompts
+            )?;
+        }
         writeln!(
             w,
             "tokens         {} prompt{}, {} generated",

@@ -163,7 +163,14 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
     let closed = out.closed;
     let failed = out.failed;
 
-    if (!cfg.quiet && !closed) || cfg.stats_file.is_some() {
+    if !cfg.quiet || cfg.stats_file.is_some() {
+        let end = if closed {
+            "output-closed"
+        } else if crate::interrupt::requested() {
+            "interrupted"
+        } else {
+            "done"
+        };
         let report = BatchReport::new(
             loaded.model.info().name.as_str(),
             &session.device_name,
@@ -175,13 +182,14 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
             loaded.model.kv_bytes_per_token() * BLOCK_SIZE,
         )
         .with_load_times(session.load_times)
+        .with_end(if end == "done" { total } else { out.written }, end)
         .with_kernels(loaded.model.kernel_paths())
         .with_constraints(&masks)
         .with_speculation(cfg.speculate.map(|(_, k)| k), &stats);
         if let Some(path) = &cfg.stats_file {
             crate::report::save_json(path, &report)?;
         }
-        if !cfg.quiet && !closed {
+        if !cfg.quiet {
             let mut err = std::io::stderr().lock();
             match cfg.stats {
                 StatsFormat::Human => report.write_human(&mut err)?,

@@ -18,6 +18,7 @@ use anyhow::{bail, Result};
 pub mod fetch;
 pub mod hub;
 pub mod known;
+pub mod listing;
 pub mod wheel;
 
 pub use known::{find_known, known_models, KnownModel, WheelPart, DEFAULT_MODEL};
