@@ -1,7 +1,7 @@
 //! The command line: `Args` mirrors the flags as typed; `Args::resolve` turns them, once, into
 //! the validated `Config` the rest of the program uses.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Result};
 use clap::{Parser, ValueEnum};
@@ -220,10 +220,17 @@ pub struct Args {
     #[arg(long, value_name = "FILE|JSON", conflicts_with_all = ["grammar", "regex"])]
     pub json_schema: Option<String>,
 
-    /// The reply follows this context-free grammar, in llguidance's Lark-like syntax (rules
-    /// `name: ...`, `/regex/` terminals, `%json {...}` for an embedded schema; see the README).
-    #[arg(long, value_name = "FILE", conflicts_with = "regex")]
-    pub grammar: Option<PathBuf>,
+    /// The reply follows this context-free grammar: a file, or the grammar itself inline when
+    /// it holds `::=`. llama.cpp's GBNF (rules `name ::= ...`, `root` first) or llguidance's
+    /// Lark-like syntax (rules `name: ...`, `/regex/` terminals, `%json {...}`), told apart by
+    /// the `::=`.
+    #[arg(
+        long,
+        visible_alias = "grammar-file",
+        value_name = "FILE|GBNF",
+        conflicts_with = "regex"
+    )]
+    pub grammar: Option<String>,
 
     /// The whole reply matches this regular expression.
     #[arg(long, value_name = "PATTERN", allow_hyphen_values = true)]
@@ -832,7 +839,7 @@ fn remote_config(a: &Args, interactive: bool, constrained: bool) -> Result<Optio
 fn structured_spec(
     json: Option<JsonKind>,
     json_schema: Option<String>,
-    grammar: Option<PathBuf>,
+    grammar: Option<String>,
     regex: Option<String>,
 ) -> Result<Option<Spec>> {
     let (spec, flag) = match (json, json_schema, grammar, regex) {
@@ -842,10 +849,13 @@ fn structured_spec(
             Spec::schema_from_arg(&arg).map_err(|e| anyhow::anyhow!("--json-schema: {e:#}"))?,
             "--json-schema".to_string(),
         ),
+        (_, _, Some(arg), _) if arg.contains("::=") && !Path::new(&arg).is_file() => {
+            (Spec::Grammar(arg), "--grammar".to_string())
+        }
         (_, _, Some(path), _) => {
             let text = std::fs::read_to_string(&path)
-                .map_err(|e| anyhow::anyhow!("--grammar: cannot read {}: {e}", path.display()))?;
-            (Spec::Grammar(text), format!("--grammar {}", path.display()))
+                .map_err(|e| anyhow::anyhow!("--grammar: cannot read {path}: {e}"))?;
+            (Spec::Grammar(text), format!("--grammar {path}"))
         }
         (_, _, _, Some(rx)) => (Spec::Regex(rx), "--regex".to_string()),
         _ => return Ok(None),

@@ -30,7 +30,8 @@ pub enum Spec {
     AnyJson,
     /// A JSON Schema (`--json` is the schema `{"type": "object"}`).
     JsonSchema(Value),
-    /// A grammar in llguidance's Lark-like syntax.
+    /// A grammar in llguidance's Lark-like syntax, or in llama.cpp's GBNF (told apart by its
+    /// `::=`, and rewritten as Lark by [`crate::gbnf`]).
     Grammar(String),
     /// A regular expression the whole reply matches.
     Regex(String),
@@ -75,7 +76,11 @@ impl Spec {
                 if g.trim().is_empty() {
                     bail!("the grammar is empty");
                 }
-                TopLevelGrammar::from_lark(g.clone())
+                if crate::gbnf::is_gbnf(g) {
+                    TopLevelGrammar::from_lark(crate::gbnf::to_lark(g)?)
+                } else {
+                    TopLevelGrammar::from_lark(g.clone())
+                }
             }
             Spec::Regex(r) => TopLevelGrammar::from_regex(r),
         })
@@ -433,6 +438,19 @@ pub fn walk_bytes(spec: &Spec, picks: &[u8]) -> Result<(Vec<u8>, bool)> {
         }
     }
     Ok((written, false))
+}
+
+/// Whether `spec` takes the whole of `text` as a complete reply (every byte allowed where it
+/// comes, and the grammar may end after the last): the question llama.cpp's grammar tests ask.
+#[doc(hidden)]
+pub fn accepts(spec: &Spec, text: &[u8]) -> Result<bool> {
+    let mut matcher = compile(byte_factory()?, spec)?;
+    let ids: Vec<u32> = text.iter().map(|&b| u32::from(b)).collect();
+    if matcher.validate_tokens(&ids)? < ids.len() {
+        return Ok(false);
+    }
+    matcher.consume_tokens(&ids)?;
+    Ok(matcher.is_stopped() || matcher.is_accepting()?)
 }
 
 #[cfg(test)]

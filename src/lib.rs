@@ -12,6 +12,7 @@ pub mod cli;
 pub mod constraint;
 pub mod conversation;
 pub mod format;
+pub mod gbnf;
 pub mod generate;
 pub mod interrupt;
 pub mod model;

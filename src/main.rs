@@ -56,7 +56,10 @@ fn main() -> ExitCode {
     };
     if args.command == Some(cli::Command::Models) {
         let hub = gen::source::hub::HubConfig::from_env().cache_dir;
-        print!("{}", gen::source::listing::listing(&gen::source::cache_dir(), &hub));
+        print!(
+            "{}",
+            gen::source::listing::listing(&gen::source::cache_dir(), &hub)
+        );
         return ExitCode::SUCCESS;
     }
     let threads = args.threads;

@@ -227,7 +227,6 @@ impl Report {
         self
     }
 
-
     pub fn with_prompt_cache(mut self, load: Option<std::time::Duration>) -> Self {
         self.prompt_cache_load_s = load.map(|d| d.as_secs_f64());
         self

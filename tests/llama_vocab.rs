@@ -11,6 +11,8 @@
 //! fail with a one-line error that names why. Which is which is listed in `VOCABS`, so a change
 //! on either side shows up here.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -51,24 +53,6 @@ const VOCABS: &[(&str, Expect)] = &[
     ("refact", Runs),                    // gpt2 / refact
     ("starcoder", Runs),                 // gpt2 / starcoder
 ];
-
-/// The llama.cpp source tree: .ci/llama-server prints `<tree>/build/bin/llama-server` (and builds
-/// it first if it must).
-fn llama_cpp_tree() -> PathBuf {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join(".ci/llama-server");
-    let out = Command::new(&script)
-        .stderr(Stdio::inherit())
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
-    assert!(out.status.success(), "{} failed", script.display());
-    let binary = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    binary
-        .parent()
-        .and_then(Path::parent)
-        .and_then(Path::parent)
-        .unwrap_or_else(|| panic!("{} is not in <tree>/build/bin", binary.display()))
-        .to_path_buf()
-}
 
 /// test-tokenizer-0.cpp's reading of `.inp` and `.out`: texts separated by
 /// "\n__ggml_vocab_test__\n" (a trailing separator ends the last one), and per text one line of
@@ -120,7 +104,7 @@ fn load(path: &Path) -> anyhow::Result<Tokenizer> {
 
 #[test]
 fn llama_cpp_vocab_tests_match() {
-    let models = llama_cpp_tree().join("models");
+    let models = common::llama_cpp_tree().join("models");
     let found: BTreeSet<String> = std::fs::read_dir(&models)
         .unwrap_or_else(|e| panic!("{}: {e}", models.display()))
         .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
@@ -208,7 +192,7 @@ fn llama_cpp_vocab_tests_match() {
 #[test]
 fn headers_decode_as_candle_decodes_them() {
     use gen::format::header::{canonical, content};
-    let models = llama_cpp_tree().join("models");
+    let models = common::llama_cpp_tree().join("models");
     for (name, _) in VOCABS {
         let path = models.join(format!("ggml-vocab-{name}.gguf"));
         let bytes = std::fs::read(&path).unwrap();

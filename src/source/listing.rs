@@ -21,7 +21,9 @@ pub fn listing(gen_cache: &Path, hub_cache: &Path) -> String {
     let cached = cached_files(gen_cache, hub_cache);
     let _ = writeln!(out, "known models (fetched by name on first use):");
     for m in known_models() {
-        let here = cached.iter().any(|f| f.path.file_name() == Some(m.file.as_ref()));
+        let here = cached
+            .iter()
+            .any(|f| f.path.file_name() == Some(m.file.as_ref()));
         let _ = writeln!(
             out,
             "  {:<14} {:>9}  {:<11} {}{}",
@@ -29,12 +31,20 @@ pub fn listing(gen_cache: &Path, hub_cache: &Path) -> String {
             size(m.size),
             if here { "downloaded" } else { "not fetched" },
             m.about.split(" (").next().unwrap_or(m.about),
-            if m.name == DEFAULT_MODEL { ", the default" } else { "" }
+            if m.name == DEFAULT_MODEL {
+                ", the default"
+            } else {
+                ""
+            }
         );
     }
     let others: Vec<&CachedFile> = cached
         .iter()
-        .filter(|f| !known_models().iter().any(|m| f.path.file_name() == Some(m.file.as_ref())))
+        .filter(|f| {
+            !known_models()
+                .iter()
+                .any(|m| f.path.file_name() == Some(m.file.as_ref()))
+        })
         .collect();
     let _ = writeln!(out, "other model files in the caches:");
     if others.is_empty() {
@@ -139,13 +149,35 @@ mod tests {
         fs::write(snap.join("README.md"), b"x").unwrap();
         let files = cached_files(&g, &h);
         let names: Vec<_> = files.iter().map(|f| f.path.file_name().unwrap()).collect();
-        assert_eq!(names, ["SmolLM2-135M-Instruct.Q4_1.gguf", "mine.gguf", "tiny.Q4_0.gguf"]);
+        assert_eq!(
+            names,
+            [
+                "SmolLM2-135M-Instruct.Q4_1.gguf",
+                "mine.gguf",
+                "tiny.Q4_0.gguf"
+            ]
+        );
         let text = listing(&g, &h);
-        assert!(text.contains("smollm2-135m") && text.contains("downloaded"), "{text}");
-        assert!(text.contains("gemma3-270m") && text.contains("not fetched"), "{text}");
-        assert!(text.contains("2.5 MB") && text.contains("mine.gguf"), "{text}");
-        assert!(text.contains("1.5 kB") && text.contains("tiny.Q4_0.gguf"), "{text}");
-        assert!(!text.contains(".lock") && !text.contains("README"), "{text}");
+        assert!(
+            text.contains("smollm2-135m") && text.contains("downloaded"),
+            "{text}"
+        );
+        assert!(
+            text.contains("gemma3-270m") && text.contains("not fetched"),
+            "{text}"
+        );
+        assert!(
+            text.contains("2.5 MB") && text.contains("mine.gguf"),
+            "{text}"
+        );
+        assert!(
+            text.contains("1.5 kB") && text.contains("tiny.Q4_0.gguf"),
+            "{text}"
+        );
+        assert!(
+            !text.contains(".lock") && !text.contains("README"),
+            "{text}"
+        );
         fs::remove_dir_all(&root).unwrap();
     }
 }

@@ -343,3 +343,21 @@ pub fn signalled_batch(sig: &str) -> (Option<i32>, String, Vec<serde_json::Value
         .collect();
     (out.status.code(), text(&out.stderr), lines)
 }
+
+/// The llama.cpp source tree: .ci/llama-server prints `<tree>/build/bin/llama-server` (and builds
+/// it first if it must).
+pub fn llama_cpp_tree() -> PathBuf {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".ci/llama-server");
+    let out = std::process::Command::new(&script)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
+    assert!(out.status.success(), "{} failed", script.display());
+    let binary = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    binary
+        .parent()
+        .and_then(std::path::Path::parent)
+        .and_then(std::path::Path::parent)
+        .unwrap_or_else(|| panic!("{} is not in <tree>/build/bin", binary.display()))
+        .to_path_buf()
+}
