@@ -20,7 +20,7 @@ pub enum BatchFormat {
 }
 
 /// One prompt of the batch, with what it overrides of the command line.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Entry {
     /// 1-based line number in the input.
     pub line: usize,
@@ -45,6 +45,39 @@ pub struct Entry {
     /// Some(false) for `/v1/completions` (raw text, a text completion), whatever `--chat` says;
     /// None: as `--chat` says.
     pub chat: Option<bool>,
+    /// `"n"`: how many completions of this prompt (None: as `--n` says).
+    pub n: Option<usize>,
+    /// Which of the line's completions this is (0-based; see [`expand`]).
+    pub choice: usize,
+}
+
+/// Most completions one prompt may ask for (`--n`, `"n"`).
+pub const MAX_N: usize = 128;
+
+/// Each entry as many times as it asks completions (its `"n"`, else `default_n`), numbered by
+/// `choice`; errors stay one each. With a `"seed"`, completion j samples with seed + j, so the
+/// completions differ and each is the same stream on every run.
+pub fn expand(
+    entries: Vec<Result<Entry, LineError>>,
+    default_n: usize,
+) -> Vec<Result<Entry, LineError>> {
+    let mut out = Vec::with_capacity(entries.len());
+    for e in entries {
+        match e {
+            Ok(e) => {
+                let n = e.n.unwrap_or(default_n);
+                for choice in 0..n {
+                    let mut c = e.clone();
+                    c.n = Some(n);
+                    c.choice = choice;
+                    c.seed = e.seed.map(|s| s.wrapping_add(choice as u64));
+                    out.push(Ok(c));
+                }
+            }
+            Err(e) => out.push(Err(e)),
+        }
+    }
+    out
 }
 
 /// A line that could not be read as a prompt.
@@ -81,6 +114,8 @@ struct Record {
     frequency_penalty: Option<serde_json::Value>,
     #[serde(default)]
     seed: Option<serde_json::Value>,
+    #[serde(default)]
+    n: Option<serde_json::Value>,
     #[serde(default)]
     stop: Option<serde_json::Value>,
     #[serde(default)]
@@ -129,6 +164,7 @@ fn from_openai_batch(value: serde_json::Value) -> Result<serde_json::Value, Stri
         ("frequency_penalty", "frequency_penalty"),
         ("seed", "seed"),
         ("stop", "stop"),
+        ("n", "n"),
     ] {
         if let Some(v) = body.get(from).filter(|v| !v.is_null()) {
             line.insert(to.into(), v.clone());
@@ -194,15 +230,7 @@ pub fn parse(input: &str, format: BatchFormat) -> Vec<Result<Entry, LineError>> 
                     line,
                     id: None,
                     prompt: l.to_string(),
-                    messages: None,
-                    max_new: None,
-                    temperature: None,
-                    presence_penalty: None,
-                    frequency_penalty: None,
-                    seed: None,
-                    stop: None,
-                    constraint: None,
-                    chat: None,
+                    ..Entry::default()
                 })
             })
             .collect();
@@ -292,6 +320,13 @@ fn parse_record(line: usize, text: &str) -> Result<Entry, LineError> {
     {
         return Err(fail("a \"stop\" string is empty"));
     }
+    let n = match r.n {
+        None | Some(serde_json::Value::Null) => None,
+        Some(v) => match v.as_u64() {
+            Some(n) if (1..=MAX_N as u64).contains(&n) => Some(n as usize),
+            _ => return Err(fail(&format!("\"n\" must be an integer from 1 to {MAX_N}"))),
+        },
+    };
     let chat = match r.url {
         None | Some(serde_json::Value::Null) => None,
         Some(serde_json::Value::String(u)) if u.ends_with("/chat/completions") => Some(true),
@@ -315,6 +350,8 @@ fn parse_record(line: usize, text: &str) -> Result<Entry, LineError> {
         stop,
         constraint,
         chat,
+        n,
+        choice: 0,
     })
 }
 

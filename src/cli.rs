@@ -244,6 +244,13 @@ pub struct Args {
     #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt", "prompt_file", "echo"])]
     pub batch: Option<PathBuf>,
 
+    /// Write K completions of the prompt (or of each --batch line without its own "n"), each
+    /// sampled with its own seed; they share the prompt's prefill through the prefix cache.
+    /// Above 1, stdout is JSON lines as with --batch, one per completion, with "choice".
+    #[arg(long = "n", value_name = "K", default_value_t = 1,
+          value_parser = clap::value_parser!(u16).range(1..=crate::batch_input::MAX_N as i64))]
+    pub n: u16,
+
     /// How to read the --batch file.
     #[arg(long, value_enum, default_value_t = BatchFormat::Auto, requires = "batch")]
     pub batch_format: BatchFormat,
@@ -451,6 +458,8 @@ pub struct BatchConfig {
     pub format: BatchFormat,
     pub batch_size: Option<usize>,
     pub kv_blocks: Option<usize>,
+    /// `--n K` without `--batch`: the one prompt (`Config::prompt` or `--messages`), K times.
+    pub one_prompt: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -491,8 +500,10 @@ pub struct Config {
     pub tokenizer: Option<PathBuf>,
     pub offline: bool,
     pub prompt: PromptSource,
-    /// Some: a batch run over many prompts (`prompt` is unused).
+    /// Some: a batch run over many prompts (`prompt` is unused unless `one_prompt`).
     pub batch: Option<BatchConfig>,
+    /// Completions of each prompt (`--n`; a batch line's `"n"` overrides it).
+    pub n: usize,
     pub chat: bool,
     /// `gen chat`: the conversation loop (`chat` is then true too).
     pub interactive: bool,
@@ -598,11 +609,20 @@ impl Args {
             || self.grammar.is_some()
             || self.regex.is_some();
         let remote = remote_config(&self, interactive, constrained)?;
-        let batch = self.batch.map(|file| BatchConfig {
-            file: (file.as_os_str() != "-").then_some(file),
+        let one_prompt = self.batch.is_none() && self.n > 1;
+        if one_prompt && (interactive || self.dry_run || self.echo || self.prompt_cache.is_some()) {
+            bail!("--n above 1 writes JSON lines, one per completion: it does not go with gen chat, --dry-run, --echo or --prompt-cache");
+        }
+        let batch = match self.batch {
+            Some(file) => Some((file.as_os_str() != "-").then_some(file)),
+            None => one_prompt.then_some(None),
+        }
+        .map(|file| BatchConfig {
+            file,
             format: self.batch_format,
             batch_size: self.batch_size,
             kv_blocks: self.kv_blocks,
+            one_prompt,
         });
         let seed = self.seed.unwrap_or_else(fresh_seed);
         let sampling = SamplingParams {
@@ -653,6 +673,7 @@ impl Args {
             offline,
             prompt,
             batch,
+            n: usize::from(self.n),
             chat: self.chat || interactive,
             interactive,
             system,

@@ -185,10 +185,105 @@ fn signalled_single(sig: &str, code: i32) {
     assert!(n > 0 && n < 3000, "{n}");
 }
 
+/// The README's "Exit status" paragraph, as (status, what it says) pairs: "0 done", "1 error",
+/// "130 Ctrl-C", ...
+fn readme_exit_statuses() -> Vec<(i32, String)> {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let at = readme
+        .find("### Exit status")
+        .expect("the README has the section");
+    let para = readme[at..].split("\n\n").nth(1).unwrap();
+    let words: Vec<&str> = para.split_whitespace().collect();
+    let mut out = Vec::new();
+    for w in words.windows(2) {
+        if let Ok(code) = w[0].trim_start_matches('(').parse::<i32>() {
+            out.push((code, w[1].trim_end_matches([',', ';', ')']).to_string()));
+        }
+    }
+    out
+}
+
+/// Every status the README's table names, tried: each case ends with the status it says.
 #[test]
-fn sigterm_and_sighup_end_a_run_as_ctrl_c_does_with_their_own_status() {
-    signalled_single("TERM", 143);
-    signalled_single("HUP", 129);
+fn exit_statuses_match_the_readmes_table() {
+    let table = readme_exit_statuses();
+    let codes: Vec<i32> = table.iter().map(|(c, _)| *c).collect();
+    assert_eq!(codes, [0, 1, 2, 128, 130, 143, 129], "{table:?}");
+    for (code, what) in table {
+        match (code, what.as_str()) {
+            (0, "done") => {
+                let ok = run(&["-p", "Hi", "-n", "2", "-q"]);
+                assert_eq!(ok.status.code(), Some(0));
+                // The reader of stdout went away (| head): still 0.
+                let cmd = format!(
+                    "{} --model {} -p 'Count to fifty:' -n 200 -t 0 --ignore-eos | head -c 5 >/dev/null; exit ${{PIPESTATUS[0]}}",
+                    env!("CARGO_BIN_EXE_gen"),
+                    smollm2().display()
+                );
+                let piped = std::process::Command::new("bash")
+                    .args(["-c", &cmd])
+                    .output()
+                    .unwrap();
+                assert_eq!(piped.status.code(), Some(0), "{}", text(&piped.stderr));
+            }
+            (1, "error") => {
+                // A runtime failure: a model file that is not a model.
+                let dir = std::env::temp_dir().join(format!("gen-exit-{}", std::process::id()));
+                std::fs::create_dir_all(&dir).unwrap();
+                let bad = dir.join("bad.gguf");
+                std::fs::write(&bad, b"not a model").unwrap();
+                let out = gen()
+                    .arg("--model")
+                    .arg(&bad)
+                    .args(["-p", "x"])
+                    .output()
+                    .unwrap();
+                assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+                common::one_error_line(&out);
+                // A structured reply cut before it was complete.
+                let cut = run(&["-p", "x", "--json", "-n", "2", "-q"]);
+                assert_eq!(cut.status.code(), Some(1), "{}", text(&cut.stderr));
+            }
+            (2, "bad") => {
+                let typo = run(&["--prompt", "x", "--max-neww", "3"]);
+                assert_eq!(typo.status.code(), Some(2));
+                let empty = run(&["--prompt", ""]);
+                assert_eq!(empty.status.code(), Some(2));
+            }
+            (128, "+") => {} // "128 + the signal": the three below
+            (130, "Ctrl-C") => signalled_single("INT", 130),
+            (143, "SIGTERM") => signalled_single("TERM", 143),
+            (129, "SIGHUP") => signalled_single("HUP", 129),
+            other => panic!("the README names a status this test does not try: {other:?}"),
+        }
+    }
+}
+
+/// A --batch run whose reader goes away (`| head -c 50`) ends as a single prompt does: status
+/// 0, and the report says so.
+#[test]
+fn a_batch_whose_reader_goes_away_reports_it() {
+    let cmd = format!(
+        "seq 1 30 | {} --model {} --batch - --batch-size 2 -n 20 -t 0 --ignore-eos --stats-file \"$1\" | head -c 50 >/dev/null; exit ${{PIPESTATUS[1]}}",
+        env!("CARGO_BIN_EXE_gen"),
+        smollm2().display()
+    );
+    let dir = std::env::temp_dir().join(format!("gen-closed-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let stats = dir.join("stats.json");
+    let out = std::process::Command::new("bash")
+        .args(["-c", &cmd, "bash", stats.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("stopped        output-closed after"), "{err}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert_eq!(report["stop_reason"], "output-closed");
+    assert!(report["written"].as_u64().unwrap() < 30, "{report}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -440,4 +535,87 @@ fn presence_and_frequency_penalties_are_taken_and_checked() {
         .as_str()
         .unwrap()
         .contains("presence_penalty"));
+}
+
+/// `--n K`: K completions of one prompt as JSON lines, each with its own seed (seed + choice),
+/// the first the same text a single run with that seed writes, the others taking the prompt's
+/// full blocks from the prefix cache; `"n"` per batch line likewise.
+#[test]
+fn n_completions_share_the_prompts_prefill_and_differ_by_seed() {
+    let prompt = "Here is a list of ten colours that painters like to use in their work, \
+                  with a short note on each one, starting with the warm colours: ";
+    let args = [
+        "-p",
+        prompt,
+        "-n",
+        "12",
+        "--seed",
+        "41",
+        "--temperature",
+        "0.9",
+    ];
+    let single = run(&[&args[..], &["-q"]].concat());
+    assert!(single.status.success(), "{}", text(&single.stderr));
+    let out = run(&[&args[..], &["--n", "3", "--stats", "json"]].concat());
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let lines: Vec<serde_json::Value> = common::jsonl(&text(&out.stdout));
+    assert_eq!(lines.len(), 3, "{}", text(&out.stdout));
+    for (j, l) in lines.iter().enumerate() {
+        assert_eq!(l["choice"], j);
+        assert_eq!(l["seed"], 41 + j as u64);
+        assert_eq!(l["line"], 1);
+    }
+    assert_eq!(
+        lines[0]["text"],
+        text(&single.stdout),
+        "choice 0 is the single run"
+    );
+    assert!(
+        lines[1]["cached_tokens"].as_u64().unwrap() >= 16,
+        "{}",
+        lines[1]
+    );
+    assert!(
+        lines[2]["cached_tokens"].as_u64().unwrap() >= 16,
+        "{}",
+        lines[2]
+    );
+    let texts: std::collections::BTreeSet<&str> =
+        lines.iter().map(|l| l["text"].as_str().unwrap()).collect();
+    assert!(texts.len() > 1, "sampled completions differ: {texts:?}");
+    let report: serde_json::Value =
+        serde_json::from_str(text(&out.stderr).lines().last().unwrap()).unwrap();
+    assert_eq!(report["prompts"], 3);
+
+    // Per batch line: "n" with a "seed" gives seed, seed + 1; a line without "n" gives one.
+    let mut cmd = gen();
+    cmd.arg("--model").arg(smollm2());
+    cmd.args(["--batch", "-", "-n", "4", "-q"]);
+    let input = "{\"prompt\": \"Hi\", \"n\": 2, \"seed\": 9, \"id\": \"a\"}\n\
+                 {\"prompt\": \"Bye\", \"id\": \"b\"}\n\
+                 {\"prompt\": \"x\", \"n\": 0}\n";
+    let out = common::with_stdin(cmd, input);
+    let lines: Vec<serde_json::Value> = common::jsonl(&text(&out.stdout));
+    assert_eq!(lines.len(), 4, "{}", text(&out.stdout));
+    assert_eq!(
+        (lines[0]["id"].as_str(), lines[0]["choice"].as_u64()),
+        (Some("a"), Some(0))
+    );
+    assert_eq!(
+        (lines[1]["seed"].as_u64(), lines[1]["choice"].as_u64()),
+        (Some(10), Some(1))
+    );
+    assert_eq!(lines[0]["seed"], 9);
+    assert!(lines[2].get("choice").is_none() && lines[2]["id"] == "b");
+    assert!(lines[3]["error"]
+        .as_str()
+        .unwrap()
+        .contains("\"n\" must be"));
+    assert_eq!(out.status.code(), Some(1), "a line failed");
+
+    // Out of range on the command line: a usage error.
+    let bad = run(&["-p", "x", "--n", "0"]);
+    assert_eq!(bad.status.code(), Some(2));
+    let bad = run(&["--n", "2", "--echo", "-p", "x"]);
+    assert_eq!(bad.status.code(), Some(2), "{}", text(&bad.stderr));
 }

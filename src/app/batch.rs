@@ -33,22 +33,55 @@ struct Prepared {
     start: Option<super::thinking::Start>,
 }
 
-pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
-    let source = match &bc.file {
-        Some(p) => PromptSource::File(p.clone()),
-        None => PromptSource::Stdin,
+/// The batch's prompts, each as many times as it asks completions: the lines of `--batch`'s
+/// input, or with `--n K` and no `--batch`, the one prompt (or `--messages` conversation).
+pub(crate) fn read_entries(
+    cfg: &Config,
+    bc: &BatchConfig,
+) -> Result<Vec<std::result::Result<Entry, LineError>>> {
+    let entries = if bc.one_prompt {
+        let entry = match &cfg.messages {
+            Some(path) => Entry {
+                messages: Some(crate::conversation::Conversation::load(path)?),
+                line: 1,
+                ..Entry::default()
+            },
+            None => Entry {
+                prompt: read_prompt(&cfg.prompt)?,
+                line: 1,
+                ..Entry::default()
+            },
+        };
+        if entry.messages.is_none() && entry.prompt.trim().is_empty() {
+            return Err(super::Usage(
+                "the prompt is empty: give one with --prompt, --prompt-file or on standard input"
+                    .into(),
+            )
+            .into());
+        }
+        vec![Ok(entry)]
+    } else {
+        let source = match &bc.file {
+            Some(p) => PromptSource::File(p.clone()),
+            None => PromptSource::Stdin,
+        };
+        let input = read_prompt(&source)?;
+        let entries = batch_input::parse(&input, bc.format);
+        if entries.is_empty() {
+            anyhow::bail!(
+                "no prompts in {}: write one prompt per line",
+                bc.file
+                    .as_ref()
+                    .map_or("standard input".to_string(), |p| p.display().to_string())
+            );
+        }
+        entries
     };
-    let input = read_prompt(&source)?;
-    let entries = batch_input::parse(&input, bc.format);
-    drop(input);
-    if entries.is_empty() {
-        anyhow::bail!(
-            "no prompts in {}: write one prompt per line",
-            bc.file
-                .as_ref()
-                .map_or("standard input".to_string(), |p| p.display().to_string())
-        );
-    }
+    Ok(batch_input::expand(entries, cfg.n))
+}
+
+pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
+    let entries = read_entries(cfg, bc)?;
     let total = entries.len();
     let Some(mut session) = Session::open(cfg)? else {
         return Ok(Outcome::Interrupted);
@@ -60,7 +93,7 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
     let mut prepared = Vec::new();
     for (index, entry) in entries.into_iter().enumerate() {
         if let (Some(done), Ok(e)) = (&done, &entry) {
-            if done.holds(index, &e.id, e.line) {
+            if done.holds(index, e) {
                 out.skip(index)?;
                 continue;
             }
@@ -374,6 +407,7 @@ impl BatchSink for Sink<'_, '_> {
             index: p.index,
             id: &p.entry.id,
             line: p.entry.line,
+            choice: (p.entry.n.unwrap_or(1) > 1).then_some(p.entry.choice),
             text: Some(&t.text),
             error: o.error.as_deref(),
             prompt_tokens: Some(o.prompt_tokens),

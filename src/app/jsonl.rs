@@ -15,6 +15,9 @@ pub(crate) struct Line<'a> {
     pub index: usize,
     pub id: &'a Option<serde_json::Value>,
     pub line: usize,
+    /// Which completion of its prompt this is, when the prompt asked several (`--n`, `"n"`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub choice: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub text: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -114,9 +117,9 @@ impl Shape {
                 if let Some(c) = calls {
                     message["tool_calls"] = c.clone().into();
                 }
-                serde_json::json!({"index": 0, "message": message, "finish_reason": finish})
+                serde_json::json!({"index": l.choice.unwrap_or(0), "message": message, "finish_reason": finish})
             } else {
-                serde_json::json!({"index": 0, "text": text, "finish_reason": finish})
+                serde_json::json!({"index": l.choice.unwrap_or(0), "text": text, "finish_reason": finish})
             };
             let (p, c) = (l.prompt_tokens.unwrap_or(0), l.tokens.unwrap_or(0));
             let mut usage = serde_json::json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
@@ -199,7 +202,11 @@ impl Done {
             };
             if let Some(custom) = v.get("custom_id") {
                 let ok = v["error"].is_null() && v["response"]["status_code"] == 200;
-                if ok && done.by_custom_id.insert(custom.to_string()) {
+                // With several completions a prompt, each is its own line: its choice index.
+                let choice = v["response"]["body"]["choices"][0]["index"]
+                    .as_u64()
+                    .unwrap_or(0);
+                if ok && done.by_custom_id.insert(format!("{custom}#{choice}")) {
                     done.count += 1;
                 }
                 continue;
@@ -225,12 +232,13 @@ impl Done {
     }
 
     /// Whether the item at `index` with this `id` is already complete.
-    pub fn holds(&self, index: usize, id: &Option<serde_json::Value>, line: usize) -> bool {
-        let id_text = id.clone().unwrap_or(serde_json::Value::Null).to_string();
-        let custom = id
-            .clone()
-            .unwrap_or_else(|| format!("line-{line}").into())
-            .to_string();
+    pub fn holds(&self, index: usize, e: &crate::batch_input::Entry) -> bool {
+        let id_text = e.id.clone().unwrap_or(serde_json::Value::Null).to_string();
+        let custom =
+            e.id.clone()
+                .unwrap_or_else(|| format!("line-{}", e.line).into())
+                .to_string();
+        let custom = format!("{custom}#{}", e.choice);
         self.by_index.contains(&(index, id_text)) || self.by_custom_id.contains(&custom)
     }
 }
@@ -295,6 +303,7 @@ impl Writer {
             index,
             id: &e.id,
             line: e.line,
+            choice: None,
             text: None,
             error: Some(&e.message),
             prompt_tokens: None,

@@ -8,14 +8,14 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use serde::Serialize;
 
 use super::jsonl::{Done, Line, Writer};
 use super::{read_prompt, stdout_is_terminal, Outcome};
-use crate::batch_input::{self, Entry, LineError};
+use crate::batch_input::{Entry, LineError};
 use crate::chat::{self, Message};
-use crate::cli::{BatchConfig, Config, PromptSource, RemoteConfig, StatsFormat};
+use crate::cli::{BatchConfig, Config, RemoteConfig, StatsFormat};
 use crate::interrupt;
 use crate::output::TextOut;
 use crate::remote::{Endpoint, Params, Prompt, Reply};
@@ -217,14 +217,7 @@ struct Job {
 /// A batch on the server: `--concurrency` workers take items in input order; the main thread
 /// writes each line once every line before it is out.
 pub fn run_batch(cfg: &Config, bc: &BatchConfig, rc: &RemoteConfig) -> Result<Outcome> {
-    let source = match &bc.file {
-        Some(p) => PromptSource::File(p.clone()),
-        None => PromptSource::Stdin,
-    };
-    let entries = batch_input::parse(&read_prompt(&source)?, bc.format);
-    if entries.is_empty() {
-        bail!("no prompts in the batch input: write one prompt per line");
-    }
+    let entries = super::batch::read_entries(cfg, bc)?;
     let total = entries.len();
     let ep = Arc::new(endpoint(rc)?);
     let mut out = Writer::new(total, super::batch::shape(cfg, ep.model.clone()));
@@ -232,13 +225,7 @@ pub fn run_batch(cfg: &Config, bc: &BatchConfig, rc: &RemoteConfig) -> Result<Ou
     let mut jobs = VecDeque::new();
     for (index, entry) in entries.into_iter().enumerate() {
         match entry.and_then(|e| job(cfg, index, e)) {
-            Ok(j)
-                if done
-                    .as_ref()
-                    .is_some_and(|d| d.holds(index, &j.entry.id, j.entry.line)) =>
-            {
-                out.skip(index)?
-            }
+            Ok(j) if done.as_ref().is_some_and(|d| d.holds(index, &j.entry)) => out.skip(index)?,
             Ok(j) => jobs.push_back(j),
             Err(e) => {
                 if !cfg.quiet {
@@ -436,6 +423,7 @@ impl Tally {
             index: job.index,
             id: &e.id,
             line: e.line,
+            choice: (e.n.unwrap_or(1) > 1).then_some(e.choice),
             text: Some(&reply.text),
             error: None,
             prompt_tokens: reply.prompt_tokens,
