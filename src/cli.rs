@@ -19,10 +19,13 @@ Examples:
   gen chat --messages saved.json < more-turns.txt
   gen --prompt-file question.txt --stop \"\\n\\n\" --stats-file stats.json
   gen --batch prompts.jsonl --temperature 0 > replies.jsonl
-  gen --chat --prompt \"Classify: I loved it\" --json-schema label.json
-  gen --endpoint http://gpu-box:8000/v1 --batch prompts.jsonl --concurrency 32 > replies.jsonl
+  gen --prompt \"Name a colour:\" --n 3 --max-new 8 > three.jsonl
+  gen --chat --prompt \"Is this review positive or negative? I loved it.\" --json-schema label.json
+  gen --grammar-file list.gbnf --prompt \"Three fruits:\"
   gen --model ./my-model.gguf --prompt \"Hello\"
-  gen --model TheOrg/Some-GGUF --model-file some.Q4_0.gguf --prompt \"Hello\"
+  gen models
+  gen --endpoint http://gpu-box:8000/v1 --batch prompts.jsonl > replies.jsonl   # your server
+  gen --model TheOrg/Some-GGUF --model-file some.Q4_0.gguf --prompt \"Hello\"   # from the hub
 
 stdout carries only the generated text (with --batch, one JSON line per prompt); the report goes
 to stderr.
