@@ -483,3 +483,108 @@ fn stablelm_without_ffn_norms_runs_side_by_side() {
     suite::rewrite(&src, &with, &[], tensors(&sh, vec![]));
     check(&dir, &file, Some(&with), 256);
 }
+
+/// The suite's files with experts have two, both used, so nothing is chosen. Here each layer
+/// gets eight experts (a router, and gate/up/down stacks of random weights as large as the
+/// suite's, with scales where the file has them) of which each token uses two: the softmax,
+/// the top two, their weights renormalised or not as the family says, the scales applied or
+/// not, the shared expert. The same file with all eight used must be far from llama.cpp's.
+fn experts_choose(arch: &str) {
+    let dir = suite::dir();
+    let src = dir.join(format!("seed-1/{arch}-moe.gguf"));
+    let content = gguf_file::Content::read(&mut std::fs::File::open(&src).unwrap()).unwrap();
+    let n_layer = content.metadata[&format!("{arch}.block_count")]
+        .to_u32()
+        .unwrap() as usize;
+    let amplitude = |name: &str| -> f32 {
+        let t = content
+            .tensor(&mut std::fs::File::open(&src).unwrap(), name, &Device::Cpu)
+            .unwrap()
+            .dequantize(&Device::Cpu)
+            .unwrap();
+        let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        v.iter().fold(0f32, |a, b| a.max(b.abs()))
+    };
+    let n = 8;
+    let mut names: Vec<String> = Vec::new();
+    let mut made: Vec<QTensor> = Vec::new();
+    for l in 0..n_layer {
+        for (i, part) in [
+            "ffn_gate_inp",
+            "ffn_gate_exps",
+            "ffn_up_exps",
+            "ffn_down_exps",
+        ]
+        .iter()
+        .enumerate()
+        {
+            let name = format!("blk.{l}.{part}.weight");
+            let Some(info) = content.tensor_infos.get(&name) else {
+                continue;
+            };
+            let dims = info.shape.dims().to_vec();
+            let shape: Vec<usize> = match dims.as_slice() {
+                [_, rows, cols] => vec![n, *rows, *cols],
+                [_, cols] => vec![n, *cols],
+                d => panic!("{name}: {d:?}"),
+            };
+            let count: usize = shape.iter().product();
+            let a = if i == 0 { 2.0 } else { amplitude(&name) };
+            let values = common::data(count, (l * 10 + i) as u64 + 7, a);
+            let t = Tensor::from_vec(values, shape, &Device::Cpu).unwrap();
+            names.push(name);
+            made.push(QTensor::quantize(&t, GgmlDType::F32).unwrap());
+            let scale = format!("blk.{l}.{part}.scale");
+            if i > 0 && content.tensor_infos.contains_key(&scale) {
+                names.push(scale);
+                made.push(vector(common::data(n, (l * 10 + i) as u64 + 99, 1.0)));
+            }
+        }
+    }
+    let file = scratch(&format!("{arch}-8-experts.gguf"));
+    let plain = scratch(&format!("{arch}-8-experts-all-used.gguf"));
+    let count = format!("{arch}.expert_count");
+    let used = format!("{arch}.expert_used_count");
+    for (to, k) in [(&file, 2), (&plain, 8)] {
+        let tensors: Vec<(&str, Option<QTensor>)> = names
+            .iter()
+            .zip(&made)
+            .map(|(n, t)| {
+                let t = QTensor::quantize(&t.dequantize(&Device::Cpu).unwrap(), GgmlDType::F32);
+                (n.as_str(), Some(t.unwrap()))
+            })
+            .collect();
+        suite::rewrite(
+            &src,
+            to,
+            &[(count.as_str(), u(n as u32)), (used.as_str(), u(k))],
+            tensors,
+        );
+    }
+    check(&dir, &file, Some(&plain), 256);
+}
+
+#[test]
+fn qwen3moe_experts_choose_two_of_eight() {
+    experts_choose("qwen3moe");
+}
+
+#[test]
+fn qwen2moe_experts_choose_two_of_eight_beside_the_gated_shared_one() {
+    experts_choose("qwen2moe");
+}
+
+#[test]
+fn olmoe_experts_choose_two_of_eight() {
+    experts_choose("olmoe");
+}
+
+#[test]
+fn mixtral_style_llama_experts_choose_two_of_eight() {
+    experts_choose("llama");
+}
+
+#[test]
+fn granitemoe_experts_choose_two_of_eight_beside_the_shared_one() {
+    experts_choose("granitemoe");
+}

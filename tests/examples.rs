@@ -480,7 +480,10 @@ fn stopped_at_blank_line(r: &Ran) {
     r.ok();
     assert!(!r.out.contains("\n\n"), "{:?}", r.out);
     let stop = report(r)["stop_reason"].as_str().unwrap().to_string();
-    assert!(["stop", "eos", "max-new"].contains(&stop.as_str()), "{stop}");
+    assert!(
+        ["stop", "eos", "max-new"].contains(&stop.as_str()),
+        "{stop}"
+    );
 }
 
 fn chat_turns(r: &Ran) {

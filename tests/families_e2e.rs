@@ -47,6 +47,14 @@ const CASES: &[(&str, &str, Option<&str>)] = &[
     ("nanbeige", "llama-spm", None),
     ("qwen2", "qwen2", Some("Qwen-Qwen2.5-7B-Instruct.jinja")),
     ("qwen3", "qwen2", Some("Qwen-Qwen3-0.6B.jinja")),
+    ("qwen3moe", "qwen2", Some("Qwen-Qwen3-0.6B.jinja")),
+    ("qwen2moe", "qwen2", Some("Qwen-Qwen2.5-7B-Instruct.jinja")),
+    ("olmoe", "gpt-2", None),
+    (
+        "granitemoe",
+        "gpt-2",
+        Some("ibm-granite-granite-3.3-2B-Instruct.jinja"),
+    ),
     ("gemma", "llama-spm", None),
     ("gemma2", "gemma3", Some("google-gemma-2-2b-it.jinja")),
     ("gemma3", "gemma3", Some("google-gemma-2-2b-it.jinja")),
@@ -126,7 +134,12 @@ fn model_with_tokenizer(
     vocab_file: &Path,
     template: Option<&str>,
 ) -> PathBuf {
-    let src = dir.join(format!("seed-1/{arch}-dense.gguf"));
+    // An architecture that only comes with experts (qwen3moe, olmoe) has only its -moe file.
+    let dense = dir.join(format!("seed-1/{arch}-dense.gguf"));
+    let src = match dense.exists() {
+        true => dense,
+        false => dir.join(format!("seed-1/{arch}-moe.gguf")),
+    };
     let mut f = std::fs::File::open(&src).unwrap();
     let fixture = gguf_file::Content::read(&mut f).unwrap();
     let vocab = gguf_file::Content::read(&mut std::fs::File::open(vocab_file).unwrap()).unwrap();
@@ -187,7 +200,7 @@ fn model_with_tokenizer(
 }
 
 /// The version of the files `model_with_tokenizer` writes: change it with what they hold.
-const FILES: u32 = 1;
+const FILES: u32 = 2;
 
 fn run(model: &Path, args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_gen"))

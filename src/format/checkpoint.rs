@@ -350,6 +350,101 @@ impl Checkpoint {
         }))
     }
 
+    /// Expert `e`'s matrix of the stacked expert tensor `name` (candle dims [E, rows, cols],
+    /// GGUF's [cols, rows, E]): its blocks as the file holds them, for any type whose size gen
+    /// or candle knows. None where the checkpoint has no such 3-D tensor.
+    pub fn expert_bytes(&self, name: &str, e: usize) -> Result<Option<RawMatrix<'_>>> {
+        let Store::Gguf {
+            content,
+            file,
+            map,
+            types,
+            ..
+        } = &self.store
+        else {
+            return Ok(None);
+        };
+        let (Some(info), Some(&ggml)) = (content.tensor_infos.get(name), types.get(name)) else {
+            return Ok(None);
+        };
+        let &[n, rows, cols] = info.shape.dims() else {
+            return Ok(None);
+        };
+        if e >= n {
+            bail!("{name} holds {n} experts, not {}", e + 1);
+        }
+        let len = match crate::model::cpu::matmul::CpuQWeight::file_bytes_of(ggml, rows, cols) {
+            Some(len) => len,
+            None => {
+                let dt = crate::format::gguf::candle_dtype(ggml)
+                    .with_context(|| format!("{name}: a type gen cannot slice into experts"))?;
+                if cols % dt.block_size() != 0 {
+                    bail!("{name}: rows of {cols} values are not whole blocks of its type");
+                }
+                rows * cols / dt.block_size() * dt.type_size()
+            }
+        };
+        // Inside the file: gguf::validate checked every tensor's offset and size.
+        let start = (content.tensor_data_offset + info.offset) as usize + e * len;
+        let at = start..start + len;
+        let bytes = match map {
+            Some(m) => std::borrow::Cow::Borrowed(m.bytes(at.clone())),
+            None => {
+                let mut raw = vec![0u8; len];
+                let mut f = file.borrow_mut();
+                std::io::Seek::seek(&mut *f, std::io::SeekFrom::Start(start as u64))?;
+                std::io::Read::read_exact(&mut *f, &mut raw)
+                    .with_context(|| format!("reading {name}"))?;
+                std::borrow::Cow::Owned(raw)
+            }
+        };
+        Ok(Some(RawMatrix {
+            ggml,
+            rows,
+            cols,
+            bytes,
+            at,
+        }))
+    }
+
+    /// Expert `e` of `name` ([`Self::expert_bytes`]) as a tensor on `device`; a type candle
+    /// cannot hold comes widened to f32, as [`Self::tensor`] gives it.
+    pub fn expert_tensor(&self, name: &str, e: usize, device: &Device) -> Result<QTensor> {
+        let m = self
+            .expert_bytes(name, e)?
+            .with_context(|| format!("{name} is not a stack of expert matrices"))?;
+        let (rows, cols) = (m.rows, m.cols);
+        if let Some(dt) = crate::format::gguf::candle_dtype(m.ggml) {
+            return Ok(candle_core::quantized::ggml_file::qtensor_from_ggml(
+                dt,
+                &m.bytes,
+                vec![rows, cols],
+                device,
+            )?);
+        }
+        use crate::model::cpu::quants::{QType, Tiles};
+        let ty =
+            QType::from_ggml(m.ggml).with_context(|| format!("{name}: no kernel for its type"))?;
+        let tiles = Tiles::from_gguf(ty, &m.bytes, rows, cols);
+        let mut values = vec![0f32; rows * cols];
+        for (r, row) in values.chunks_exact_mut(cols).enumerate() {
+            tiles.dequantize_row(r, row);
+        }
+        let t = Tensor::from_vec(values, (rows, cols), device)?;
+        Ok(QTensor::quantize(&t, GgmlDType::F32)?)
+    }
+
+    /// The experts, rows and columns of a stacked expert tensor (candle's [E, rows, cols]).
+    pub fn expert_dims(&self, name: &str) -> Option<(usize, usize, usize)> {
+        let Store::Gguf { content, .. } = &self.store else {
+            return None;
+        };
+        match content.tensor_infos.get(name)?.shape.dims() {
+            &[n, rows, cols] => Some((n, rows, cols)),
+            _ => None,
+        }
+    }
+
     /// Whether `name` is of a type candle cannot read, so gen's kernels must take it.
     pub fn is_own_type(&self, name: &str) -> bool {
         matches!(&self.store, Store::Gguf { own, .. } if own.contains_key(name))

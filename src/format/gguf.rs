@@ -948,6 +948,10 @@ impl Model<'_> {
             self.expect(&format!("{p}.attn_k.weight"), &[d, kv_rows], &hp)?;
             self.expect(&format!("{p}.attn_v.weight"), &[d, kv_rows], &hp)?;
             self.expect(&format!("{p}.attn_output.weight"), &[q_rows, d], &hp)?;
+            if self.tensor(&format!("{p}.ffn_gate_inp.weight")).is_some() {
+                // Experts (Mixtral-style): the loader checks their shapes against the router.
+                continue;
+            }
             let gate_name = format!("{p}.ffn_gate.weight");
             let gate = self
                 .tensor(&gate_name)

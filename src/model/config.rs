@@ -197,6 +197,39 @@ pub struct LayerPlan {
     pub rope: Option<usize>,
 }
 
+/// A mixture-of-experts FFN on every layer, as llama.cpp's `build_moe_ffn` runs it for the
+/// family: a router picks `n_used` of `n_expert` experts per token by the softmax of its
+/// logits, each expert is a gated FFN of width `ff`, and the token's output is the sum of the
+/// chosen experts' outputs times their weights (in the order chosen), plus a shared expert's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoeCfg {
+    pub n_expert: usize,
+    pub n_used: usize,
+    /// Each routed expert's FFN width (the file's tensors must have it).
+    pub ff: usize,
+    /// The chosen experts' weights divided by their sum (the sum clamped below at 2^-14).
+    pub norm_weights: bool,
+    /// `ffn_{gate,up,down}_exps.scale` applied after each product (read and ignored otherwise).
+    pub scales: bool,
+    /// `ffn_gate_exps`: Required, or Optional (an expert without it is act(up)).
+    pub gate: Need,
+    pub shared: SharedExpert,
+}
+
+/// An expert every token goes through, beside the routed ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SharedExpert {
+    None,
+    /// Added as it is (Granite MoE), FFN width `ff`.
+    Plain {
+        ff: usize,
+    },
+    /// Times sigmoid(x · `ffn_gate_inp_shexp`) (Qwen2 MoE), FFN width `ff`.
+    Gated {
+        ff: usize,
+    },
+}
+
 /// Hyper-parameters and graph choices of a decoder, read from a file's metadata.
 #[derive(Debug, Clone)]
 pub struct DecoderConfig {
@@ -228,6 +261,8 @@ pub struct DecoderConfig {
     pub ropes: Vec<RopeCfg>,
     pub rope_pairs: RopePairs,
     pub tensors: TensorRules,
+    /// Some: every layer's FFN is a mixture of experts.
+    pub moe: Option<MoeCfg>,
 }
 
 impl DecoderConfig {

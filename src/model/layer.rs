@@ -14,7 +14,7 @@ use candle_core::{Device, Tensor, D};
 use super::config::{Activation, DecoderConfig, NormKind, NormRule, QkNorm};
 use super::plan::PassPlan;
 use super::profile::Profile;
-use super::weights::{Layer, Norm, Weights};
+use super::weights::{Ffn, Layer, Mlp, Moe, Norm, Weights};
 
 /// What a backend brings to a pass.
 pub trait LayerOps {
@@ -287,8 +287,8 @@ fn attention(
     layer.wo_post.apply(o)
 }
 
-/// The FFN: act(gate) * up (or act(up) without a gate), with their biases and scales, then
-/// down. x: (N, d) normalised. Returns (N, d).
+/// The FFN (a dense one, or a mixture of experts), then the norm after it where the layer has
+/// one. x: (N, d) normalised. Returns (N, d).
 fn ffn(
     ops: &impl LayerOps,
     layer: &Layer,
@@ -296,33 +296,131 @@ fn ffn(
     cfg: &DecoderConfig,
     profile: &mut Profile,
 ) -> Result<Tensor> {
-    let dev = ops.device().clone();
-    let parts = layer.gate_up.forward(x)?;
-    let mut parts = parts
-        .into_iter()
-        .zip(&layer.gate_up_post)
-        .map(|(p, post)| post.apply(p))
-        .collect::<Result<Vec<_>>>()?;
-    profile.mark(&dev, "gate/up");
-    let act = match (cfg.gated, parts.len()) {
-        (true, 2) => {
-            let up = parts.pop().expect("two parts");
-            let gate = parts.pop().expect("two parts");
-            ops.gated(&gate, &up, cfg.activation)?
-        }
-        (false, 1) => activation(&parts[0], cfg.activation)?,
-        (gated, got) => anyhow::bail!(
-            "the FFN has {got} input projections, expected {}",
-            if gated { 2 } else { 1 }
-        ),
+    let o = match &layer.ffn {
+        Ffn::Dense(m) => mlp(ops, m, x, cfg.activation, profile)?,
+        Ffn::Moe(m) => experts(ops, m, x, cfg, profile)?,
     };
-    profile.mark(&dev, "activation");
-    let o = layer.w_down.forward(&act)?;
-    let o = layer.down_post.apply(o)?;
     Ok(match &layer.post_ffn_norm {
         Some(n) => norm(&o, n, cfg)?,
         None => o,
     })
+}
+
+/// A dense FFN: act(gate) * up (or act(up) without a gate), with their biases and scales,
+/// then down. x: (N, d). Returns (N, d).
+fn mlp(
+    ops: &impl LayerOps,
+    m: &Mlp,
+    x: &Tensor,
+    act: Activation,
+    profile: &mut Profile,
+) -> Result<Tensor> {
+    let dev = ops.device().clone();
+    let parts = m.gate_up.forward(x)?;
+    let mut parts = parts
+        .into_iter()
+        .zip(&m.gate_up_post)
+        .map(|(p, post)| post.apply(p))
+        .collect::<Result<Vec<_>>>()?;
+    profile.mark(&dev, "gate/up");
+    let act = match parts.len() {
+        2 => {
+            let up = parts.pop().expect("two parts");
+            let gate = parts.pop().expect("two parts");
+            ops.gated(&gate, &up, act)?
+        }
+        _ => activation(&parts[0], act)?,
+    };
+    profile.mark(&dev, "activation");
+    let o = m.w_down.forward(&act)?;
+    m.down_post.apply(o)
+}
+
+/// A mixture of experts over x (N, d): each token's experts from the router
+/// ([`super::moe::route`]), each chosen expert run once over all the tokens that chose it, each
+/// token's outputs times their weights summed in the order chosen, then the shared expert's
+/// added (gated where the family gates it). The routing and the sums are on the host; the
+/// products on the backend. Returns (N, d).
+fn experts(
+    ops: &impl LayerOps,
+    m: &Moe,
+    x: &Tensor,
+    cfg: &DecoderConfig,
+    profile: &mut Profile,
+) -> Result<Tensor> {
+    let mc = cfg
+        .moe
+        .as_ref()
+        .expect("a layer with experts has their configuration");
+    let (n, d) = x.dims2()?;
+    let k = mc.n_used;
+    let dev = x.device().clone();
+    let xs: Vec<f32> = x
+        .to_dtype(candle_core::DType::F32)?
+        .flatten_all()?
+        .to_vec1()?;
+    let mut sel = Vec::with_capacity(n * k);
+    let mut logits = vec![0f32; mc.n_expert];
+    for row in xs.chunks_exact(d) {
+        super::moe::router_logits(&m.router, row, &mut logits);
+        super::moe::route(&logits, mc, &mut sel);
+    }
+    profile.mark(&dev, "router");
+    // Each expert's (token, slot) pairs, tokens in pass order.
+    let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); mc.n_expert];
+    for (slot, &(e, _)) in sel.iter().enumerate() {
+        by_expert[e as usize].push(slot);
+    }
+    let mut slots = vec![0f32; n * k * d];
+    for (e, picked) in by_expert.iter().enumerate().filter(|(_, p)| !p.is_empty()) {
+        let tokens: Vec<u32> = picked.iter().map(|&s| (s / k) as u32).collect();
+        let ids = Tensor::new(tokens.as_slice(), &dev)?;
+        let y = mlp(
+            ops,
+            &m.experts[e],
+            &x.index_select(&ids, 0)?,
+            cfg.activation,
+            profile,
+        )?;
+        let y: Vec<f32> = y
+            .to_dtype(candle_core::DType::F32)?
+            .flatten_all()?
+            .to_vec1()?;
+        for (row, &s) in y.chunks_exact(d).zip(picked) {
+            let w = sel[s].1;
+            for (o, v) in slots[s * d..(s + 1) * d].iter_mut().zip(row) {
+                *o = v * w;
+            }
+        }
+    }
+    let mut out = vec![0f32; n * d];
+    for (t, o) in out.chunks_exact_mut(d).enumerate() {
+        o.copy_from_slice(&slots[t * k * d..(t * k + 1) * d]);
+        for j in 1..k {
+            let s = &slots[(t * k + j) * d..(t * k + j + 1) * d];
+            for (a, b) in o.iter_mut().zip(s) {
+                *a += b;
+            }
+        }
+    }
+    let mut o = Tensor::from_vec(out, (n, d), &dev)?.to_dtype(x.dtype())?;
+    if let Some(sh) = &m.shared {
+        let y = mlp(ops, sh, x, cfg.activation, profile)?;
+        o = match &m.shared_gate {
+            // llama.cpp's silu(g) / g: the sigmoid of g, as its graph computes it.
+            Some(g) => {
+                let gi: Vec<f32> = xs
+                    .chunks_exact(d)
+                    .map(|row| row.iter().zip(g).map(|(a, b)| a * b).sum())
+                    .collect();
+                let gi = Tensor::from_vec(gi, (n, 1), &dev)?;
+                let gate = (candle_nn::ops::silu(&gi)? / &gi)?.to_dtype(y.dtype())?;
+                (o + y.broadcast_mul(&gate)?)?
+            }
+            None => (o + y)?,
+        };
+    }
+    Ok(o)
 }
 
 /// After the last layer: the final norm, the output layer with its bias, the logit scale

@@ -13,6 +13,7 @@ pub mod decoder;
 pub mod device;
 pub mod kv_cache;
 pub mod layer;
+pub mod moe;
 pub mod plan;
 pub mod profile;
 pub mod qlinear;

@@ -11,7 +11,9 @@ use anyhow::{bail, Context, Result};
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 
-use super::config::{DecoderConfig, Need, NormRule, Output, QkNorm, RopeFactors};
+use super::config::{
+    DecoderConfig, MoeCfg, Need, NormRule, Output, QkNorm, RopeFactors, SharedExpert,
+};
 use super::cpu::matmul::{CpuQWeight, Kernel};
 use super::cpu::tile_cache::{self, TileCache};
 use super::qlinear::{DeviceWeights, Projections, QLinear};
@@ -59,6 +61,58 @@ impl Affine {
     }
 }
 
+/// A dense FFN: act(gate)·up (or act(up)), then down, each product followed by its scale
+/// and bias.
+pub struct Mlp {
+    /// gate (ff, d) and up (ff, d), or one of 2ff rows, or up alone (an FFN without a gate).
+    pub gate_up: Projections,
+    pub gate_up_post: Vec<Affine>,
+    pub w_down: QLinear, // (d, ff)
+    pub down_post: Affine,
+}
+
+impl Mlp {
+    /// Whether it has a gate (two input products, or one holding both).
+    pub fn gated(&self) -> bool {
+        self.gate_up_post.len() == 2
+    }
+}
+
+/// A layer's FFN: one dense FFN, or a mixture of experts ([`super::config::MoeCfg`]).
+pub enum Ffn {
+    Dense(Mlp),
+    Moe(Box<Moe>),
+}
+
+impl Ffn {
+    /// Every dense FFN in it: itself, or each expert and the shared one.
+    pub fn mlps(&self) -> Vec<&Mlp> {
+        match self {
+            Ffn::Dense(m) => vec![m],
+            Ffn::Moe(m) => m.experts.iter().chain(&m.shared).collect(),
+        }
+    }
+
+    pub fn mlps_mut(&mut self) -> Vec<&mut Mlp> {
+        match self {
+            Ffn::Dense(m) => vec![m],
+            Ffn::Moe(m) => m.experts.iter_mut().chain(m.shared.as_mut()).collect(),
+        }
+    }
+}
+
+/// A mixture-of-experts FFN's weights.
+pub struct Moe {
+    /// The router (E, d), f32 on the host: each token's logits are summed in one fixed order,
+    /// so the experts a token gets never depend on what else is in its pass.
+    pub router: Vec<f32>,
+    /// Each routed expert's FFN (its `.scale`s in the Affines where the family applies them).
+    pub experts: Vec<Mlp>,
+    pub shared: Option<Mlp>,
+    /// Qwen2 MoE's gate of the shared expert (d), on the host.
+    pub shared_gate: Option<Vec<f32>>,
+}
+
 pub struct Layer {
     pub attn_norm: Option<Norm>,
     /// q (h*hd, d), k (kv*hd, d), v (kv*hd, d): three matrices, or one of (h+2kv)*hd rows.
@@ -70,11 +124,7 @@ pub struct Layer {
     pub wo_post: Affine,
     pub post_attn_norm: Option<Norm>,
     pub ffn_norm: Option<Norm>,
-    /// gate (ff, d) and up (ff, d), or one of 2ff rows, or up alone (an FFN without a gate).
-    pub gate_up: Projections,
-    pub gate_up_post: Vec<Affine>,
-    pub w_down: QLinear, // (d, ff)
-    pub down_post: Affine,
+    pub ffn: Ffn,
     pub post_ffn_norm: Option<Norm>,
     /// Index into [`Weights::windows`] (the pass plan's key ranges).
     pub view: usize,
@@ -252,6 +302,45 @@ impl Reader<'_> {
         Ok((QLinear::for_device(q, self.device, self.kind)?, dims[0]))
     }
 
+    /// Expert `e`'s matrix (`rows` by `cols`) of the stacked expert tensor `n`, which must
+    /// hold `experts` of them; repacked from the mapped file as [`Self::matrix`] does, its
+    /// tile-cache part named `n#e`.
+    fn expert(
+        &self,
+        n: &str,
+        e: usize,
+        experts: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<QLinear> {
+        match self.ckpt.expert_dims(n) {
+            Some(dims) if dims == (experts, rows, cols) => {}
+            Some((a, b, c)) => {
+                bail!("{n} has shape [{a}, {b}, {c}], expected [{experts}, {rows}, {cols}]")
+            }
+            None if self.has(n) => bail!("{n} is not a stack of {experts} expert matrices"),
+            None => bail!("tensor {n} is missing"),
+        }
+        self.read.borrow_mut().insert(n.to_string());
+        let part = format!("{n}#{e}");
+        if self.device.is_cpu() && self.kind == DeviceWeights::Quantized {
+            if let Some(m) = self.timed(|| self.ckpt.expert_bytes(n, e))? {
+                if let Some(w) = self.tiles.take(&part, m.ggml, rows, cols) {
+                    return Ok(QLinear::Cpu(w));
+                }
+                if let Some(mut w) =
+                    CpuQWeight::from_raw(m.ggml, &m.bytes, rows, cols, Kernel::detect())?
+                {
+                    w.set_name(&part);
+                    self.ckpt.release(m);
+                    return Ok(QLinear::Cpu(w));
+                }
+            }
+        }
+        let q = self.timed(|| self.ckpt.expert_tensor(n, e, self.device))?;
+        QLinear::for_device(q, self.device, self.kind)
+    }
+
     /// A norm as `rule` says: None where the architecture has no norm there.
     fn norm(&self, prefix: &str, len: usize, rule: NormRule) -> Result<Option<Norm>> {
         match rule {
@@ -422,8 +511,10 @@ impl Weights {
         for l in &self.layers {
             all.extend(of_all(&l.qkv));
             all.extend(of(&l.wo));
-            all.extend(of_all(&l.gate_up));
-            all.extend(of(&l.w_down));
+            for m in l.ffn.mlps() {
+                all.extend(of_all(&m.gate_up));
+                all.extend(of(&m.w_down));
+            }
         }
         all.extend(of(&self.output));
         all
@@ -447,8 +538,10 @@ impl Weights {
         for l in &mut self.layers {
             all.extend(of_all(&mut l.qkv));
             all.extend(of(&mut l.wo));
-            all.extend(of_all(&mut l.gate_up));
-            all.extend(of(&mut l.w_down));
+            for m in l.ffn.mlps_mut() {
+                all.extend(of_all(&mut m.gate_up));
+                all.extend(of(&mut m.w_down));
+            }
         }
         all.extend(of(&mut self.output));
         all
@@ -581,12 +674,9 @@ fn load_layer(r: &Reader<'_>, cfg: &DecoderConfig, i: usize, view: usize) -> Res
         bias: r.vector_if(&name("attn_output.bias"), d, rules.wo_bias)?,
         bias_first: false,
     };
-    let (gate_up, gate_up_post, ff) = load_ffn_in(r, cfg, &p)?;
-    let (w_down, _) = mm("ffn_down.weight", Some(d), ff)?;
-    let down_post = Affine {
-        scale: r.scale(&name("ffn_down"), rules.ffn_scales)?,
-        bias: r.vector_if(&name("ffn_down.bias"), d, rules.ffn_bias)?,
-        bias_first: true,
+    let ffn = match &cfg.moe {
+        None => Ffn::Dense(load_mlp(r, cfg, &p)?),
+        Some(m) => Ffn::Moe(Box::new(load_moe(r, cfg, m, &p)?)),
     };
     Ok(Layer {
         attn_norm: r.norm(&name("attn_norm"), d, rules.attn_norm)?,
@@ -597,12 +687,124 @@ fn load_layer(r: &Reader<'_>, cfg: &DecoderConfig, i: usize, view: usize) -> Res
         wo_post,
         post_attn_norm: r.norm(&name("post_attention_norm"), d, rules.post_attn_norm)?,
         ffn_norm: r.norm(&name(rules.ffn_norm_name), d, rules.ffn_norm)?,
+        ffn,
+        post_ffn_norm: r.norm(&name("post_ffw_norm"), d, rules.post_ffn_norm)?,
+        view,
+    })
+}
+
+/// Layer `p`'s dense FFN.
+fn load_mlp(r: &Reader<'_>, cfg: &DecoderConfig, p: &str) -> Result<Mlp> {
+    let rules = &cfg.tensors;
+    let (gate_up, gate_up_post, ff) = load_ffn_in(r, cfg, p)?;
+    let (w_down, _) = r.matrix(&format!("{p}.ffn_down.weight"), Some(cfg.d_model), ff)?;
+    let down_post = Affine {
+        scale: r.scale(&format!("{p}.ffn_down"), rules.ffn_scales)?,
+        bias: r.vector_if(&format!("{p}.ffn_down.bias"), cfg.d_model, rules.ffn_bias)?,
+        bias_first: true,
+    };
+    Ok(Mlp {
         gate_up,
         gate_up_post,
         w_down,
         down_post,
-        post_ffn_norm: r.norm(&name("post_ffw_norm"), d, rules.post_ffn_norm)?,
-        view,
+    })
+}
+
+/// Layer `p`'s mixture of experts: the router, each expert's gate (where the family has it),
+/// up and down sliced from the stacked `ffn_*_exps` tensors with their `.scale`s (applied or
+/// read and ignored, as `m` says), and the shared expert.
+fn load_moe(r: &Reader<'_>, cfg: &DecoderConfig, m: &MoeCfg, p: &str) -> Result<Moe> {
+    let (d, n) = (cfg.d_model, m.n_expert);
+    let name = |s: &str| format!("{p}.{s}");
+    let router = r
+        .tensor(&name("ffn_gate_inp.weight"))?
+        .dequantize(r.device)?;
+    let router = router
+        .to_dtype(candle_core::DType::F32)?
+        .to_device(&Device::Cpu)?;
+    if router.dims() != [n, d] {
+        bail!(
+            "{p}.ffn_gate_inp.weight has shape {:?}, expected [{n}, {d}]",
+            router.dims()
+        );
+    }
+    let router: Vec<f32> = router.flatten_all()?.to_vec1()?;
+    let gated = match m.gate {
+        Need::Required => true,
+        _ => r.has(&name("ffn_gate_exps.weight")),
+    };
+    // Per-expert scales: E values each, applied where the family does.
+    let scales = |base: &str| -> Result<Option<Vec<f32>>> {
+        let t = format!("{}.scale", name(base));
+        if !r.has(&t) {
+            return Ok(None);
+        }
+        let v: Vec<f32> = r.vector(&t, n)?.to_vec1()?;
+        Ok(m.scales.then_some(v))
+    };
+    let s_gate = if gated {
+        scales("ffn_gate_exps")?
+    } else {
+        None
+    };
+    let (s_up, s_down) = (scales("ffn_up_exps")?, scales("ffn_down_exps")?);
+    let post = |s: &Option<Vec<f32>>, e: usize| Affine {
+        scale: s.as_ref().map(|s| s[e]),
+        bias: None,
+        bias_first: false,
+    };
+    let mut experts = Vec::with_capacity(n);
+    for e in 0..n {
+        let mut parts = Vec::new();
+        let mut posts = Vec::new();
+        if gated {
+            parts.push(r.expert(&name("ffn_gate_exps.weight"), e, n, m.ff, d)?);
+            posts.push(post(&s_gate, e));
+        }
+        parts.push(r.expert(&name("ffn_up_exps.weight"), e, n, m.ff, d)?);
+        posts.push(post(&s_up, e));
+        experts.push(Mlp {
+            gate_up: Projections::new(parts),
+            gate_up_post: posts,
+            w_down: r.expert(&name("ffn_down_exps.weight"), e, n, d, m.ff)?,
+            down_post: post(&s_down, e),
+        });
+    }
+    let shared_mlp = |ff: usize| -> Result<Mlp> {
+        let mm = |s: &str, rows: usize, cols: usize| -> Result<QLinear> {
+            r.scale(&name(s), false)?; // read; llama.cpp does not apply it
+            Ok(r.matrix(&name(&format!("{s}.weight")), Some(rows), cols)?.0)
+        };
+        let gate_up = Projections::new(vec![
+            mm("ffn_gate_shexp", ff, d)?,
+            mm("ffn_up_shexp", ff, d)?,
+        ]);
+        Ok(Mlp {
+            gate_up,
+            gate_up_post: vec![Affine::default(), Affine::default()],
+            w_down: mm("ffn_down_shexp", d, ff)?,
+            down_post: Affine::default(),
+        })
+    };
+    let (shared, shared_gate) = match m.shared {
+        SharedExpert::None => (None, None),
+        SharedExpert::Plain { ff } => (Some(shared_mlp(ff)?), None),
+        SharedExpert::Gated { ff } => {
+            let g = r
+                .vector(&name("ffn_gate_inp_shexp.weight"), d)?
+                .to_dtype(candle_core::DType::F32)?;
+            (
+                Some(shared_mlp(ff)?),
+                Some(g.to_device(&Device::Cpu)?.to_vec1()?),
+            )
+        }
+    };
+    Ok(Moe {
+        router,
+        experts,
+        shared,
+        shared_gate,
     })
 }
 

@@ -4,9 +4,10 @@
 
 use anyhow::{bail, Result};
 
-use super::{rope_sections, Common, Scaling};
+use super::{rope_sections, Common, ExpertWidth, Scaling};
 use crate::model::config::{
-    Activation, DecoderConfig, Keys, Need, NormKind, QkNorm, RopeFactors, RopePairs, TensorRules,
+    Activation, DecoderConfig, Keys, Need, NormKind, QkNorm, RopeFactors, RopePairs, SharedExpert,
+    TensorRules,
 };
 
 /// llama.cpp's tensors for a llama: rope factors long and short for long-rope files,
@@ -23,9 +24,41 @@ fn llama_tensors(c: &Common) -> TensorRules {
 
 /// Llama 2 and 3 (3.1, 3.2 and 3.3 with their `rope_freqs`), TinyLlama, SmolLM2, Mistral 7B,
 /// the DeepSeek-R1 Llama distills.
+/// With experts (Mixtral and llama files with `ffn_*_exps`): the chosen weights renormalised,
+/// the experts' scales applied, `ffn_gate_exps` optional.
 pub fn llama(k: &Keys, c: Common) -> Result<DecoderConfig> {
     c.whole_heads_rotate()?;
-    c.decoder(k, NormKind::Rms, RopePairs::Norm, llama_tensors(&c))
+    let mut d = c.decoder(k, NormKind::Rms, RopePairs::Norm, llama_tensors(&c))?;
+    d.moe = llama_experts(k, &c)?;
+    Ok(d)
+}
+
+/// llama.cpp's llama graph's experts (also Mistral 3's).
+fn llama_experts(k: &Keys, c: &Common) -> Result<Option<crate::model::config::MoeCfg>> {
+    let (w, none) = (ExpertWidth::FeedForward, SharedExpert::None);
+    c.moe(k, w, true, true, Need::Optional, none)
+}
+
+/// Granite's graph's experts (Granite MoE, MiniCPM MoE): renormalised, scales not applied,
+/// `ffn_gate_exps` optional; a shared expert added where the file gives it a width (`shared`).
+fn granite_experts(
+    k: &Keys,
+    c: &Common,
+    shared: bool,
+) -> Result<Option<crate::model::config::MoeCfg>> {
+    let ff = k.usize_or("expert_shared_feed_forward_length", 0)?;
+    let shared = match ff {
+        n if shared && n > 0 => SharedExpert::Plain { ff: n },
+        _ => SharedExpert::None,
+    };
+    c.moe(
+        k,
+        ExpertWidth::FeedForward,
+        true,
+        false,
+        Need::Optional,
+        shared,
+    )
 }
 
 /// Ministral 3 / Devstral Small 2 (dense): Llama with YaRN's beta range and log multiplier
@@ -38,6 +71,7 @@ pub fn mistral3(k: &Keys, c: Common) -> Result<DecoderConfig> {
     let log_mul = k.f32_or("rope.scaling.yarn_log_multiplier", 0.0)?;
     let temperature = k.f32_or("attention.temperature_scale", 0.0)?;
     let mut d = c.decoder(k, NormKind::Rms, RopePairs::Norm, llama_tensors(&c))?;
+    d.moe = llama_experts(k, &c)?;
     d.ropes[0] = c.rope(beta, log_mul);
     if temperature != 0.0 {
         d.attn.temperature = Some((temperature, c.n_ctx_orig as f32, 0.0));
@@ -48,8 +82,26 @@ pub fn mistral3(k: &Keys, c: Common) -> Result<DecoderConfig> {
 /// IBM Granite 3 (dense): scales on the embeddings, the residual branches, attention and
 /// (dividing) the logits; rope only where `rope.scaling.finetuned` is not false.
 pub fn granite(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let mut d = granite_scaled(k, &c)?;
+    if !k.bool_or("rope.scaling.finetuned", true)? {
+        for l in &mut d.layers {
+            l.rope = None;
+        }
+    }
+    Ok(d)
+}
+
+/// Granite MoE (Granite 3 MoE, Granite 4 tiny's dense-attention MoE): Granite's scales and
+/// experts, rope on every layer (llama.cpp does not read `rope.scaling.finetuned` for it).
+pub fn granitemoe(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    granite_scaled(k, &c)
+}
+
+/// Granite's graph with its scales and experts.
+fn granite_scaled(k: &Keys, c: &Common) -> Result<DecoderConfig> {
     let logit_scale = k.f32("logit_scale")?;
-    let mut d = granite_like(k, &c, logit_scale)?;
+    let mut d = granite_like(k, c, logit_scale)?;
+    d.moe = granite_experts(k, c, true)?;
     if let Some(s) = k.f32_opt("residual_scale")?.filter(|&s| s != 0.0) {
         d.residual_scale = Some(s);
     }
@@ -59,11 +111,6 @@ pub fn granite(k: &Keys, c: Common) -> Result<DecoderConfig> {
     if let Some(s) = k.f32_opt("attention.scale")?.filter(|&s| s != 0.0) {
         d.attn.scale = s;
     }
-    if !k.bool_or("rope.scaling.finetuned", true)? {
-        for l in &mut d.layers {
-            l.rope = None;
-        }
-    }
     Ok(d)
 }
 
@@ -71,6 +118,7 @@ pub fn granite(k: &Keys, c: Common) -> Result<DecoderConfig> {
 pub fn minicpm(k: &Keys, c: Common) -> Result<DecoderConfig> {
     let logit_scale = k.f32_or("logit_scale", 256.0 / c.d_model as f32)?;
     let mut d = granite_like(k, &c, logit_scale)?;
+    d.moe = granite_experts(k, &c, false)?;
     d.embed_scale = Some(k.f32_or("embedding_scale", 12.0)?);
     d.residual_scale = Some(k.f32_or("residual_scale", 1.4 / (c.n_layer as f32).sqrt())?);
     Ok(d)

@@ -20,8 +20,8 @@ mod qwen;
 use anyhow::{bail, Result};
 
 use super::config::{
-    Activation, Attn, DecoderConfig, Keys, LayerPlan, NormKind, QkNorm, RopeCfg, RopePairs,
-    TensorRules,
+    Activation, Attn, DecoderConfig, Keys, LayerPlan, MoeCfg, Need, NormKind, QkNorm, RopeCfg,
+    RopePairs, SharedExpert, TensorRules,
 };
 use super::rope::{yarn_mscale, Factors};
 
@@ -33,6 +33,7 @@ pub const ARCHS: &[(&str, Build)] = &[
     ("llama", llama::llama),
     ("mistral3", llama::mistral3),
     ("granite", llama::granite),
+    ("granitemoe", llama::granitemoe),
     ("minicpm", llama::minicpm),
     ("smollm3", llama::smollm3),
     ("arcee", llama::arcee),
@@ -49,6 +50,8 @@ pub const ARCHS: &[(&str, Build)] = &[
     ("qwen", qwen::qwen),
     ("qwen2", qwen::qwen2),
     ("qwen3", qwen::qwen3),
+    ("qwen2moe", qwen::qwen2moe),
+    ("qwen3moe", qwen::qwen3moe),
     ("gemma", gemma::gemma),
     ("gemma2", gemma::gemma2),
     ("gemma3", gemma::gemma3),
@@ -56,6 +59,7 @@ pub const ARCHS: &[(&str, Build)] = &[
     ("phi3", phi::phi3),
     ("olmo", olmo::olmo),
     ("olmo2", olmo::olmo2),
+    ("olmoe", olmo::olmoe),
     ("exaone4", olmo::exaone4),
     ("glm4", olmo::glm4),
     ("chatglm", olmo::chatglm),
@@ -89,10 +93,25 @@ pub fn from_gguf(
     };
     let keys = Keys::new(md, arch);
     let common = Common::read(&keys)?;
+    let n_expert = common.n_expert;
     let mut cfg = build(&keys, common)?;
+    if n_expert > 0 && cfg.moe.is_none() {
+        bail!(
+            "{arch}.expert_count is {n_expert}: mixture-of-experts {arch} files are not supported"
+        );
+    }
     cfg.check()?;
     cfg.set_context_window(cfg.context_len);
     Ok(cfg)
+}
+
+/// Where a family's experts take their FFN width from, as llama.cpp's loader for it does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertWidth {
+    /// `feed_forward_length` (Mixtral-style llama, Granite MoE, OLMoE).
+    FeedForward,
+    /// `expert_feed_forward_length`, else `feed_forward_length / expert_used_count` (Qwen MoE).
+    ExpertKey,
 }
 
 /// How the file scales its rotary embeddings (`rope.scaling.type`).
@@ -123,6 +142,9 @@ pub struct Common {
     pub rope_attn_factor: f32,
     /// `rope.scaling.original_context_length` (default: the context length).
     pub n_ctx_orig: usize,
+    /// `expert_count` (0: a dense model); an architecture that runs experts says how
+    /// ([`Common::moe`]), the others refuse a file with them.
+    pub n_expert: usize,
 }
 
 impl Common {
@@ -138,15 +160,10 @@ impl Common {
         }
         // llama.cpp reads Hunyuan's `expert_count` of 1 as no experts.
         let one_is_none = matches!(k.arch, "hunyuan-dense" | "hunyuan_vl");
-        if let Some(n) = k
+        let n_expert = k
             .usize_opt("expert_count")?
             .filter(|&n| n > 0 && !(one_is_none && n == 1))
-        {
-            bail!(
-                "{}.expert_count is {n}: mixture-of-experts models are not supported yet",
-                k.arch
-            );
-        }
+            .unwrap_or(0);
         if !k.bool_or("attention.causal", true)? {
             bail!(
                 "{}.attention.causal is false: an encoder, not a text generator",
@@ -234,6 +251,7 @@ impl Common {
             freq_scale: if factor == 0.0 { 1.0 } else { 1.0 / factor },
             rope_attn_factor: k.f32_or("rope.scaling.attn_factor", 1.0)?,
             n_ctx_orig: k.usize_or("rope.scaling.original_context_length", context_len)?,
+            n_expert,
         })
     }
 
@@ -325,7 +343,60 @@ impl Common {
             ropes: vec![self.rope((32.0, 1.0), 0.0)],
             rope_pairs: pairs,
             tensors,
+            moe: None,
         })
+    }
+
+    /// The mixture of experts of a file with `expert_count` above 0 (None for a dense one), as
+    /// llama.cpp's graph for the family runs it: `ff` each expert's width, `norm_weights`,
+    /// `scales`, `gate` and `shared` as [`MoeCfg`] says.
+    pub fn moe(
+        &self,
+        k: &Keys,
+        width: ExpertWidth,
+        norm_weights: bool,
+        scales: bool,
+        gate: Need,
+        shared: SharedExpert,
+    ) -> Result<Option<MoeCfg>> {
+        if self.n_expert == 0 {
+            return Ok(None);
+        }
+        let n_used = k.usize_or("expert_used_count", 0)?;
+        if n_used == 0 || n_used > self.n_expert || self.n_expert > 1024 {
+            bail!(
+                "{}.expert_used_count is {n_used} of {} experts: expected 1 to {}",
+                self.arch,
+                self.n_expert,
+                self.n_expert.min(1024)
+            );
+        }
+        if let Some(g) = k.usize_opt("expert_group_count")?.filter(|&g| g > 1) {
+            bail!(
+                "{}.expert_group_count is {g}: group-limited routing is not supported",
+                self.arch
+            );
+        }
+        let n_ff = k.usize_or("feed_forward_length", 0)?;
+        let ff = match width {
+            ExpertWidth::FeedForward => n_ff,
+            ExpertWidth::ExpertKey => match k.usize_or("expert_feed_forward_length", 0)? {
+                0 => n_ff / n_used,
+                n => n,
+            },
+        };
+        if ff == 0 {
+            bail!("{}: the experts' FFN width is 0", self.arch);
+        }
+        Ok(Some(MoeCfg {
+            n_expert: self.n_expert,
+            n_used,
+            ff,
+            norm_weights,
+            scales,
+            gate,
+            shared,
+        }))
     }
 
     /// llama.cpp refuses llama-family files whose rotary width is not the head width.

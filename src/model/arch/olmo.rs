@@ -1,12 +1,12 @@
 //! OLMo, OLMo 2 (and OLMo 3's windowed layers), EXAONE 4 and GLM-4: decoders whose norms sit
-//! after attention and the FFN (OLMo's have no weights at all).
+//! after attention and the FFN (OLMo's have no weights at all); OLMoE.
 
 use anyhow::Result;
 
-use super::{rope_sections, swa_layers, Common};
+use super::{rope_sections, swa_layers, Common, ExpertWidth};
 use crate::model::config::{
     DecoderConfig, Keys, Need, NormKind, NormRule, Output, QkNorm, RopeFactors, RopePairs,
-    TensorRules,
+    SharedExpert, TensorRules,
 };
 use crate::model::rope::{Factors, RopeCfg};
 
@@ -109,4 +109,26 @@ pub fn chatglm(k: &Keys, c: Common) -> Result<DecoderConfig> {
         ..TensorRules::PLAIN
     };
     c.decoder(k, NormKind::Rms, RopePairs::Norm, tensors)
+}
+
+/// OLMoE: norms before attention and the FFN, q and k normed over the whole projection (as
+/// OLMo 2), every FFN routed experts of `feed_forward_length`, their weights as the softmax
+/// gives them.
+pub fn olmoe(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let tensors = TensorRules {
+        qk_norm: Need::Required,
+        output: Output::Own,
+        ..TensorRules::PLAIN
+    };
+    let mut d = c.decoder(k, NormKind::Rms, RopePairs::Neox, tensors)?;
+    d.attn.qk_norm = QkNorm::Whole;
+    let (w, none) = (ExpertWidth::FeedForward, SharedExpert::None);
+    d.moe = c.moe(k, w, false, false, Need::Required, none)?;
+    if d.moe.is_none() {
+        anyhow::bail!(
+            "{}: expert_count is 0, and llama.cpp runs OLMoE only with experts",
+            c.arch
+        );
+    }
+    Ok(d)
 }

@@ -1,0 +1,115 @@
+//! Mixture-of-experts routing, as llama.cpp's `build_moe_ffn` does it for the softmax-gated
+//! families: each token's router logits (one fixed order of sums, whatever else is in the
+//! pass), their softmax, the `n_used` most likely experts (ties to the lower index), and their
+//! weights, renormalised to sum to 1 where the family does. The experts' products themselves
+//! run in [`super::layer`], on whichever backend.
+
+use super::config::MoeCfg;
+
+/// llama.cpp's floor on the sum the chosen weights are divided by (2^-14).
+const NORM_FLOOR: f32 = 6.103_515_6e-5;
+
+/// `out[e]` = row `e` of `router` (E rows of `x.len()`) · `x`, each summed in one fixed order
+/// (eight running lanes, then the lanes in order), so a token's logits are the same bits in
+/// any pass.
+pub fn router_logits(router: &[f32], x: &[f32], out: &mut [f32]) {
+    let d = x.len();
+    for (o, row) in out.iter_mut().zip(router.chunks_exact(d)) {
+        let mut lanes = [0f32; 8];
+        let mut rc = row.chunks_exact(8);
+        let mut xc = x.chunks_exact(8);
+        for (r, v) in (&mut rc).zip(&mut xc) {
+            for i in 0..8 {
+                lanes[i] = r[i].mul_add(v[i], lanes[i]);
+            }
+        }
+        let mut sum = 0f32;
+        for (r, v) in rc.remainder().iter().zip(xc.remainder()) {
+            sum = r.mul_add(*v, sum);
+        }
+        for l in lanes {
+            sum += l;
+        }
+        *o = sum;
+    }
+}
+
+/// One token's experts from its router `logits`: appends (expert, weight) for each of the
+/// `n_used` chosen, most likely first.
+pub fn route(logits: &[f32], cfg: &MoeCfg, sel: &mut Vec<(u32, f32)>) {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let mut p: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
+    let sum: f64 = p.iter().map(|&v| f64::from(v)).sum();
+    let inv = (1.0 / sum) as f32;
+    for v in &mut p {
+        *v *= inv;
+    }
+    let mut order: Vec<u32> = (0..p.len() as u32).collect();
+    order.sort_by(|&a, &b| {
+        p[b as usize]
+            .partial_cmp(&p[a as usize])
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(a.cmp(&b))
+    });
+    let chosen = &order[..cfg.n_used.min(order.len())];
+    let mut w: Vec<f32> = chosen.iter().map(|&e| p[e as usize]).collect();
+    if cfg.norm_weights {
+        let s = w.iter().map(|&v| f64::from(v)).sum::<f64>() as f32;
+        let s = s.max(NORM_FLOOR);
+        for v in &mut w {
+            *v /= s;
+        }
+    }
+    sel.extend(chosen.iter().copied().zip(w));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::config::{Need, SharedExpert};
+
+    fn cfg(n_used: usize, norm_weights: bool) -> MoeCfg {
+        MoeCfg {
+            n_expert: 4,
+            n_used,
+            ff: 8,
+            norm_weights,
+            scales: false,
+            gate: Need::Required,
+            shared: SharedExpert::None,
+        }
+    }
+
+    #[test]
+    fn softmax_top_k_and_renormalised_weights() {
+        let logits = [0.0f32, 2.0, 1.0, 2.0];
+        let e: Vec<f64> = logits.iter().map(|&l| (f64::from(l) - 2.0).exp()).collect();
+        let total: f64 = e.iter().sum();
+        let mut sel = Vec::new();
+        route(&logits, &cfg(2, false), &mut sel);
+        // Ties go to the lower index: 1 before 3.
+        assert_eq!(sel.iter().map(|s| s.0).collect::<Vec<_>>(), [1, 3]);
+        assert!((f64::from(sel[0].1) - e[1] / total).abs() < 1e-6);
+        sel.clear();
+        route(&logits, &cfg(3, true), &mut sel);
+        assert_eq!(sel.iter().map(|s| s.0).collect::<Vec<_>>(), [1, 3, 2]);
+        let sum: f32 = sel.iter().map(|s| s.1).sum();
+        assert!((sum - 1.0).abs() < 1e-6, "{sel:?}");
+        assert!((f64::from(sel[2].1) - e[2] / (e[1] + e[3] + e[2])).abs() < 1e-6);
+    }
+
+    #[test]
+    fn router_logits_are_the_dot_products() {
+        let d = 19;
+        let x: Vec<f32> = (0..d).map(|i| (i as f32 * 0.37).sin()).collect();
+        let router: Vec<f32> = (0..3 * d).map(|i| (i as f32 * 0.11).cos()).collect();
+        let mut out = [0f32; 3];
+        router_logits(&router, &x, &mut out);
+        for (e, o) in out.iter().enumerate() {
+            let want: f64 = (0..d)
+                .map(|i| f64::from(router[e * d + i]) * f64::from(x[i]))
+                .sum();
+            assert!((f64::from(*o) - want).abs() < 1e-5, "{o} {want}");
+        }
+    }
+}
