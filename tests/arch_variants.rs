@@ -534,10 +534,12 @@ fn experts_choose(arch: &str) {
             let t = Tensor::from_vec(values, shape, &Device::Cpu).unwrap();
             names.push(name);
             made.push(QTensor::quantize(&t, GgmlDType::F32).unwrap());
-            let scale = format!("blk.{l}.{part}.scale");
-            if i > 0 && content.tensor_infos.contains_key(&scale) {
-                names.push(scale);
-                made.push(vector(common::data(n, (l * 10 + i) as u64 + 99, 1.0)));
+            for (j, what) in ["scale", "input_scale"].iter().enumerate() {
+                let name = format!("blk.{l}.{part}.{what}");
+                if i > 0 && content.tensor_infos.contains_key(&name) {
+                    names.push(name);
+                    made.push(vector(common::data(n, (l * 10 + i + j) as u64 + 99, 1.0)));
+                }
             }
         }
     }
