@@ -19,6 +19,9 @@
 //! which is what lets the measured choice mix them. (AMX and `vdpbf16ps` sum BF16 products in
 //! another order: a BF16 matrix takes one of them for all its calls or for none.)
 //!
+//! The same for a model with experts (Qwen2 MoE: 8 routed, 2 used, and a shared one) in four
+//! types: routing and each expert's products see other token counts in every pass.
+//!
 //! One test in this binary: it sets `GEN_KERNEL` between loads, which no other test here reads.
 
 mod common;
@@ -26,7 +29,10 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
-use common::typed::{scratch, write_model, TYPES, VOCAB};
+use common::typed::{scratch, write_model, write_moe_model, TYPES, VOCAB};
+
+/// The types also run with experts (a Qwen2 MoE of the same shape).
+const MOE_TYPES: [&str; 4] = ["BF16", "Q4_0", "Q8_0", "Q4_K"];
 use gen::model::kv_cache::blocks_for;
 use gen::model::{LanguageModel, SeqStep};
 
@@ -234,34 +240,38 @@ fn check_model(path: &Path, tok: &Path, label: &str) -> (Vec<String>, Vec<Bits>)
 fn a_tokens_logits_do_not_depend_on_its_pass_on_any_path_or_type() {
     let dir = scratch("one_answer");
     let tok = dir.join("tokenizer.json");
-    let paths: Vec<PathBuf> = TYPES
+    let mut models: Vec<(PathBuf, String)> = TYPES
         .iter()
         .map(|(ty, name)| {
             let path = dir.join(format!("{name}.gguf"));
             write_model(&path, *ty, None);
-            path
+            (path, name.to_string())
         })
         .collect();
+    // With experts: each expert sees another count of tokens every pass.
+    for (ty, name) in TYPES.iter().filter(|(_, n)| MOE_TYPES.contains(n)) {
+        let path = dir.join(format!("{name}-moe.gguf"));
+        write_moe_model(&path, *ty);
+        models.push((path, format!("{name} with experts")));
+    }
     let mixes = mixes();
     eprintln!("mixes of paths on this CPU: {mixes:?}");
     let mut failures = Vec::new();
     // Per type, the first SIMD mix's rows alone, which every other SIMD mix must give.
-    let mut simd_rows: Vec<Option<(String, Vec<Bits>)>> = vec![None; TYPES.len()];
+    let mut simd_rows: Vec<Option<(String, Vec<Bits>)>> = vec![None; models.len()];
     for mix in &mixes {
         // This binary's only test sets it, between the loads of each mix (the types of a mix
         // load and run on two threads).
         std::env::set_var("GEN_KERNEL", mix);
         let results: Vec<(Vec<String>, Vec<Bits>)> = std::thread::scope(|s| {
-            let half = TYPES.len().div_ceil(2);
-            let handles: Vec<_> = paths
+            let half = models.len().div_ceil(2);
+            let handles: Vec<_> = models
                 .chunks(half)
-                .zip(TYPES.chunks(half))
-                .map(|(ps, ts)| {
+                .map(|ms| {
                     let tok = &tok;
                     s.spawn(move || {
-                        ps.iter()
-                            .zip(ts)
-                            .map(|(p, (_, name))| check_model(p, tok, &format!("{name} {mix}")))
+                        ms.iter()
+                            .map(|(p, name)| check_model(p, tok, &format!("{name} {mix}")))
                             .collect::<Vec<_>>()
                     })
                 })
@@ -278,14 +288,14 @@ fn a_tokens_logits_do_not_depend_on_its_pass_on_any_path_or_type() {
                 (None, true) => simd_rows[i] = Some((mix.clone(), want)),
                 (Some((first, rows)), true) if *rows != want => failures.push(format!(
                     "{}: {mix} alone differs from {first} alone",
-                    TYPES[i].1
+                    models[i].1
                 )),
                 _ => {}
             }
         }
     }
     std::env::remove_var("GEN_KERNEL");
-    for p in paths {
+    for (p, _) in models {
         let _ = std::fs::remove_file(p);
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));

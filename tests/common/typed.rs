@@ -213,6 +213,141 @@ pub fn write_model(
     values
 }
 
+/// Experts in [`write_moe_model`]'s model: 8 of width 256, 2 used a token.
+pub const EXPERTS: usize = 8;
+
+/// A Qwen2 MoE model of the small shape: every FFN 8 routed experts (2 used) and a gated
+/// shared expert, every matrix (experts stacked 3-D, as files hold them) in type `ty`; the
+/// routers f32, as real files keep them.
+pub fn write_moe_model(path: &Path, ty: u32) {
+    let mut tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)> = Vec::new();
+    let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let mut seed = 500;
+    let mut next = || {
+        seed += 1;
+        seed
+    };
+    let ffe = 256;
+    let mut add = |name: String, dims: Vec<usize>, ty: u32, a: f32, around: f32, seed: u64| {
+        let n: usize = dims.iter().product();
+        let v: Vec<f32> = data(n, seed, a).iter().map(|x| x + around).collect();
+        let gguf_dims: Vec<u64> = dims.iter().rev().map(|&d| d as u64).collect();
+        let raw = match ty {
+            0 => f32_bytes(&v),
+            _ => quantize(&v, n / dims[dims.len() - 1], dims[dims.len() - 1], ty).0,
+        };
+        tensors.push((name, gguf_dims, ty, raw));
+    };
+    add("token_embd.weight".into(), vec![VOCAB, D], 0, 1.0, 0.0, 3);
+    let w = |cols: usize| 1.0 / (cols as f32).sqrt() * 1.7;
+    for l in 0..LAYERS {
+        let p = format!("blk.{l}");
+        for n in ["attn_norm", "ffn_norm"] {
+            add(format!("{p}.{n}.weight"), vec![D], 0, 0.2, 1.0, next());
+        }
+        for (n, rows) in [
+            ("attn_q", HEADS * HD),
+            ("attn_k", KV * HD),
+            ("attn_v", KV * HD),
+        ] {
+            add(format!("{p}.{n}.bias"), vec![rows], 0, 0.2, 0.0, next());
+            add(
+                format!("{p}.{n}.weight"),
+                vec![rows, D],
+                ty,
+                w(D),
+                0.0,
+                next(),
+            );
+        }
+        add(
+            format!("{p}.attn_output.weight"),
+            vec![D, HEADS * HD],
+            ty,
+            w(D),
+            0.0,
+            next(),
+        );
+        add(
+            format!("{p}.ffn_gate_inp.weight"),
+            vec![EXPERTS, D],
+            0,
+            0.5,
+            0.0,
+            next(),
+        );
+        for n in ["ffn_gate_exps", "ffn_up_exps"] {
+            add(
+                format!("{p}.{n}.weight"),
+                vec![EXPERTS, ffe, D],
+                ty,
+                w(D),
+                0.0,
+                next(),
+            );
+        }
+        add(
+            format!("{p}.ffn_down_exps.weight"),
+            vec![EXPERTS, D, ffe],
+            ty,
+            w(ffe),
+            0.0,
+            next(),
+        );
+        add(
+            format!("{p}.ffn_gate_inp_shexp.weight"),
+            vec![D],
+            0,
+            0.5,
+            0.0,
+            next(),
+        );
+        for n in ["ffn_gate_shexp", "ffn_up_shexp"] {
+            add(
+                format!("{p}.{n}.weight"),
+                vec![FF, D],
+                ty,
+                w(D),
+                0.0,
+                next(),
+            );
+        }
+        add(
+            format!("{p}.ffn_down_shexp.weight"),
+            vec![D, FF],
+            ty,
+            w(FF),
+            0.0,
+            next(),
+        );
+    }
+    add("output_norm.weight".into(), vec![D], 0, 0.2, 1.0, 9);
+    add("output.weight".into(), vec![VOCAB, D], ty, w(D), 0.0, 10);
+    let mut meta: Vec<(&'static str, super::Meta)> = Vec::new();
+    for (k, v) in super::qwen2_meta(&super::SMALL_QWEN2) {
+        let k: &'static str = match k.strip_prefix("qwen2.") {
+            Some(rest) => Box::leak(format!("qwen2moe.{rest}").into_boxed_str()),
+            None => k,
+        };
+        let v = match (k, v) {
+            ("general.architecture", _) => super::Meta::Str("qwen2moe".into()),
+            (_, v) => v,
+        };
+        meta.push((k, v));
+    }
+    meta.push(("qwen2moe.expert_count", super::Meta::U32(EXPERTS as u32)));
+    meta.push(("qwen2moe.expert_used_count", super::Meta::U32(2)));
+    meta.push((
+        "qwen2moe.expert_feed_forward_length",
+        super::Meta::U32(ffe as u32),
+    ));
+    meta.push((
+        "qwen2moe.expert_shared_feed_forward_length",
+        super::Meta::U32(FF as u32),
+    ));
+    write_gguf(path, &meta, &tensors);
+}
+
 pub fn scratch(name: &str) -> PathBuf {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
     std::fs::create_dir_all(&dir).unwrap();
