@@ -371,21 +371,25 @@ fn experts(
     for (slot, &(e, _)) in sel.iter().enumerate() {
         by_expert[e as usize].push(slot);
     }
+    // On the CPU, experts on gen's kernels run on host slices (super::cpu::moe).
+    let act = cfg.activation;
+    let host = dev.is_cpu() && m.experts.iter().all(|e| super::cpu::moe::runs(e, act));
     let mut slots = vec![0f32; n * k * d];
     for (e, picked) in by_expert.iter().enumerate().filter(|(_, p)| !p.is_empty()) {
         let tokens: Vec<u32> = picked.iter().map(|&s| (s / k) as u32).collect();
-        let ids = Tensor::new(tokens.as_slice(), &dev)?;
-        let y = mlp(
-            ops,
-            &m.experts[e],
-            &x.index_select(&ids, 0)?,
-            cfg.activation,
-            profile,
-        )?;
-        let y: Vec<f32> = y
-            .to_dtype(candle_core::DType::F32)?
-            .flatten_all()?
-            .to_vec1()?;
+        let y: Vec<f32> = if host {
+            let mut xe = Vec::with_capacity(tokens.len() * d);
+            for &t in &tokens {
+                xe.extend_from_slice(&xs[t as usize * d..(t as usize + 1) * d]);
+            }
+            super::cpu::moe::run(&m.experts[e], &xe, tokens.len(), act)
+        } else {
+            let ids = Tensor::new(tokens.as_slice(), &dev)?;
+            let y = mlp(ops, &m.experts[e], &x.index_select(&ids, 0)?, act, profile)?;
+            y.to_dtype(candle_core::DType::F32)?
+                .flatten_all()?
+                .to_vec1()?
+        };
         for (row, &s) in y.chunks_exact(d).zip(picked) {
             let w = sel[s].1;
             for (o, v) in slots[s * d..(s + 1) * d].iter_mut().zip(row) {

@@ -36,6 +36,7 @@ pub mod buf;
 pub mod choice;
 pub mod kv_store;
 pub mod matmul;
+pub mod moe;
 pub mod ops;
 pub mod q8;
 pub mod quants;

@@ -28,6 +28,27 @@ pub fn gelu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     gated_mul(gate, up, true)
 }
 
+/// act(gate) * up on host slices of the same length (silu, or GELU's tanh form with
+/// `gelu`): the same kernels, and bits, as [`silu_mul`] and [`gelu_mul`].
+pub fn gated_mul_slices(g: &[f32], u: &[f32], gelu: bool) -> Vec<f32> {
+    debug_assert_eq!(g.len(), u.len());
+    let simd = simd_available();
+    let mut out = Vec::with_capacity(g.len());
+    out.spare_capacity_mut()[..g.len()]
+        .par_chunks_mut(CHUNK)
+        .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
+        .for_each(|(o, (g, u))| match simd {
+            // SAFETY: only when the CPU has AVX2 and FMA.
+            #[cfg(target_arch = "x86_64")]
+            true => unsafe { x86::gated_mul(g, u, o, gelu) },
+            _ if gelu => gelu_mul_scalar(g, u, o),
+            _ => silu_mul_scalar(g, u, o),
+        });
+    // SAFETY: both paths write every one of the g.len() values.
+    unsafe { out.set_len(g.len()) };
+    out
+}
+
 fn gated_mul(gate: &Tensor, up: &Tensor, gelu: bool) -> Result<Tensor> {
     if gate.dims() != up.dims() {
         bail!(
@@ -36,26 +57,8 @@ fn gated_mul(gate: &Tensor, up: &Tensor, gelu: bool) -> Result<Tensor> {
             up.dims()
         );
     }
-    let simd = simd_available();
-    let out = with_f32(gate, |g| {
-        with_f32(up, |u| {
-            // Written once, never zeroed first (a prefill's is megabytes).
-            let mut out = Vec::with_capacity(g.len());
-            out.spare_capacity_mut()[..g.len()]
-                .par_chunks_mut(CHUNK)
-                .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
-                .for_each(|(o, (g, u))| match simd {
-                    // SAFETY: only when the CPU has AVX2 and FMA.
-                    #[cfg(target_arch = "x86_64")]
-                    true => unsafe { x86::gated_mul(g, u, o, gelu) },
-                    _ if gelu => gelu_mul_scalar(g, u, o),
-                    _ => silu_mul_scalar(g, u, o),
-                });
-            // SAFETY: both paths write every one of the g.len() values.
-            unsafe { out.set_len(g.len()) };
-            out
-        })
-    })??;
+    // Written once, never zeroed first (a prefill's is megabytes).
+    let out = with_f32(gate, |g| with_f32(up, |u| gated_mul_slices(g, u, gelu)))??;
     Ok(Tensor::from_vec(out, gate.dims(), &Device::Cpu)?)
 }
 

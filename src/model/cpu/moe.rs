@@ -1,0 +1,71 @@
+//! A mixture-of-experts layer's experts on gen's CPU kernels, on host slices: each chosen
+//! expert's gate/up product over the rows of the tokens that chose it, the gated activation,
+//! the down product, each followed by its scale, with no tensor between them (a decode step
+//! runs two or three products for each of eight experts a layer, where tensor operations'
+//! fixed costs would outweigh the products). The same kernels, and bits, as the tensor path.
+
+use super::matmul::CpuQWeight;
+use super::ops::gated_mul_slices;
+use crate::model::config::Activation;
+use crate::model::qlinear::{Projections, QLinear};
+use crate::model::weights::{Affine, Mlp};
+
+/// An expert's matrices on gen's kernels: gate/up (one fused matrix and its part widths, or
+/// separate ones) and down; None where one is not, or a bias follows a product.
+fn on_kernels(m: &Mlp) -> Option<(Vec<(&CpuQWeight, Vec<usize>)>, &CpuQWeight)> {
+    let ins = match &m.gate_up {
+        Projections::Fused { linear, widths } => vec![(cpu(linear)?, widths.clone())],
+        Projections::Separate(ls) => ls
+            .iter()
+            .map(|l| cpu(l).map(|w| (w, vec![w.dims().0])))
+            .collect::<Option<Vec<_>>>()?,
+    };
+    let no_bias = |a: &Affine| a.bias.is_none();
+    if !m.gate_up_post.iter().all(no_bias) || !no_bias(&m.down_post) {
+        return None;
+    }
+    Some((ins, cpu(&m.w_down)?))
+}
+
+fn cpu(l: &QLinear) -> Option<&CpuQWeight> {
+    match l {
+        QLinear::Cpu(w) => Some(w),
+        _ => None,
+    }
+}
+
+/// Whether [`run`] takes this expert with this activation.
+pub fn runs(m: &Mlp, act: Activation) -> bool {
+    matches!(act, Activation::Silu | Activation::GeluTanh) && on_kernels(m).is_some()
+}
+
+/// The expert over `t` rows of `x` (t × d): t rows of d. Call only where [`runs`] says so.
+pub fn run(m: &Mlp, x: &[f32], t: usize, act: Activation) -> Vec<f32> {
+    let (ins, down) = on_kernels(m).expect("checked by runs");
+    let mut parts: Vec<Vec<f32>> = ins
+        .iter()
+        .flat_map(|(w, widths)| w.matmul_parts(x, t, widths))
+        .collect();
+    for (p, post) in parts.iter_mut().zip(&m.gate_up_post) {
+        scale(p, post.scale);
+    }
+    let a = match parts.len() {
+        2 => gated_mul_slices(&parts[0], &parts[1], act == Activation::GeluTanh),
+        _ => {
+            let u = &parts[0];
+            let ones = vec![1f32; u.len()];
+            gated_mul_slices(u, &ones, act == Activation::GeluTanh)
+        }
+    };
+    let mut y = down.matmul(&a, t);
+    scale(&mut y, m.down_post.scale);
+    y
+}
+
+fn scale(v: &mut [f32], s: Option<f32>) {
+    if let Some(s) = s {
+        for x in v {
+            *x *= s;
+        }
+    }
+}
