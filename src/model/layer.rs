@@ -359,12 +359,21 @@ fn experts(
         .to_dtype(candle_core::DType::F32)?
         .flatten_all()?
         .to_vec1()?;
-    let mut sel = Vec::with_capacity(n * k);
-    let mut logits = vec![0f32; mc.n_expert];
-    for row in xs.chunks_exact(d) {
-        super::moe::router_logits(&m.router, row, &mut logits);
-        super::moe::route(&logits, mc, &mut sel);
-    }
+    // Each token's routing alone (its own order of sums), tokens side by side on the pool.
+    let sel: Vec<(u32, f32)> = {
+        use rayon::prelude::*;
+        let per_token: Vec<Vec<(u32, f32)>> = xs
+            .par_chunks_exact(d)
+            .map(|row| {
+                let mut logits = vec![0f32; mc.n_expert];
+                super::moe::router_logits(&m.router, row, &mut logits);
+                let mut sel = Vec::with_capacity(k);
+                super::moe::route(&logits, mc, &mut sel);
+                sel
+            })
+            .collect();
+        per_token.concat()
+    };
     profile.mark(&dev, "router");
     // Each expert's (token, slot) pairs, tokens in pass order.
     let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); mc.n_expert];
@@ -375,22 +384,25 @@ fn experts(
     let act = cfg.activation;
     let host = dev.is_cpu() && m.experts.iter().all(|e| super::cpu::moe::runs(e, act));
     let mut slots = vec![0f32; n * k * d];
-    for (e, picked) in by_expert.iter().enumerate().filter(|(_, p)| !p.is_empty()) {
-        let tokens: Vec<u32> = picked.iter().map(|&s| (s / k) as u32).collect();
-        let y: Vec<f32> = if host {
-            let mut xe = Vec::with_capacity(tokens.len() * d);
-            for &t in &tokens {
-                xe.extend_from_slice(&xs[t as usize * d..(t as usize + 1) * d]);
-            }
-            super::cpu::moe::run(&m.experts[e], &xe, tokens.len(), act)
-        } else {
+    let work: Vec<(usize, Vec<u32>)> = by_expert
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| !p.is_empty())
+        .map(|(e, p)| (e, p.iter().map(|&s| (s / k) as u32).collect()))
+        .collect();
+    let ys: Vec<Vec<f32>> = if host {
+        super::cpu::moe::run_all(&m.experts, &work, &xs, d, act)
+    } else {
+        let mut ys = Vec::with_capacity(work.len());
+        for (e, tokens) in &work {
             let ids = Tensor::new(tokens.as_slice(), &dev)?;
-            let y = mlp(ops, &m.experts[e], &x.index_select(&ids, 0)?, act, profile)?;
-            y.to_dtype(candle_core::DType::F32)?
-                .flatten_all()?
-                .to_vec1()?
-        };
-        for (row, &s) in y.chunks_exact(d).zip(picked) {
+            let y = mlp(ops, &m.experts[*e], &x.index_select(&ids, 0)?, act, profile)?;
+            ys.push(y.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1()?);
+        }
+        ys
+    };
+    for ((e, _), y) in work.iter().zip(&ys) {
+        for (row, &s) in y.chunks_exact(d).zip(&by_expert[*e]) {
             let w = sel[s].1;
             for (o, v) in slots[s * d..(s + 1) * d].iter_mut().zip(row) {
                 *o = v * w;

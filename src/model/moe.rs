@@ -19,13 +19,15 @@ pub fn router_logits(router: &[f32], x: &[f32], out: &mut [f32]) {
         let mut rc = row.chunks_exact(8);
         let mut xc = x.chunks_exact(8);
         for (r, v) in (&mut rc).zip(&mut xc) {
+            // Plain multiply and add (not `mul_add`: without FMA in the target that is a
+            // libm call per value), which the compiler vectorises as written.
             for i in 0..8 {
-                lanes[i] = r[i].mul_add(v[i], lanes[i]);
+                lanes[i] += r[i] * v[i];
             }
         }
         let mut sum = 0f32;
         for (r, v) in rc.remainder().iter().zip(xc.remainder()) {
-            sum = r.mul_add(*v, sum);
+            sum += r * v;
         }
         for l in lanes {
             sum += l;

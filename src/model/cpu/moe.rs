@@ -4,6 +4,8 @@
 //! runs two or three products for each of eight experts a layer, where tensor operations'
 //! fixed costs would outweigh the products). The same kernels, and bits, as the tensor path.
 
+use rayon::prelude::*;
+
 use super::matmul::CpuQWeight;
 use super::ops::gated_mul_slices;
 use crate::model::config::Activation;
@@ -68,4 +70,26 @@ fn scale(v: &mut [f32], s: Option<f32>) {
             *x *= s;
         }
     }
+}
+
+/// Every chosen expert at once: `work` holds (expert, the tokens that chose it), `xs` the
+/// pass's rows of `d`. The experts run side by side on the thread pool (a decode step's eight
+/// experts are eight small products each, which alone would each be a parallel region of
+/// their own); each one's rows are the same bits as [`run`] alone gives.
+pub fn run_all(
+    experts: &[Mlp],
+    work: &[(usize, Vec<u32>)],
+    xs: &[f32],
+    d: usize,
+    act: Activation,
+) -> Vec<Vec<f32>> {
+    work.par_iter()
+        .map(|(e, tokens)| {
+            let mut xe = Vec::with_capacity(tokens.len() * d);
+            for &t in tokens {
+                xe.extend_from_slice(&xs[t as usize * d..(t as usize + 1) * d]);
+            }
+            run(&experts[*e], &xe, tokens.len(), act)
+        })
+        .collect()
 }
