@@ -9,7 +9,8 @@
 //!     .ci/llama-server llama-bench           # once, the peer (about 8 minutes on 2 cores)
 //!     GEN_BENCH_QUANTS=DIR cargo bench --bench quants
 //!
-//! GEN_BENCH_QUANTS: a folder of GGUF files to measure (default ~/.cache/gen-peer/quants: where
+//! GEN_BENCH_QUANTS: a folder of GGUF files to measure (`$(benches/moe-files)`: the files with
+//! experts in Qwen3-30B-A3B's shape scaled down; default ~/.cache/gen-peer/quants: where
 //! the team's quant-files script writes the default model requantized by llama-quantize and a
 //! random-weight llama, widths multiples of 256, in every type); Gemma 3 270M Q4_K_M (fetched
 //! by gen) comes first. GEN_BENCH_FILTER: only files whose name contains it. GEN_BENCH_RUNS
@@ -147,19 +148,49 @@ impl Reader {
     }
 }
 
+/// (experts used a token, experts) of a file with experts; (1, 1) without.
+fn expert_share(path: &Path) -> (u64, u64) {
+    use candle_core::quantized::gguf_file::Content;
+    let mut f = std::fs::File::open(path).expect("open the model");
+    let Ok(c) = Content::read(&mut f) else {
+        return (1, 1);
+    };
+    let arch = c
+        .metadata
+        .get("general.architecture")
+        .and_then(|v| v.to_string().ok().cloned())
+        .unwrap_or_default();
+    let key = |k: &str| {
+        c.metadata
+            .get(&format!("{arch}.{k}"))
+            .and_then(|v| v.to_u32().ok())
+            .map(u64::from)
+    };
+    match (key("expert_used_count"), key("expert_count")) {
+        (Some(used), Some(n)) if n > 0 => (used, n),
+        _ => (1, 1),
+    }
+}
+
 /// Bytes of weights a decode step reads: every tensor but the embedding matrix when the file
-/// has a separate output layer (then only one row of it is read); and the file's matrix types
-/// by share of bytes, e.g. "Q5_0 59%, Q8_0 35%, Q6_K 6%".
+/// has a separate output layer (then only one row of it is read), and of the stacked experts
+/// (`*_exps`) only the share a token uses (experts used / experts: what one token reads,
+/// whichever experts it picks); and the file's matrix types by share of bytes, e.g. "Q5_0
+/// 59%, Q8_0 35%, Q6_K 6%".
 fn decode_bytes(path: &Path) -> (f64, String) {
     let mut f = std::fs::File::open(path).expect("open the model");
     let s =
         gen::format::gguf::validate(&mut f, path).unwrap_or_else(|e| common::fail(&e.to_string()));
     let untied = s.tensor_bytes.iter().any(|(n, _, _)| n == "output.weight");
+    let (used, experts) = expert_share(path);
     let bytes: u64 = s
         .tensor_bytes
         .iter()
         .filter(|(n, _, _)| !(untied && n == "token_embd.weight"))
-        .map(|(_, _, b)| b)
+        .map(|(n, _, b)| match n.contains("_exps.") {
+            true => b * used / experts,
+            false => *b,
+        })
         .sum();
     let mut by: Vec<(&str, u64)> = Vec::new();
     for (_, ty, bytes) in &s.tensor_bytes {
