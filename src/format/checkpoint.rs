@@ -98,6 +98,40 @@ pub struct RawMatrix<'a> {
     at: std::ops::Range<usize>,
 }
 
+/// The bytes `at` of the file: borrowed from the mapping, or read (for `name`'s errors).
+fn bytes_at<'a>(
+    map: Option<&'a super::mapped::Mapped>,
+    file: &RefCell<File>,
+    at: std::ops::Range<usize>,
+    name: &str,
+) -> Result<std::borrow::Cow<'a, [u8]>> {
+    Ok(match map {
+        Some(m) => std::borrow::Cow::Borrowed(m.bytes(at)),
+        None => {
+            let mut raw = vec![0u8; at.len()];
+            let mut f = file.borrow_mut();
+            std::io::Seek::seek(&mut *f, std::io::SeekFrom::Start(at.start as u64))?;
+            std::io::Read::read_exact(&mut *f, &mut raw)
+                .with_context(|| format!("reading {name}"))?;
+            std::borrow::Cow::Owned(raw)
+        }
+    })
+}
+
+/// A matrix of a type candle cannot hold (IQ4_NL, IQ4_XS), widened to f32 on `device`.
+fn widened(m: &RawMatrix<'_>, name: &str, device: &Device) -> Result<QTensor> {
+    use crate::model::cpu::quants::{QType, Tiles};
+    let (rows, cols) = (m.rows, m.cols);
+    let ty = QType::from_ggml(m.ggml).with_context(|| format!("{name}: no kernel for its type"))?;
+    let tiles = Tiles::from_gguf(ty, &m.bytes, rows, cols);
+    let mut values = vec![0f32; rows * cols];
+    for (r, row) in values.chunks_exact_mut(cols).enumerate() {
+        tiles.dequantize_row(r, row);
+    }
+    let t = Tensor::from_vec(values, (rows, cols), device)?;
+    Ok(QTensor::quantize(&t, GgmlDType::F32)?)
+}
+
 /// See [`Checkpoint::fingerprint`]. Without a mapping, the samples are read from the file.
 fn fingerprint(
     file: &File,
@@ -330,17 +364,7 @@ impl Checkpoint {
         // Inside the file: gguf::validate checked every tensor's offset and size.
         let start = (content.tensor_data_offset + info.offset) as usize;
         let at = start..start + len;
-        let bytes = match map {
-            Some(m) => std::borrow::Cow::Borrowed(m.bytes(at.clone())),
-            None => {
-                let mut raw = vec![0u8; len];
-                let mut f = file.borrow_mut();
-                std::io::Seek::seek(&mut *f, std::io::SeekFrom::Start(start as u64))?;
-                std::io::Read::read_exact(&mut *f, &mut raw)
-                    .with_context(|| format!("reading {name}"))?;
-                std::borrow::Cow::Owned(raw)
-            }
-        };
+        let bytes = bytes_at(map.as_ref(), file, at.clone(), name)?;
         Ok(Some(RawMatrix {
             ggml,
             rows,
@@ -387,17 +411,7 @@ impl Checkpoint {
         // Inside the file: gguf::validate checked every tensor's offset and size.
         let start = (content.tensor_data_offset + info.offset) as usize + e * len;
         let at = start..start + len;
-        let bytes = match map {
-            Some(m) => std::borrow::Cow::Borrowed(m.bytes(at.clone())),
-            None => {
-                let mut raw = vec![0u8; len];
-                let mut f = file.borrow_mut();
-                std::io::Seek::seek(&mut *f, std::io::SeekFrom::Start(start as u64))?;
-                std::io::Read::read_exact(&mut *f, &mut raw)
-                    .with_context(|| format!("reading {name}"))?;
-                std::borrow::Cow::Owned(raw)
-            }
-        };
+        let bytes = bytes_at(map.as_ref(), file, at.clone(), name)?;
         Ok(Some(RawMatrix {
             ggml,
             rows,
@@ -422,16 +436,7 @@ impl Checkpoint {
                 device,
             )?);
         }
-        use crate::model::cpu::quants::{QType, Tiles};
-        let ty =
-            QType::from_ggml(m.ggml).with_context(|| format!("{name}: no kernel for its type"))?;
-        let tiles = Tiles::from_gguf(ty, &m.bytes, rows, cols);
-        let mut values = vec![0f32; rows * cols];
-        for (r, row) in values.chunks_exact_mut(cols).enumerate() {
-            tiles.dequantize_row(r, row);
-        }
-        let t = Tensor::from_vec(values, (rows, cols), device)?;
-        Ok(QTensor::quantize(&t, GgmlDType::F32)?)
+        widened(&m, name, device)
     }
 
     /// The experts, rows and columns of a stacked expert tensor (candle's [E, rows, cols]).
@@ -502,19 +507,10 @@ impl Checkpoint {
     pub fn tensor(&self, name: &str, device: &Device) -> Result<QTensor> {
         match &self.store {
             Store::Gguf { own, .. } if own.contains_key(name) => {
-                use crate::model::cpu::quants::{QType, Tiles};
                 let m = self
                     .matrix_bytes(name)?
                     .with_context(|| format!("{name}: not a whole number of blocks"))?;
-                let (rows, cols) = (m.rows, m.cols);
-                let ty = QType::from_ggml(m.ggml).expect("own types have kernels");
-                let tiles = Tiles::from_gguf(ty, &m.bytes, rows, cols);
-                let mut values = vec![0f32; rows * cols];
-                for (r, row) in values.chunks_exact_mut(cols).enumerate() {
-                    tiles.dequantize_row(r, row);
-                }
-                let t = Tensor::from_vec(values, (rows, cols), device)?;
-                Ok(QTensor::quantize(&t, GgmlDType::F32)?)
+                widened(&m, name, device)
             }
             Store::Gguf { content, file, .. } => {
                 Ok(content.tensor(&mut *file.borrow_mut(), name, device)?)

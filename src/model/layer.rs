@@ -397,7 +397,11 @@ fn experts(
         for (e, tokens) in &work {
             let ids = Tensor::new(tokens.as_slice(), &dev)?;
             let y = mlp(ops, &m.experts[*e], &x.index_select(&ids, 0)?, act, profile)?;
-            ys.push(y.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1()?);
+            ys.push(
+                y.to_dtype(candle_core::DType::F32)?
+                    .flatten_all()?
+                    .to_vec1()?,
+            );
         }
         ys
     };
