@@ -541,6 +541,18 @@ fn experts_choose(arch: &str) {
                     made.push(vector(common::data(n, (l * 10 + i + j) as u64 + 99, 1.0)));
                 }
             }
+            // Biases on the router and each expert (gpt-oss): (E) or (E, width).
+            let name = format!("blk.{l}.{part}.bias");
+            if let Some(info) = content.tensor_infos.get(&name) {
+                let mut shape = info.shape.dims().to_vec();
+                shape[0] = n;
+                let count: usize = shape.iter().product();
+                let a = if i == 0 { 1.0 } else { amplitude(&name) };
+                let values = common::data(count, (l * 10 + i) as u64 + 55, a);
+                let t = Tensor::from_vec(values, shape, &Device::Cpu).unwrap();
+                names.push(name);
+                made.push(QTensor::quantize(&t, GgmlDType::F32).unwrap());
+            }
         }
     }
     let file = scratch(&format!("{arch}-8-experts.gguf"));
@@ -589,4 +601,31 @@ fn mixtral_style_llama_experts_choose_two_of_eight() {
 #[test]
 fn granitemoe_experts_choose_two_of_eight_beside_the_shared_one() {
     experts_choose("granitemoe");
+}
+
+/// gpt-oss: the top two of the biased router logits, weighted by their softmax; every
+/// expert's biases.
+#[test]
+fn gpt_oss_experts_choose_two_of_eight_by_their_biased_logits() {
+    experts_choose("gpt-oss");
+}
+
+/// gpt-oss's YaRN (as its files have it: factor 32 from 4,096 tokens, here 4 from 16) on
+/// every layer, its windowed layers at their own rope base.
+#[test]
+fn gpt_oss_yarn_and_the_windowed_layers_own_rope_base() {
+    let dir = suite::dir();
+    let src = dir.join("seed-1/gpt-oss-moe.gguf");
+    let file = scratch("gpt-oss-yarn.gguf");
+    let edit = [
+        ("gpt-oss.rope.scaling.type", s("yarn")),
+        ("gpt-oss.rope.scaling.factor", f(4.0)),
+        ("gpt-oss.rope.scaling.original_context_length", u(16)),
+        ("gpt-oss.rope.freq_base_swa", f(500.0)),
+    ];
+    let sh = sharp(&src);
+    suite::rewrite(&src, &file, &edit, tensors(&sh, vec![]));
+    let plain = scratch("gpt-oss-plain.gguf");
+    suite::rewrite(&src, &plain, &[], tensors(&sh, vec![]));
+    check(&dir, &file, Some(&plain), 256);
 }

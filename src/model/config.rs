@@ -30,7 +30,13 @@ pub enum Activation {
     GeluTanh,
     /// relu(x)² (Arcee, Nemotron, Jais 2).
     ReluSquared,
+    /// gpt-oss's clamped SwiGLU (ggml's `swiglu_oai`, always gated): with g = min(gate, 7)
+    /// and u = clamp(up, -7, 7), g·sigmoid(1.702·g)·(u + 1).
+    SwigluOai,
 }
+
+/// gpt-oss's SwiGLU constants, as llama.cpp's graph fixes them (alpha, limit).
+pub const SWIGLU_OAI: (f32, f32) = (1.702, 7.0);
 
 /// How q and k are normalised before (or after) rope.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -186,6 +192,9 @@ pub struct Attn {
     pub qk_norm: QkNorm,
     /// Mistral 3's temperature: q *= 1 + scale·ln(1 + floor((pos + offset) / floor_scale)).
     pub temperature: Option<(f32, f32, f32)>,
+    /// `attn_sinks` (gpt-oss): one learned logit per query head that joins every softmax's
+    /// denominator and takes no value (llama.cpp's `soft_max_ext` with sinks).
+    pub sinks: bool,
 }
 
 /// One layer's attention: the window its queries see and its rotary embedding.
@@ -214,6 +223,21 @@ pub struct MoeCfg {
     /// `ffn_gate_exps`: Required, or Optional (an expert without it is act(up)).
     pub gate: Need,
     pub shared: SharedExpert,
+    /// How the router's logits become the chosen experts and their weights.
+    pub gating: Gating,
+    /// Biases on the router and on each expert's gate, up and down (gpt-oss): the router's
+    /// added to its logits, each expert's after its product.
+    pub biases: bool,
+}
+
+/// A router's gating (llama.cpp's `expert_gating_func` as the family's graph passes it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gating {
+    /// Softmax over every expert, the top k of those probabilities, their weights as they are
+    /// (or renormalised).
+    Softmax,
+    /// Top k of the raw logits, then a softmax over those k alone (gpt-oss).
+    SoftmaxWeight,
 }
 
 /// An expert every token goes through, beside the routed ones.

@@ -25,7 +25,9 @@ pub trait LayerOps {
     fn rope(&self, x: &Tensor, rope: usize) -> Result<Tensor>;
 
     /// Layer `l`: write k and v (N, kv*hd) into the cache, then attend with q (N, h, hd) over
-    /// what window `view` lets each token see. Returns (N, h*hd).
+    /// what window `view` lets each token see, each head's softmax with its sink (h values)
+    /// in the denominator where the layer has them. Returns (N, h*hd).
+    #[allow(clippy::too_many_arguments)]
     fn attend(
         &mut self,
         l: usize,
@@ -33,6 +35,7 @@ pub trait LayerOps {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
+        sinks: Option<&[f32]>,
         profile: &mut Profile,
     ) -> Result<Tensor>;
 
@@ -49,10 +52,23 @@ pub trait LayerOps {
         Ok((x, n))
     }
 
-    /// act(gate) * up.
+    /// act(gate) * up (gpt-oss's clamped form: [`swiglu_oai`]).
     fn gated(&self, gate: &Tensor, up: &Tensor, act: Activation) -> Result<Tensor> {
-        Ok((activation(gate, act)? * up)?)
+        match act {
+            Activation::SwigluOai => swiglu_oai(gate, up),
+            _ => Ok((activation(gate, act)? * up)?),
+        }
     }
+}
+
+/// gpt-oss's clamped SwiGLU with candle's operations: g = min(gate, limit), u = clamp(up,
+/// -limit, limit), g·sigmoid(alpha·g)·(u + 1).
+pub fn swiglu_oai(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    let (alpha, limit) = super::config::SWIGLU_OAI;
+    let g = gate.minimum(limit as f64)?;
+    let u = up.clamp(-limit as f64, limit as f64)?;
+    let s = candle_nn::ops::sigmoid(&(&g * alpha as f64)?)?;
+    Ok(((g * s)? * (u + 1.0)?)?)
 }
 
 /// act(x) with candle's operations.
@@ -61,6 +77,7 @@ pub fn activation(x: &Tensor, act: Activation) -> Result<Tensor> {
         Activation::Silu => candle_nn::ops::silu(x)?,
         Activation::GeluTanh => x.gelu()?,
         Activation::ReluSquared => x.relu()?.sqr()?,
+        Activation::SwigluOai => anyhow::bail!("gpt-oss's SwiGLU takes a gate"),
     })
 }
 
@@ -282,7 +299,7 @@ fn attention(
     }
     let k = k.reshape((n, kv * hd))?;
     profile.mark(&dev, "rope");
-    let y = ops.attend(l, layer.view, &q, &k, &v, profile)?;
+    let y = ops.attend(l, layer.view, &q, &k, &v, layer.sinks.as_deref(), profile)?;
     let o = layer.wo.forward(&y)?;
     layer.wo_post.apply(o)
 }
@@ -367,6 +384,11 @@ fn experts(
             .map(|row| {
                 let mut logits = vec![0f32; mc.n_expert];
                 super::moe::router_logits(&m.router, row, &mut logits);
+                if let Some(b) = &m.router_bias {
+                    for (l, b) in logits.iter_mut().zip(b) {
+                        *l += b;
+                    }
+                }
                 let mut sel = Vec::with_capacity(k);
                 super::moe::route(&logits, mc, &mut sel);
                 sel

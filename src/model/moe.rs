@@ -4,7 +4,7 @@
 //! weights, renormalised to sum to 1 where the family does. The experts' products themselves
 //! run in [`super::layer`], on whichever backend.
 
-use super::config::MoeCfg;
+use super::config::{Gating, MoeCfg};
 
 /// llama.cpp's floor on the sum the chosen weights are divided by (2^-14).
 const NORM_FLOOR: f32 = 6.103_515_6e-5;
@@ -36,16 +36,13 @@ pub fn router_logits(router: &[f32], x: &[f32], out: &mut [f32]) {
     }
 }
 
-/// One token's experts from its router `logits`: appends (expert, weight) for each of the
-/// `n_used` chosen, most likely first.
+/// One token's experts from its router `logits` (biased already, where the router has a
+/// bias): appends (expert, weight) for each of the `n_used` chosen, most likely first.
 pub fn route(logits: &[f32], cfg: &MoeCfg, sel: &mut Vec<(u32, f32)>) {
-    let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    let mut p: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
-    let sum: f64 = p.iter().map(|&v| f64::from(v)).sum();
-    let inv = (1.0 / sum) as f32;
-    for v in &mut p {
-        *v *= inv;
-    }
+    let p = match cfg.gating {
+        Gating::Softmax => softmax(logits),
+        Gating::SoftmaxWeight => logits.to_vec(),
+    };
     let mut order: Vec<u32> = (0..p.len() as u32).collect();
     order.sort_by(|&a, &b| {
         p[b as usize]
@@ -55,6 +52,9 @@ pub fn route(logits: &[f32], cfg: &MoeCfg, sel: &mut Vec<(u32, f32)>) {
     });
     let chosen = &order[..cfg.n_used.min(order.len())];
     let mut w: Vec<f32> = chosen.iter().map(|&e| p[e as usize]).collect();
+    if cfg.gating == Gating::SoftmaxWeight {
+        w = softmax(&w);
+    }
     if cfg.norm_weights {
         let s = w.iter().map(|&v| f64::from(v)).sum::<f64>() as f32;
         let s = s.max(NORM_FLOOR);
@@ -63,6 +63,18 @@ pub fn route(logits: &[f32], cfg: &MoeCfg, sel: &mut Vec<(u32, f32)>) {
         }
     }
     sel.extend(chosen.iter().copied().zip(w));
+}
+
+/// exp(x - max) / their sum (summed in f64, as ggml's softmax sums).
+fn softmax(x: &[f32]) -> Vec<f32> {
+    let max = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let mut p: Vec<f32> = x.iter().map(|&l| (l - max).exp()).collect();
+    let sum: f64 = p.iter().map(|&v| f64::from(v)).sum();
+    let inv = (1.0 / sum) as f32;
+    for v in &mut p {
+        *v *= inv;
+    }
+    p
 }
 
 #[cfg(test)]
@@ -79,6 +91,8 @@ mod tests {
             scales: false,
             gate: Need::Required,
             shared: SharedExpert::None,
+            gating: Gating::Softmax,
+            biases: false,
         }
     }
 
@@ -98,6 +112,20 @@ mod tests {
         let sum: f32 = sel.iter().map(|s| s.1).sum();
         assert!((sum - 1.0).abs() < 1e-6, "{sel:?}");
         assert!((f64::from(sel[2].1) - e[2] / (e[1] + e[3] + e[2])).abs() < 1e-6);
+    }
+
+    /// gpt-oss: the top k of the raw logits, then a softmax over those k alone.
+    #[test]
+    fn softmax_weight_gating_takes_the_top_logits_then_their_softmax() {
+        let logits = [0.5f32, 3.0, -1.0, 2.0];
+        let mut c = cfg(2, false);
+        c.gating = Gating::SoftmaxWeight;
+        let mut sel = Vec::new();
+        route(&logits, &c, &mut sel);
+        assert_eq!(sel.iter().map(|s| s.0).collect::<Vec<_>>(), [1, 3]);
+        let want = 1.0 / (1.0 + (-1.0f64).exp());
+        assert!((f64::from(sel[0].1) - want).abs() < 1e-6, "{sel:?}");
+        assert!((f64::from(sel[1].1) - (1.0 - want)).abs() < 1e-6, "{sel:?}");
     }
 
     #[test]

@@ -111,6 +111,8 @@ pub struct Moe {
     pub shared: Option<Mlp>,
     /// Qwen2 MoE's gate of the shared expert (d), on the host.
     pub shared_gate: Option<Vec<f32>>,
+    /// The router's bias (E), added to its logits (gpt-oss).
+    pub router_bias: Option<Vec<f32>>,
 }
 
 pub struct Layer {
@@ -122,6 +124,8 @@ pub struct Layer {
     pub qk_norm: Option<(Norm, Norm)>,
     pub wo: QLinear, // (d, h*hd)
     pub wo_post: Affine,
+    /// Each query head's attention sink (h), on the host (gpt-oss).
+    pub sinks: Option<Vec<f32>>,
     pub post_attn_norm: Option<Norm>,
     pub ffn_norm: Option<Norm>,
     pub ffn: Ffn,
@@ -674,6 +678,15 @@ fn load_layer(r: &Reader<'_>, cfg: &DecoderConfig, i: usize, view: usize) -> Res
         bias: r.vector_if(&name("attn_output.bias"), d, rules.wo_bias)?,
         bias_first: false,
     };
+    let sinks = match cfg.attn.sinks {
+        true => Some(
+            r.vector(&name("attn_sinks.weight"), h)?
+                .to_dtype(candle_core::DType::F32)?
+                .to_device(&Device::Cpu)?
+                .to_vec1()?,
+        ),
+        false => None,
+    };
     let ffn = match &cfg.moe {
         None => Ffn::Dense(load_mlp(r, cfg, &p)?),
         Some(m) => Ffn::Moe(Box::new(load_moe(r, cfg, m, &p)?)),
@@ -685,6 +698,7 @@ fn load_layer(r: &Reader<'_>, cfg: &DecoderConfig, i: usize, view: usize) -> Res
         qk_norm,
         wo,
         wo_post,
+        sinks,
         post_attn_norm: r.norm(&name("post_attention_norm"), d, rules.post_attn_norm)?,
         ffn_norm: r.norm(&name(rules.ffn_norm_name), d, rules.ffn_norm)?,
         ffn,
@@ -730,6 +744,15 @@ fn load_moe(r: &Reader<'_>, cfg: &DecoderConfig, m: &MoeCfg, p: &str) -> Result<
         );
     }
     let router: Vec<f32> = router.flatten_all()?.to_vec1()?;
+    let router_bias = match m.biases {
+        true => Some(
+            r.vector(&name("ffn_gate_inp.bias"), n)?
+                .to_dtype(candle_core::DType::F32)?
+                .to_device(&Device::Cpu)?
+                .to_vec1()?,
+        ),
+        false => None,
+    };
     let gated = match m.gate {
         Need::Required => true,
         _ => r.has(&name("ffn_gate_exps.weight")),
@@ -749,10 +772,26 @@ fn load_moe(r: &Reader<'_>, cfg: &DecoderConfig, m: &MoeCfg, p: &str) -> Result<
         None
     };
     let (s_up, s_down) = (scales("ffn_up_exps")?, scales("ffn_down_exps")?);
-    let post = |s: &Option<Vec<f32>>, e: usize| Affine {
-        scale: s.as_ref().map(|s| s[e]),
-        bias: None,
-        bias_first: false,
+    // Per-expert biases (gpt-oss): E rows of the product's width each, added after the
+    // product (and its scale, as llama.cpp's graph orders them).
+    let biases = |base: &str, width: usize| -> Result<Option<Tensor>> {
+        if !m.biases {
+            return Ok(None);
+        }
+        r.table_if(&name(&format!("{base}.bias")), n, width, Need::Required)
+    };
+    let b_gate = if gated {
+        biases("ffn_gate_exps", m.ff)?
+    } else {
+        None
+    };
+    let (b_up, b_down) = (biases("ffn_up_exps", m.ff)?, biases("ffn_down_exps", d)?);
+    let post = |s: &Option<Vec<f32>>, b: &Option<Tensor>, e: usize| -> Result<Affine> {
+        Ok(Affine {
+            scale: s.as_ref().map(|s| s[e]),
+            bias: b.as_ref().map(|b| b.get(e)).transpose()?,
+            bias_first: false,
+        })
     };
     let mut experts = Vec::with_capacity(n);
     for e in 0..n {
@@ -760,15 +799,15 @@ fn load_moe(r: &Reader<'_>, cfg: &DecoderConfig, m: &MoeCfg, p: &str) -> Result<
         let mut posts = Vec::new();
         if gated {
             parts.push(r.expert(&name("ffn_gate_exps.weight"), e, n, m.ff, d)?);
-            posts.push(post(&s_gate, e));
+            posts.push(post(&s_gate, &b_gate, e)?);
         }
         parts.push(r.expert(&name("ffn_up_exps.weight"), e, n, m.ff, d)?);
-        posts.push(post(&s_up, e));
+        posts.push(post(&s_up, &b_up, e)?);
         experts.push(Mlp {
             gate_up: Projections::new(parts),
             gate_up_post: posts,
             w_down: r.expert(&name("ffn_down_exps.weight"), e, n, d, m.ff)?,
-            down_post: post(&s_down, e),
+            down_post: post(&s_down, &b_down, e)?,
         });
     }
     let shared_mlp = |ff: usize| -> Result<Mlp> {
@@ -805,6 +844,7 @@ fn load_moe(r: &Reader<'_>, cfg: &DecoderConfig, m: &MoeCfg, p: &str) -> Result<
         experts,
         shared,
         shared_gate,
+        router_bias,
     })
 }
 

@@ -15,14 +15,15 @@ mod gemma;
 mod gpt;
 mod llama;
 mod olmo;
+mod openai;
 mod phi;
 mod qwen;
 
 use anyhow::{bail, Result};
 
 use super::config::{
-    Activation, Attn, DecoderConfig, Keys, LayerPlan, MoeCfg, Need, NormKind, QkNorm, RopeCfg,
-    RopePairs, SharedExpert, TensorRules,
+    Activation, Attn, DecoderConfig, Gating, Keys, LayerPlan, MoeCfg, Need, NormKind, QkNorm,
+    RopeCfg, RopePairs, SharedExpert, TensorRules,
 };
 use super::rope::{yarn_mscale, Factors};
 
@@ -61,6 +62,7 @@ pub const ARCHS: &[(&str, Build)] = &[
     ("olmo", olmo::olmo),
     ("olmo2", olmo::olmo2),
     ("olmoe", olmo::olmoe),
+    ("gpt-oss", openai::gpt_oss),
     ("exaone4", olmo::exaone4),
     ("glm4", olmo::glm4),
     ("chatglm", olmo::chatglm),
@@ -327,6 +329,7 @@ impl Common {
                 clamp: None,
                 qk_norm: QkNorm::None,
                 temperature: None,
+                sinks: false,
             },
             parallel: false,
             gated: true,
@@ -397,6 +400,8 @@ impl Common {
             scales,
             gate,
             shared,
+            gating: Gating::Softmax,
+            biases: false,
         }))
     }
 

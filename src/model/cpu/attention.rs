@@ -32,7 +32,7 @@ pub struct PagedQuery<'a> {
 /// task serves the g query heads that share its kv head, so each cached row is read (and
 /// converted from f16) once per group rather than once per query head.
 #[allow(clippy::too_many_arguments)]
-pub fn paged_decode_attention(
+pub fn paged_decode_attention<'s>(
     steps: &[PagedQuery<'_>],
     k_pool: &[f16],
     v_pool: &[f16],
@@ -40,30 +40,33 @@ pub fn paged_decode_attention(
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
-    scale: impl Into<Scoring>,
+    scale: impl Into<Scoring<'s>>,
 ) -> Vec<f32> {
     let args = (block, heads, kv_heads, head_dim, scale.into());
     decode_with(steps, k_pool, v_pool, args, avx2_available())
 }
 
 /// How a query's scores are formed: scale·(q·k), then, with a soft cap c, c·tanh(s / c)
-/// (Gemma 2), before the softmax.
+/// (Gemma 2), before the softmax; with sinks (gpt-oss), head i's softmax has exp(sinks[i])
+/// in its denominator beside its keys' (llama.cpp's `soft_max_ext` with sinks).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Scoring {
+pub struct Scoring<'a> {
     pub scale: f32,
     pub softcap: Option<f32>,
+    pub sinks: Option<&'a [f32]>,
 }
 
-impl From<f32> for Scoring {
+impl From<f32> for Scoring<'static> {
     fn from(scale: f32) -> Self {
         Self {
             scale,
             softcap: None,
+            sinks: None,
         }
     }
 }
 
-impl Scoring {
+impl Scoring<'_> {
     /// The soft cap over a row of scaled scores, where there is one.
     fn cap(&self, row: &mut [f32]) {
         if let Some(c) = self.softcap {
@@ -72,6 +75,20 @@ impl Scoring {
             }
         }
     }
+
+    /// Query head `head`'s row of scaled scores capped and turned into exp(s - max); returns
+    /// 1 / their sum, the head's sink term included where there is one (as though the sink
+    /// were one more score: exp(sink - max) with max over the scores alone, the same ratio
+    /// as ggml's max over both).
+    fn weights(&self, row: &mut [f32], head: usize, avx2: bool) -> f32 {
+        self.cap(row);
+        let sink = self.sinks.map(|s| {
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            (s[head] - max).exp()
+        });
+        let sum = softmax_unnormalised(row, avx2);
+        1.0 / (sum + sink.unwrap_or(0.0))
+    }
 }
 
 /// `paged_decode_attention` with the SIMD choice made by the caller (tests run both).
@@ -79,7 +96,7 @@ fn decode_with(
     steps: &[PagedQuery<'_>],
     k_pool: &[f16],
     v_pool: &[f16],
-    (block, heads, kv_heads, head_dim, scale): (usize, usize, usize, usize, Scoring),
+    (block, heads, kv_heads, head_dim, scale): (usize, usize, usize, usize, Scoring<'_>),
     avx2: bool,
 ) -> Vec<f32> {
     debug_assert!(kv_heads > 0 && heads.is_multiple_of(kv_heads));
@@ -147,7 +164,7 @@ struct Group<'a> {
     /// Blocks in the pool, and the kv head the group reads.
     pool_blocks: usize,
     j: usize,
-    scale: Scoring,
+    scale: Scoring<'a>,
 }
 
 impl Group<'_> {
@@ -191,7 +208,12 @@ impl Group<'_> {
     fn run(&self, k_pool: &[f16], v_pool: &[f16], o: &mut [f32]) {
         let hd = self.hd;
         let mut scores = Vec::with_capacity(self.len - self.from);
-        for (q, o) in self.q.chunks_exact(hd).zip(o.chunks_exact_mut(hd)) {
+        for (qi, (q, o)) in self
+            .q
+            .chunks_exact(hd)
+            .zip(o.chunks_exact_mut(hd))
+            .enumerate()
+        {
             scores.clear();
             for (base, n) in self.runs() {
                 for r in 0..n {
@@ -202,8 +224,8 @@ impl Group<'_> {
             if scores.is_empty() {
                 continue;
             }
-            self.scale.cap(&mut scores);
-            let inv = 1.0 / softmax_unnormalised(&mut scores, false);
+            let head = self.j * (self.q.len() / hd) + qi;
+            let inv = self.scale.weights(&mut scores, head, false);
             let mut p = 0;
             for (base, n) in self.runs() {
                 for r in 0..n {
@@ -255,9 +277,8 @@ impl Group<'_> {
                 }
             }
         }
-        for (inv, row) in inv.iter_mut().zip(scores.chunks_exact_mut(n)) {
-            self.scale.cap(row);
-            *inv = 1.0 / x86::softmax_unnormalised(row);
+        for (qi, (inv, row)) in inv.iter_mut().zip(scores.chunks_exact_mut(n)).enumerate() {
+            *inv = self.scale.weights(row, self.j * g + qi, true);
         }
         for (p, vals) in self.prefetched(v_pool) {
             for (q0, c) in chunks() {
@@ -310,7 +331,7 @@ const QR_AVX2: usize = 6;
 /// over the values per 6 queries and 16 columns; results written in place. Nothing of size
 /// T x L is allocated.
 #[allow(clippy::too_many_arguments)]
-pub fn causal_prefill_attention(
+pub fn causal_prefill_attention<'s>(
     q: &[f32],
     blocks: &[u32],
     pos: usize,
@@ -322,7 +343,7 @@ pub fn causal_prefill_attention(
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
-    scale: impl Into<Scoring>,
+    scale: impl Into<Scoring<'s>>,
 ) -> Vec<f32> {
     let args = (block, heads, kv_heads, head_dim, scale.into());
     prefill_with(
@@ -344,7 +365,7 @@ fn prefill_with(
     (pos, t, window): (usize, usize, Option<usize>),
     k_pool: &[f16],
     v_pool: &[f16],
-    (block, heads, kv_heads, head_dim, scoring): (usize, usize, usize, usize, Scoring),
+    (block, heads, kv_heads, head_dim, scoring): (usize, usize, usize, usize, Scoring<'_>),
     avx2: bool,
 ) -> Vec<f32> {
     use half::slice::HalfFloatSliceExt;
@@ -446,8 +467,8 @@ fn prefill_with(
                     let tt = (c0 + qq) / g;
                     let row = &mut rows[qq * width..(qq + 1) * width];
                     let (a, b) = (first(tt) - k0, seen(tt) - k0);
-                    scoring.cap(&mut row[a..b]);
-                    inv[c0 + qq] = 1.0 / softmax_unnormalised(&mut row[a..b], avx2);
+                    let head = j * g + (c0 + qq) % g;
+                    inv[c0 + qq] = scoring.weights(&mut row[a..b], head, avx2);
                     row[..a].fill(0.0);
                     row[b..].fill(0.0);
                 }

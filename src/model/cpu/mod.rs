@@ -150,6 +150,7 @@ impl LayerOps for CpuPass<'_, '_> {
         match act {
             Activation::Silu => ops::silu_mul(gate, up),
             Activation::GeluTanh => ops::gelu_mul(gate, up),
+            Activation::SwigluOai => ops::swiglu_oai_mul(gate, up),
             other => Ok((super::layer::activation(gate, other)? * up)?),
         }
     }
@@ -163,6 +164,7 @@ impl LayerOps for CpuPass<'_, '_> {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
+        sinks: Option<&[f32]>,
         profile: &mut Profile,
     ) -> Result<Tensor> {
         let dev = &Device::Cpu;
@@ -174,6 +176,7 @@ impl LayerOps for CpuPass<'_, '_> {
         let scoring = Scoring {
             scale: cfg.attn.scale,
             softcap: cfg.attn.softcap,
+            sinks,
         };
         let decoded = (!self.decode.is_empty())
             .then(|| decode_attention(q, k_pool, v_pool, &self.decode, view, cfg, scoring))
@@ -220,7 +223,7 @@ fn prefill_attention(
     k: &[half::f16],
     v: &[half::f16],
     cfg: &DecoderConfig,
-    scale: Scoring,
+    scale: Scoring<'_>,
 ) -> Result<Tensor> {
     let width = cfg.n_head * cfg.head_dim;
     let t = step.len;
@@ -252,7 +255,7 @@ fn decode_attention(
     queries: &[DecodeQuery<'_>],
     view: usize,
     cfg: &DecoderConfig,
-    scale: Scoring,
+    scale: Scoring<'_>,
 ) -> Result<Tensor> {
     let width = cfg.n_head * cfg.head_dim;
     let y = ops::with_f32(q, |q| {

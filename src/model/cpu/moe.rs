@@ -7,13 +7,13 @@
 use rayon::prelude::*;
 
 use super::matmul::CpuQWeight;
-use super::ops::gated_mul_slices;
+use super::ops::{gated_mul_slices, swiglu_oai_slices};
 use crate::model::config::Activation;
 use crate::model::qlinear::{Projections, QLinear};
 use crate::model::weights::{Affine, Mlp};
 
 /// An expert's matrices on gen's kernels: gate/up (one fused matrix and its part widths, or
-/// separate ones) and down; None where one is not, or a bias follows a product.
+/// separate ones) and down; None where one is not, or a bias comes before a scale.
 fn on_kernels(m: &Mlp) -> Option<(Vec<(&CpuQWeight, Vec<usize>)>, &CpuQWeight)> {
     let ins = match &m.gate_up {
         Projections::Fused { linear, widths } => vec![(cpu(linear)?, widths.clone())],
@@ -22,8 +22,8 @@ fn on_kernels(m: &Mlp) -> Option<(Vec<(&CpuQWeight, Vec<usize>)>, &CpuQWeight)> 
             .map(|l| cpu(l).map(|w| (w, vec![w.dims().0])))
             .collect::<Option<Vec<_>>>()?,
     };
-    let no_bias = |a: &Affine| a.bias.is_none();
-    if !m.gate_up_post.iter().all(no_bias) || !no_bias(&m.down_post) {
+    let scale_then_bias = |a: &Affine| a.bias.is_none() || !a.bias_first || a.scale.is_none();
+    if !m.gate_up_post.iter().all(scale_then_bias) || !scale_then_bias(&m.down_post) {
         return None;
     }
     Some((ins, cpu(&m.w_down)?))
@@ -38,7 +38,13 @@ fn cpu(l: &QLinear) -> Option<&CpuQWeight> {
 
 /// Whether [`run`] takes this expert with this activation.
 pub fn runs(m: &Mlp, act: Activation) -> bool {
-    matches!(act, Activation::Silu | Activation::GeluTanh) && on_kernels(m).is_some()
+    let gated = m.gate_up_post.len() == 2;
+    let act_ok = match act {
+        Activation::Silu | Activation::GeluTanh => true,
+        Activation::SwigluOai => gated,
+        Activation::ReluSquared => false,
+    };
+    act_ok && on_kernels(m).is_some()
 }
 
 /// The expert over `t` rows of `x` (t × d): t rows of d. Call only where [`runs`] says so.
@@ -49,9 +55,10 @@ pub fn run(m: &Mlp, x: &[f32], t: usize, act: Activation) -> Vec<f32> {
         .flat_map(|(w, widths)| w.matmul_parts(x, t, widths))
         .collect();
     for (p, post) in parts.iter_mut().zip(&m.gate_up_post) {
-        scale(p, post.scale);
+        affine(p, post);
     }
     let a = match parts.len() {
+        2 if act == Activation::SwigluOai => swiglu_oai_slices(&parts[0], &parts[1]),
         2 => gated_mul_slices(&parts[0], &parts[1], act == Activation::GeluTanh),
         _ => {
             let u = &parts[0];
@@ -60,14 +67,27 @@ pub fn run(m: &Mlp, x: &[f32], t: usize, act: Activation) -> Vec<f32> {
         }
     };
     let mut y = down.matmul(&a, t);
-    scale(&mut y, m.down_post.scale);
+    affine(&mut y, &m.down_post);
     y
 }
 
-fn scale(v: &mut [f32], s: Option<f32>) {
-    if let Some(s) = s {
-        for x in v {
+/// Rows of a product through its scale, then its bias (one value per column), as
+/// [`Affine::apply`] does where no bias comes first.
+fn affine(v: &mut [f32], a: &Affine) {
+    if let Some(s) = a.scale {
+        for x in v.iter_mut() {
             *x *= s;
+        }
+    }
+    if let Some(b) = &a.bias {
+        let b: Vec<f32> = b
+            .to_dtype(candle_core::DType::F32)
+            .and_then(|b| b.to_vec1())
+            .expect("a bias of f32 values on the host");
+        for row in v.chunks_exact_mut(b.len()) {
+            for (x, b) in row.iter_mut().zip(&b) {
+                *x += b;
+            }
         }
     }
 }

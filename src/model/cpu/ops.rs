@@ -49,6 +49,35 @@ pub fn gated_mul_slices(g: &[f32], u: &[f32], gelu: bool) -> Vec<f32> {
     out
 }
 
+/// gpt-oss's clamped SwiGLU on host slices, value by value as ggml's `swiglu_oai`: with
+/// g = min(gate, limit) and u = clamp(up, -limit, limit), g / (1 + exp(-alpha·g))·(u + 1).
+/// Scalar (one `exp` a value): gpt-oss's experts are a few thousand values a token.
+pub fn swiglu_oai_slices(g: &[f32], u: &[f32]) -> Vec<f32> {
+    debug_assert_eq!(g.len(), u.len());
+    let (alpha, limit) = crate::model::config::SWIGLU_OAI;
+    g.iter()
+        .zip(u)
+        .map(|(&g, &u)| {
+            let x = g.min(limit);
+            let y = u.clamp(-limit, limit);
+            x / (1.0 + (alpha * -x).exp()) * (y + 1.0)
+        })
+        .collect()
+}
+
+/// [`swiglu_oai_slices`] for two CPU tensors of the same shape.
+pub fn swiglu_oai_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if gate.dims() != up.dims() {
+        bail!(
+            "gated activation: shapes {:?} and {:?}",
+            gate.dims(),
+            up.dims()
+        );
+    }
+    let out = with_f32(gate, |g| with_f32(up, |u| swiglu_oai_slices(g, u)))??;
+    Ok(Tensor::from_vec(out, gate.dims(), &Device::Cpu)?)
+}
+
 fn gated_mul(gate: &Tensor, up: &Tensor, gelu: bool) -> Result<Tensor> {
     if gate.dims() != up.dims() {
         bail!(

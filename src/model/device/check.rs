@@ -19,9 +19,11 @@ pub enum KernelMode {
 impl KernelMode {
     pub fn for_device(device: &Device, cfg: &DecoderConfig) -> Self {
         #[cfg(feature = "cuda")]
-        // gen's CUDA attention knows no soft cap: Gemma 2 takes candle's path.
+        // gen's CUDA attention knows no soft cap or sinks: Gemma 2 and gpt-oss take candle's
+        // path.
         if device.is_cuda()
             && cfg.attn.softcap.is_none()
+            && !cfg.attn.sinks
             && super::cuda::supported(cfg.n_head, cfg.n_kv_head, cfg.head_dim)
         {
             return match std::env::var(super::cuda::ENV).as_deref() {

@@ -74,6 +74,7 @@ impl DeviceDecode {
     }
 
     /// q: (N, h, hd); pools: (kv * P * BLOCK_SIZE, hd). Returns (B, h * hd).
+    #[allow(clippy::too_many_arguments)]
     pub fn attend(
         &self,
         q: &Tensor,
@@ -81,6 +82,7 @@ impl DeviceDecode {
         v_pool: &Tensor,
         cfg: &DecoderConfig,
         (scale, softcap): (f64, Option<f64>),
+        sinks: Option<&[f32]>,
         check: &KernelCheck,
     ) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
@@ -94,7 +96,7 @@ impl DeviceDecode {
                 scale as f32,
             )?;
             if let Some(g) = &self.gathered {
-                let want = g.attend(q, k_pool, v_pool, cfg, (scale, softcap), self.steps)?;
+                let want = g.attend(q, k_pool, v_pool, cfg, (scale, softcap), sinks, self.steps)?;
                 check.attention(&y, &want)?;
             }
             return Ok(y);
@@ -103,7 +105,7 @@ impl DeviceDecode {
         self.gathered
             .as_ref()
             .context("one-token steps with neither kernel nor gathered keys")?
-            .attend(q, k_pool, v_pool, cfg, (scale, softcap), self.steps)
+            .attend(q, k_pool, v_pool, cfg, (scale, softcap), sinks, self.steps)
     }
 }
 
@@ -137,6 +139,7 @@ impl Gathered {
         })
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn attend(
         &self,
         q: &Tensor,
@@ -144,6 +147,7 @@ impl Gathered {
         v_pool: &Tensor,
         cfg: &DecoderConfig,
         (scale, softcap): (f64, Option<f64>),
+        sinks: Option<&[f32]>,
         b: usize,
     ) -> Result<Tensor> {
         let (h, kv, hd) = (cfg.n_head, cfg.n_kv_head, cfg.head_dim);
@@ -169,9 +173,33 @@ impl Gathered {
                 .reshape((b * kv, g, l))?,
             None => att,
         };
-        let att = candle_nn::ops::softmax_last_dim(&att)?;
+        // Rows (B * kv, g): row r of the (B * kv * g) is query head r % h.
+        let att = softmax_with_sinks(&att, sinks, |r| r % h)?;
         Ok(att.matmul(&values)?.reshape((b, h * hd))?)
     }
+}
+
+/// The softmax over the last dimension of att (rows, L) whose rows are query heads in the
+/// order `head_of` gives, each head's sink (where there are sinks) joining its denominator as
+/// one more score that takes no value: the sinks as a last column, dropped after.
+pub(super) fn softmax_with_sinks(
+    att: &Tensor,
+    sinks: Option<&[f32]>,
+    head_of: impl Fn(usize) -> usize,
+) -> Result<Tensor> {
+    let Some(sinks) = sinks else {
+        return Ok(candle_nn::ops::softmax_last_dim(att)?);
+    };
+    let dims = att.dims().to_vec();
+    let l = *dims.last().expect("scores have a last dimension");
+    let rows = att.elem_count() / l;
+    let col: Vec<f32> = (0..rows).map(|r| sinks[head_of(r)]).collect();
+    let mut col_dims = dims.clone();
+    *col_dims.last_mut().expect("scores have a last dimension") = 1;
+    let col = Tensor::from_vec(col, col_dims, att.device())?.to_dtype(att.dtype())?;
+    let all = Tensor::cat(&[att, &col], dims.len() - 1)?;
+    let p = candle_nn::ops::softmax_last_dim(&all)?;
+    Ok(p.narrow(dims.len() - 1, 0, l)?)
 }
 
 /// Additive mask for T new tokens at positions pos.. attending to the cached tokens lo..pos+T

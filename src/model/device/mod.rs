@@ -23,7 +23,7 @@ use anyhow::Result;
 use candle_core::{Device, Tensor};
 
 use self::check::{KernelCheck, KernelMode};
-use self::decode::{attention_mask, softcapped, DeviceDecode, DeviceStep};
+use self::decode::{attention_mask, softcapped, softmax_with_sinks, DeviceDecode, DeviceStep};
 use self::kv_store::{DeviceKv, WritePlan};
 use super::config::{DecoderConfig, RopePairs};
 use super::layer::LayerOps;
@@ -251,6 +251,7 @@ impl LayerOps for DevicePass<'_, '_> {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
+        sinks: Option<&[f32]>,
         profile: &mut Profile,
     ) -> Result<Tensor> {
         let b = &mut *self.backend;
@@ -267,7 +268,7 @@ impl LayerOps for DevicePass<'_, '_> {
         let batched = match &view.decode {
             Some(d) => {
                 let (k_pool, v_pool) = b.store.layer(l);
-                Some(d.attend(q, k_pool, v_pool, cfg, (scale, softcap), &b.check)?)
+                Some(d.attend(q, k_pool, v_pool, cfg, (scale, softcap), sinks, &b.check)?)
             }
             None => None,
         };
@@ -295,7 +296,11 @@ impl LayerOps for DevicePass<'_, '_> {
                     let att = (qs.matmul(&keys.t()?)? * scale)?; // (kv, g*T, L)
                     let att = softcapped(att, softcap)?;
                     let att = att.broadcast_add(&chunk.mask)?;
-                    let att = candle_nn::ops::softmax_last_dim(&att)?;
+                    // Rows (kv, g*T): row r of kv head j is query head j*g + r / T.
+                    let att = softmax_with_sinks(&att, sinks, |r| {
+                        let (j, r) = (r / (g * t), r % (g * t));
+                        j * g + r / t
+                    })?;
                     let y = att.matmul(&values)?; // (kv, g*T, hd)
                     parts.push(
                         y.reshape((h, t, hd))?
