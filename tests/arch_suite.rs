@@ -9,8 +9,9 @@
 //! (mse(a, b) / mse(a, 0)) at most 1e-6 (llama.cpp's is 1e-4), through both of gen's attention
 //! kernels (a prompt's prefill, then one-token decode steps) and with every token a decode
 //! step. Every other file must be
-//! refused before loading, with one line. Q8_0 and Q4_K_M copies of five architectures must
-//! agree within the bound stated below (both sides quantize activations to 8 bits, each its
+//! refused before loading, with one line. Q8_0 and Q4_K_M copies of five architectures and
+//! three files with experts, and MXFP4_MOE copies of those three (gpt-oss's published type:
+//! experts MXFP4, the rest Q8_0), must agree within the bound stated below (both sides quantize activations to 8 bits, each its
 //! own way); their F16 copies within the F32 files' bound and their BF16 copies within the
 //! bound stated below (both sides round the activations to the weights' type, and every
 //! product is exact). The first seed's files must also agree on the path GPUs take
@@ -65,7 +66,7 @@ fn every_architecture_of_llama_cpps_suite_is_run_exactly_or_refused() {
         files.sort();
         for path in files {
             let file = path.file_name().unwrap().to_str().unwrap().to_string();
-            let quantized = file.contains(".Q");
+            let quantized = file.contains(".Q") || file.contains(".MXFP4");
             let logits = path.with_extension("logits");
             let runs = claimed.contains(&arch_of(&file));
             match gen_logits(&path, &ids, split, 256) {

@@ -50,6 +50,9 @@ const CASES: &[(&str, &str, Option<&str>)] = &[
     ("qwen3moe", "qwen2", Some("Qwen-Qwen3-0.6B.jinja")),
     ("qwen2moe", "qwen2", Some("Qwen-Qwen2.5-7B-Instruct.jinja")),
     ("olmoe", "gpt-2", None),
+    // gpt-oss's own vocabulary (o200k_harmony) is in none of llama.cpp's vocabulary files: a
+    // byte-level BPE one stands in, with gpt-oss's Harmony template.
+    ("gpt-oss", "gpt-2", Some("openai-gpt-oss-120b.jinja")),
     (
         "granitemoe",
         "gpt-2",

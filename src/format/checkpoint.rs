@@ -118,11 +118,14 @@ fn bytes_at<'a>(
     })
 }
 
-/// A matrix of a type candle cannot hold (IQ4_NL, IQ4_XS), widened to f32 on `device`.
+/// A matrix of a type candle cannot hold (IQ4_NL, IQ4_XS, MXFP4), widened to f32 on `device`.
 fn widened(m: &RawMatrix<'_>, name: &str, device: &Device) -> Result<QTensor> {
-    use crate::model::cpu::quants::{QType, Tiles};
+    use crate::model::cpu::quants::{mxfp4_scales_fit, QType, Tiles};
     let (rows, cols) = (m.rows, m.cols);
     let ty = QType::from_ggml(m.ggml).with_context(|| format!("{name}: no kernel for its type"))?;
+    if ty == QType::Mxfp4 && !mxfp4_scales_fit(&m.bytes) {
+        anyhow::bail!("{name}: an MXFP4 block scale above 2^15 (byte 143): not a trained weight");
+    }
     let tiles = Tiles::from_gguf(ty, &m.bytes, rows, cols);
     let mut values = vec![0f32; rows * cols];
     for (r, row) in values.chunks_exact_mut(cols).enumerate() {
@@ -502,7 +505,7 @@ impl Checkpoint {
     }
 
     /// The tensor of this GGUF name, on `device`. A tensor of a type candle cannot hold
-    /// (IQ4_NL, IQ4_XS) comes widened to f32: matrices of those types are read with
+    /// (IQ4_NL, IQ4_XS, MXFP4) comes widened to f32: matrices of those types are read with
     /// [`Self::matrix_bytes`] instead, so this serves an embedding or a norm in such a type.
     pub fn tensor(&self, name: &str, device: &Device) -> Result<QTensor> {
         match &self.store {

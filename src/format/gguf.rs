@@ -44,7 +44,7 @@ pub struct GgufSummary {
     /// Absolute file offset where tensor data starts: the end of the header rounded up to the
     /// alignment. Equal to candle's `Content::tensor_data_offset` for the same file.
     pub data_offset: u64,
-    /// Tensors of a type gen runs but candle cannot read (IQ4_NL, IQ4_XS): the loader reads
+    /// Tensors of a type gen runs but candle cannot read (IQ4_NL, IQ4_XS, MXFP4): the loader reads
     /// them itself.
     pub own_types: Vec<OwnType>,
     /// Every tensor's name, ggml type number ([`type_label`] names it) and size in bytes, in
@@ -65,13 +65,14 @@ pub struct OwnType {
 
 /// Tensor types gen runs (and so loads), by ggml's names: what a refusal lists.
 pub const SUPPORTED_TYPES: &str =
-    "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS";
+    "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4";
 
 /// Values per block and bytes per block of a type gen reads though candle cannot.
 fn own_layout(t: u32) -> Option<(u64, u64)> {
     match t {
         20 => Some((32, 18)),   // IQ4_NL
         23 => Some((256, 136)), // IQ4_XS
+        39 => Some((32, 17)),   // MXFP4
         _ => None,
     }
 }

@@ -61,6 +61,7 @@ macro_rules! with_qtype {
             QType::Q6K => { const $t: u8 = QType::Q6K as u8; $body }
             QType::Iq4Nl => { const $t: u8 = QType::Iq4Nl as u8; $body }
             QType::Iq4Xs => { const $t: u8 = QType::Iq4Xs as u8; $body }
+            QType::Mxfp4 => { const $t: u8 = QType::Mxfp4 as u8; $body }
         }
     };
 }
@@ -1275,6 +1276,9 @@ impl CpuQWeight {
                 "a {rows}x{cols} weight holds {} bytes, expected {expected}",
                 raw.len()
             );
+        }
+        if matches!(ty, WeightType::Quant(quants::QType::Mxfp4)) && !quants::mxfp4_scales_fit(raw) {
+            bail!("an MXFP4 block scale above 2^15 (byte 143): not a trained weight");
         }
         let layout = match ty {
             WeightType::Quant(q) => Layout::Quant(quants::Tiles::from_gguf(q, raw, rows, cols)),

@@ -52,6 +52,9 @@ pub enum QType {
     Q6K = 7,
     Iq4Nl = 8,
     Iq4Xs = 9,
+    /// OCP's microscaling FP4 (gpt-oss's experts): per 32 values an E8M0 power of two and 4-bit
+    /// E2M1 codes, run as IQ4_NL is through a table ([`MXFP4_VALUES`]).
+    Mxfp4 = 10,
 }
 
 /// How a type's codes sit in a tile's planes.
@@ -115,7 +118,7 @@ pub struct Spec {
 }
 
 impl QType {
-    pub const ALL: [QType; 10] = [
+    pub const ALL: [QType; 11] = [
         QType::Q4_0,
         QType::Q5_0,
         QType::Q5_1,
@@ -126,6 +129,7 @@ impl QType {
         QType::Q6K,
         QType::Iq4Nl,
         QType::Iq4Xs,
+        QType::Mxfp4,
     ];
 
     pub const fn spec(self) -> Spec {
@@ -276,6 +280,18 @@ pub const fn spec_of(t: u8) -> Spec {
             20,
             "IQ4_NL",
         ),
+        10 => s(
+            Bits::Lut,
+            1,
+            false,
+            false,
+            0,
+            Min::None,
+            Act::Q8_0,
+            17,
+            39,
+            "MXFP4",
+        ),
         _ => s(
             Bits::Lut,
             8,
@@ -295,6 +311,45 @@ pub const fn spec_of(t: u8) -> Spec {
 pub const IQ4_VALUES: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
+
+/// MXFP4's 16 values: E2M1's (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives) doubled, as
+/// ggml's table has them, its block scale halved to match ([`e8m0_half`]).
+pub const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// An MXFP4 block's scale byte e as the f16 bits of 2^(e - 128) (ggml's
+/// `GGML_E8M0_TO_FP32_HALF`): exact for e from 104 (2^-24, f16's least subnormal) to 143
+/// (2^15); below, 0 (a block whose values are all under 2^-21 in size: ggml's quantizer gives
+/// e = 0 to an all-zero block); above, f16's infinity (values past 2^15: no trained weight),
+/// which the loader refuses ([`Tiles::from_gguf`] callers check [`mxfp4_scales_fit`]).
+pub const fn e8m0_half(e: u8) -> u16 {
+    let p = e as i32 - 128;
+    if p < -24 {
+        0
+    } else if p < -14 {
+        // Subnormal: 2^p = 2^-24 * 2^(p + 24).
+        1u16 << (p + 24)
+    } else if p <= 15 {
+        ((p + 15) as u16) << 10
+    } else {
+        0x7C00
+    }
+}
+
+/// Whether every block scale of MXFP4 bytes fits f16 (see [`e8m0_half`]).
+pub fn mxfp4_scales_fit(raw: &[u8]) -> bool {
+    raw.chunks_exact(17).all(|b| b[0] <= 143)
+}
+
+impl Spec {
+    /// The 16 values a `Bits::Lut` type's codes stand for.
+    pub const fn lut(&self) -> &'static [i8; 16] {
+        if self.ggml == 39 {
+            &MXFP4_VALUES
+        } else {
+            &IQ4_VALUES
+        }
+    }
+}
 
 impl Spec {
     /// Bytes of codes per block of 32 values of one row... times 8 rows: a tile's block.
@@ -506,6 +561,10 @@ fn decode(ty: QType, raw: &[u8], out: &mut [Canon]) -> (u16, u16) {
             nib(&raw[2..18], &mut out[0].v);
             (f16_bits(raw, 0), 0)
         }
+        QType::Mxfp4 => {
+            nib(&raw[1..17], &mut out[0].v);
+            (e8m0_half(raw[0]), 0)
+        }
         QType::Q5_0 | QType::Q5_1 => {
             let (h, at) = if ty == QType::Q5_0 { (2, 6) } else { (4, 8) };
             let qh = u32::from_le_bytes([raw[h], raw[h + 1], raw[h + 2], raw[h + 3]]);
@@ -641,6 +700,7 @@ impl Tiles {
             QType::Q6K => repack_group::<7>,
             QType::Iq4Nl => repack_group::<8>,
             QType::Iq4Xs => repack_group::<9>,
+            QType::Mxfp4 => repack_group::<10>,
         };
         let row_bytes = nsb * spec.block_bytes;
         buf.par_chunks_mut(group_bytes)
@@ -770,7 +830,7 @@ fn super_corr(spec: Spec, canon: &[Canon]) -> i32 {
             let w: i64 = codes
                 .iter()
                 .map(|&v| match spec.bits {
-                    Bits::Lut => IQ4_VALUES[v as usize] as i64,
+                    Bits::Lut => spec.lut()[v as usize] as i64,
                     _ => v as i64 - spec.centre as i64,
                 })
                 .sum();
@@ -861,7 +921,7 @@ fn unpack_row(spec: Spec, t: &Tile<'_>, b: usize, r: usize, row: &mut [i32; QK])
             _ => 0,
         };
         *out = if spec.bits == Bits::Lut {
-            IQ4_VALUES[code as usize] as i32
+            spec.lut()[code as usize] as i32
         } else {
             (code | high) as i32
         };
@@ -1261,7 +1321,14 @@ pub fn random_blocks(ty: QType, rows: usize, cols: usize, seed: u64) -> Vec<u8> 
         QType::Q2K => &[80, 82],
         QType::Q3K => &[108],
         QType::Q6K => &[208],
+        // A byte scale: 2^(e - 128) of a realistic size (2^-10 to 2^-5).
+        QType::Mxfp4 => &[],
     };
+    if ty == QType::Mxfp4 {
+        for blk in raw.chunks_exact_mut(spec.block_bytes) {
+            blk[0] = 118 + (next() % 6) as u8;
+        }
+    }
     for blk in raw.chunks_exact_mut(spec.block_bytes) {
         for &at in scale_at {
             let v = ((next() % 1000) as f32 / 1000.0 + 0.05) * 0.02;
@@ -1354,6 +1421,13 @@ pub(crate) mod tests {
                 };
                 y.extend((0..16).map(|j| d * map(raw[2 + j] & 0xF)));
                 y.extend((0..16).map(|j| d * map(raw[2 + j] >> 4)));
+            }
+            QType::Mxfp4 => {
+                // ggml: d = 2^(e - 127) / 2, values from its doubled E2M1 table.
+                let d = 2f32.powi(raw[0] as i32 - 128);
+                let map = |c: u8| MXFP4_VALUES[c as usize] as f32;
+                y.extend((0..16).map(|j| d * map(raw[1 + j] & 0xF)));
+                y.extend((0..16).map(|j| d * map(raw[1 + j] >> 4)));
             }
             QType::Q5_0 | QType::Q5_1 => {
                 let one = ty == QType::Q5_1;
@@ -1557,10 +1631,13 @@ pub(crate) mod tests {
                 }
             }
             // Memory: the file's bytes, give or take the repacking of scales (and for the
-            // biased types 4 bytes a row and super-block: Q3_K's 110 become 118).
+            // biased types 4 bytes a row and super-block: Q3_K's 110 become 118; MXFP4's byte
+            // scale is an f16: 17 become 18).
             let file = rows.div_ceil(8) * 8 * row_bytes;
             let extra = if spec.biased() {
                 4 * file / spec.block_bytes
+            } else if ty == QType::Mxfp4 {
+                file / spec.block_bytes
             } else {
                 0
             };

@@ -191,9 +191,7 @@ macro_rules! quant_kernels {
         $vnni:expr
     ) => {
         pub mod $name {
-            use super::super::quants::{
-                spec_of, Act, ActChunk, Bits, Min, Tile, IQ4_VALUES, TOKENS,
-            };
+            use super::super::quants::{spec_of, Act, ActChunk, Bits, Min, Tile, TOKENS};
             use crate::model::cpu::q8::simd::{prefetch, store, widen};
             use std::arch::x86_64::*;
 
@@ -236,7 +234,7 @@ macro_rules! quant_kernels {
                 };
                 let mut table = [0i8; 32];
                 for (i, t) in table.iter_mut().enumerate() {
-                    *t = IQ4_VALUES[i % 16] ^ if biased { 0 } else { $lut_xor };
+                    *t = spec.lut()[i % 16] ^ if biased { 0 } else { $lut_xor };
                 }
                 let table = _mm256_loadu_si256(table.as_ptr() as *const __m256i);
                 let mut acc = [_mm256_setzero_ps(); N];

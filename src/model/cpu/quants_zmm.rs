@@ -8,7 +8,7 @@
 
 #![cfg(target_arch = "x86_64")]
 
-use super::quants::{spec_of, Act, ActChunk, Bits, Min, Tile, IQ4_VALUES, TOKENS};
+use super::quants::{spec_of, Act, ActChunk, Bits, Min, Tile, TOKENS};
 use super::quants_x86::{block_scales, fold_sums, sub_scale_bytes, unpack_codes};
 use std::arch::x86_64::*;
 
@@ -123,7 +123,7 @@ pub unsafe fn tile2<const TY: u8, const N: usize>(
     let centre = spec.kernel_centre(true);
     let mut table = [0i8; 64];
     for (i, t) in table.iter_mut().enumerate() {
-        *t = IQ4_VALUES[i % 16] ^ if biased { 0 } else { -128 };
+        *t = spec.lut()[i % 16] ^ if biased { 0 } else { -128 };
     }
     let table = _mm512_loadu_si512(table.as_ptr() as *const __m512i);
     let mut acc = [_mm512_setzero_ps(); N];
