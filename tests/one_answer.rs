@@ -19,7 +19,7 @@
 //! which is what lets the measured choice mix them. (AMX and `vdpbf16ps` sum BF16 products in
 //! another order: a BF16 matrix takes one of them for all its calls or for none.)
 //!
-//! The same for a model with experts (Qwen2 MoE: 8 routed, 2 used, and a shared one) in four
+//! The same for a model with experts (Qwen2 MoE: 8 routed, 2 used, and a shared one) in five
 //! types: routing and each expert's products see other token counts in every pass.
 //!
 //! One test in this binary: it sets `GEN_KERNEL` between loads, which no other test here reads.
@@ -32,7 +32,7 @@ use candle_core::{Device, Tensor};
 use common::typed::{scratch, write_model, write_moe_model, TYPES, VOCAB};
 
 /// The types also run with experts (a Qwen2 MoE of the same shape).
-const MOE_TYPES: [&str; 4] = ["BF16", "Q4_0", "Q8_0", "Q4_K"];
+const MOE_TYPES: [&str; 5] = ["BF16", "Q4_0", "Q8_0", "Q4_K", "MXFP4"];
 use gen::model::kv_cache::blocks_for;
 use gen::model::{LanguageModel, SeqStep};
 

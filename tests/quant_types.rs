@@ -5,7 +5,7 @@
 //! the 8-bit quantization of the activations that the quantized kernels make, as llama.cpp
 //! does: logits agree within 3% of their scale (measured: 0.9-1.6%) and greedy picks agree.
 //!
-//! The files are written by `common::typed` (IQ4_NL and IQ4_XS quantized there, the others by
+//! The files are written by `common::typed` (IQ4_NL, IQ4_XS and MXFP4 quantized there, the others by
 //! candle's quantizers). A type gen does not run is refused with one line naming the tensor,
 //! its type and the types gen runs, before any weight is read.
 

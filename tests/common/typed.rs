@@ -20,7 +20,7 @@ const FF: usize = super::SMALL_QWEN2.ff;
 pub const VOCAB: usize = 64;
 
 /// Every type gen runs on its own kernels, by ggml number: F16 and BF16, then the quantized.
-pub const TYPES: [(u32, &str); 14] = [
+pub const TYPES: [(u32, &str); 15] = [
     (1, "F16"),
     (30, "BF16"),
     (2, "Q4_0"),
@@ -35,6 +35,7 @@ pub const TYPES: [(u32, &str); 14] = [
     (14, "Q6_K"),
     (20, "IQ4_NL"),
     (23, "IQ4_XS"),
+    (39, "MXFP4"),
 ];
 const LAYERS: usize = super::SMALL_QWEN2.layers;
 
@@ -140,6 +141,36 @@ pub fn quantize(w: &[f32], rows: usize, cols: usize, ty: u32) -> (Vec<u8>, Vec<f
                 raw.extend(sh.to_le_bytes());
                 raw.extend(sl);
                 raw.extend(qs);
+            }
+        }
+        39 => {
+            // As ggml's quantize_row_mxfp4_ref: e = floor(log2(amax)) - 2 + 127, the scale
+            // 2^(e - 128) against E2M1's values doubled, each value to the nearest.
+            const E2M1: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+            for blk in w.chunks_exact(32) {
+                let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let e = if amax > 0.0 {
+                    (amax.log2().floor() - 2.0 + 127.0) as u8
+                } else {
+                    0
+                };
+                let d = 2f32.powi(e as i32 - 128);
+                let mut qs = [0u8; 16];
+                let mut b = [0f32; 32];
+                for (j, &x) in blk.iter().enumerate() {
+                    let i = (0..16u8)
+                        .min_by(|&a, &c| {
+                            let da = (x / d - E2M1[a as usize] as f32).abs();
+                            let dc = (x / d - E2M1[c as usize] as f32).abs();
+                            da.total_cmp(&dc)
+                        })
+                        .unwrap();
+                    qs[j % 16] |= i << (4 * (j / 16));
+                    b[j] = d * E2M1[i as usize] as f32;
+                }
+                raw.push(e);
+                raw.extend(qs);
+                back.extend(b);
             }
         }
         _ => panic!("type {ty}"),
