@@ -10,7 +10,7 @@
 //!     GEN_BENCH_QUANTS=DIR cargo bench --bench quants
 //!
 //! GEN_BENCH_QUANTS: a folder of GGUF files to measure (`$(benches/moe-files)`: the files with
-//! experts in Qwen3-30B-A3B's shape scaled down; default ~/.cache/gen-peer/quants: where
+//! experts in Qwen3-30B-A3B's and gpt-oss-20b's shapes scaled down; default ~/.cache/gen-peer/quants: where
 //! the team's quant-files script writes the default model requantized by llama-quantize and a
 //! random-weight llama, widths multiples of 256, in every type); Gemma 3 270M Q4_K_M (fetched
 //! by gen) comes first. GEN_BENCH_FILTER: only files whose name contains it. GEN_BENCH_RUNS
