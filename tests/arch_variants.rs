@@ -183,17 +183,23 @@ fn llama3_rope_frequency_factors_as_llama_3_2_publishes_them() {
 
 #[test]
 fn yarn_past_the_original_context() {
-    let dir = suite::dir();
-    let src = dir.join("seed-1/qwen2-dense.gguf");
-    let file = scratch("qwen2-yarn.gguf");
     let edit = [
         ("qwen2.rope.scaling.type", s("yarn")),
         ("qwen2.rope.scaling.factor", f(4.0)),
         ("qwen2.rope.scaling.original_context_length", u(16)),
     ];
+    edited("qwen2-dense", "qwen2-yarn", &edit);
+}
+
+/// Seed 1's suite file `stem` sharpened, with `edit` on one copy (`name`) and not on another:
+/// gen agrees with llama.cpp on the first, and the second is far from it.
+fn edited(stem: &str, name: &str, edit: &[(&str, Option<Value>)]) {
+    let dir = suite::dir();
+    let src = dir.join(format!("seed-1/{stem}.gguf"));
+    let file = scratch(&format!("{name}.gguf"));
     let sh = sharp(&src);
-    suite::rewrite(&src, &file, &edit, tensors(&sh, vec![]));
-    let plain = scratch("qwen2-plain.gguf");
+    suite::rewrite(&src, &file, edit, tensors(&sh, vec![]));
+    let plain = scratch(&format!("{name}-plain.gguf"));
     suite::rewrite(&src, &plain, &[], tensors(&sh, vec![]));
     check(&dir, &file, Some(&plain), 256);
 }
@@ -484,6 +490,13 @@ fn stablelm_without_ffn_norms_runs_side_by_side() {
     check(&dir, &file, Some(&with), 256);
 }
 
+/// An f32 tensor of `shape` with random values up to `a` in size.
+fn random_f32(shape: Vec<usize>, seed: u64, a: f32) -> QTensor {
+    let count: usize = shape.iter().product();
+    let t = Tensor::from_vec(common::data(count, seed, a), shape, &Device::Cpu).unwrap();
+    QTensor::quantize(&t, GgmlDType::F32).unwrap()
+}
+
 /// The suite's files with experts have two, both used, so nothing is chosen. Here each layer
 /// gets eight experts (a router, and gate/up/down stacks of random weights as large as the
 /// suite's, with scales where the file has them) of which each token uses two: the softmax,
@@ -528,12 +541,9 @@ fn experts_choose(arch: &str) {
                 [_, cols] => vec![n, *cols],
                 d => panic!("{name}: {d:?}"),
             };
-            let count: usize = shape.iter().product();
             let a = if i == 0 { 2.0 } else { amplitude(&name) };
-            let values = common::data(count, (l * 10 + i) as u64 + 7, a);
-            let t = Tensor::from_vec(values, shape, &Device::Cpu).unwrap();
+            made.push(random_f32(shape, (l * 10 + i) as u64 + 7, a));
             names.push(name);
-            made.push(QTensor::quantize(&t, GgmlDType::F32).unwrap());
             for (j, what) in ["scale", "input_scale"].iter().enumerate() {
                 let name = format!("blk.{l}.{part}.{what}");
                 if i > 0 && content.tensor_infos.contains_key(&name) {
@@ -546,12 +556,9 @@ fn experts_choose(arch: &str) {
             if let Some(info) = content.tensor_infos.get(&name) {
                 let mut shape = info.shape.dims().to_vec();
                 shape[0] = n;
-                let count: usize = shape.iter().product();
                 let a = if i == 0 { 1.0 } else { amplitude(&name) };
-                let values = common::data(count, (l * 10 + i) as u64 + 55, a);
-                let t = Tensor::from_vec(values, shape, &Device::Cpu).unwrap();
+                made.push(random_f32(shape, (l * 10 + i) as u64 + 55, a));
                 names.push(name);
-                made.push(QTensor::quantize(&t, GgmlDType::F32).unwrap());
             }
         }
     }
@@ -614,18 +621,11 @@ fn gpt_oss_experts_choose_two_of_eight_by_their_biased_logits() {
 /// every layer, its windowed layers at their own rope base.
 #[test]
 fn gpt_oss_yarn_and_the_windowed_layers_own_rope_base() {
-    let dir = suite::dir();
-    let src = dir.join("seed-1/gpt-oss-moe.gguf");
-    let file = scratch("gpt-oss-yarn.gguf");
     let edit = [
         ("gpt-oss.rope.scaling.type", s("yarn")),
         ("gpt-oss.rope.scaling.factor", f(4.0)),
         ("gpt-oss.rope.scaling.original_context_length", u(16)),
         ("gpt-oss.rope.freq_base_swa", f(500.0)),
     ];
-    let sh = sharp(&src);
-    suite::rewrite(&src, &file, &edit, tensors(&sh, vec![]));
-    let plain = scratch("gpt-oss-plain.gguf");
-    suite::rewrite(&src, &plain, &[], tensors(&sh, vec![]));
-    check(&dir, &file, Some(&plain), 256);
+    edited("gpt-oss-moe", "gpt-oss-yarn", &edit);
 }

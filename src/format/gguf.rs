@@ -1287,11 +1287,10 @@ mod tests {
                 .map(|c| c.tensor_infos["t"].ggml_dtype);
             assert_eq!(candle_dtype(ty), candle, "ggml type {ty}");
             // Accepted: the weight types gen runs, candle's (but its activation-only Q8_1 and
-            // Q8_K) and IQ4_NL and IQ4_XS, which gen reads itself.
+            // Q8_K) and IQ4_NL, IQ4_XS and MXFP4, which gen reads itself.
             let ours = run(&format!("dtype{ty}.gguf"), &b.0);
             let runs = candle.is_some_and(|d| !matches!(d, GgmlDType::Q8_1 | GgmlDType::Q8K))
-                || ty == 20
-                || ty == 23;
+                || [20, 23, 39].contains(&ty);
             assert_eq!(ours.is_ok(), runs, "ggml type {ty}: {ours:?}");
         }
     }

@@ -203,6 +203,12 @@ impl Reader<'_> {
         Ok(t.reshape(len)?)
     }
 
+    /// [`Self::vector`]'s values as f32 on the host (sinks, a router's bias).
+    fn host_vector(&self, n: &str, len: usize) -> Result<Vec<f32>> {
+        let v = self.vector(n, len)?.to_dtype(candle_core::DType::F32)?;
+        Ok(v.to_device(&Device::Cpu)?.to_vec1()?)
+    }
+
     /// A small (rows, cols) table of values (per-head norm weights) that `need` says may,
     /// must or must not be there.
     fn table_if(&self, n: &str, rows: usize, cols: usize, need: Need) -> Result<Option<Tensor>> {
@@ -679,12 +685,7 @@ fn load_layer(r: &Reader<'_>, cfg: &DecoderConfig, i: usize, view: usize) -> Res
         bias_first: false,
     };
     let sinks = match cfg.attn.sinks {
-        true => Some(
-            r.vector(&name("attn_sinks.weight"), h)?
-                .to_dtype(candle_core::DType::F32)?
-                .to_device(&Device::Cpu)?
-                .to_vec1()?,
-        ),
+        true => Some(r.host_vector(&name("attn_sinks.weight"), h)?),
         false => None,
     };
     let ffn = match &cfg.moe {
@@ -745,12 +746,7 @@ fn load_moe(r: &Reader<'_>, cfg: &DecoderConfig, m: &MoeCfg, p: &str) -> Result<
     }
     let router: Vec<f32> = router.flatten_all()?.to_vec1()?;
     let router_bias = match m.biases {
-        true => Some(
-            r.vector(&name("ffn_gate_inp.bias"), n)?
-                .to_dtype(candle_core::DType::F32)?
-                .to_device(&Device::Cpu)?
-                .to_vec1()?,
-        ),
+        true => Some(r.host_vector(&name("ffn_gate_inp.bias"), n)?),
         false => None,
     };
     let gated = match m.gate {
