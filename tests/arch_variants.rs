@@ -503,6 +503,11 @@ fn random_f32(shape: Vec<usize>, seed: u64, a: f32) -> QTensor {
 /// the top two, their weights renormalised or not as the family says, the scales applied or
 /// not, the shared expert. The same file with all eight used must be far from llama.cpp's.
 fn experts_choose(arch: &str) {
+    experts_choose_with(arch, "", &[]);
+}
+
+/// [`experts_choose`] with `edit` on both copies (`tag` in their names).
+fn experts_choose_with(arch: &str, tag: &str, edit: &[(&str, Option<Value>)]) {
     let dir = suite::dir();
     let src = dir.join(format!("seed-1/{arch}-moe.gguf"));
     let content = gguf_file::Content::read(&mut std::fs::File::open(&src).unwrap()).unwrap();
@@ -527,10 +532,25 @@ fn experts_choose(arch: &str) {
             "ffn_gate_exps",
             "ffn_up_exps",
             "ffn_down_exps",
+            "exp_probs_b",
         ]
         .iter()
         .enumerate()
         {
+            // Biases on the router and each expert (gpt-oss), or for choosing them
+            // (`exp_probs_b`, dots.llm1): (E) or (E, width).
+            let name = format!("blk.{l}.{part}.bias");
+            if let Some(info) = content.tensor_infos.get(&name) {
+                let mut shape = info.shape.dims().to_vec();
+                shape[0] = n;
+                let a = if i == 0 || i == 4 {
+                    1.0
+                } else {
+                    amplitude(&name)
+                };
+                made.push(random_f32(shape, (l * 10 + i) as u64 + 55, a));
+                names.push(name);
+            }
             let name = format!("blk.{l}.{part}.weight");
             let Some(info) = content.tensor_infos.get(&name) else {
                 continue;
@@ -551,19 +571,10 @@ fn experts_choose(arch: &str) {
                     made.push(vector(common::data(n, (l * 10 + i + j) as u64 + 99, 1.0)));
                 }
             }
-            // Biases on the router and each expert (gpt-oss): (E) or (E, width).
-            let name = format!("blk.{l}.{part}.bias");
-            if let Some(info) = content.tensor_infos.get(&name) {
-                let mut shape = info.shape.dims().to_vec();
-                shape[0] = n;
-                let a = if i == 0 { 1.0 } else { amplitude(&name) };
-                made.push(random_f32(shape, (l * 10 + i) as u64 + 55, a));
-                names.push(name);
-            }
         }
     }
-    let file = scratch(&format!("{arch}-8-experts.gguf"));
-    let plain = scratch(&format!("{arch}-8-experts-all-used.gguf"));
+    let file = scratch(&format!("{arch}{tag}-8-experts.gguf"));
+    let plain = scratch(&format!("{arch}{tag}-8-experts-all-used.gguf"));
     let count = format!("{arch}.expert_count");
     let used = format!("{arch}.expert_used_count");
     for (to, k) in [(&file, 2), (&plain, 8)] {
@@ -578,7 +589,11 @@ fn experts_choose(arch: &str) {
         suite::rewrite(
             &src,
             to,
-            &[(count.as_str(), u(n as u32)), (used.as_str(), u(k))],
+            &[
+                &[(count.as_str(), u(n as u32)), (used.as_str(), u(k))][..],
+                edit,
+            ]
+            .concat(),
             tensors,
         );
     }
@@ -608,6 +623,24 @@ fn mixtral_style_llama_experts_choose_two_of_eight() {
 #[test]
 fn granitemoe_experts_choose_two_of_eight_beside_the_shared_one() {
     experts_choose("granitemoe");
+}
+
+/// dots.llm1 as published: sigmoid gating, the choice by the sigmoids plus `exp_probs_b`, the
+/// weights unbiased, beside the shared expert, after a leading dense layer.
+#[test]
+fn dots1_experts_choose_two_of_eight_by_biased_sigmoids() {
+    experts_choose("dots1");
+}
+
+/// dots.llm1 with its other keys set: softmax gating, the weights renormalised and scaled.
+#[test]
+fn dots1_softmax_gating_renormalised_and_scaled() {
+    let edit = [
+        ("dots1.expert_gating_func", u(1)),
+        ("dots1.expert_weights_norm", Some(Value::Bool(true))),
+        ("dots1.expert_weights_scale", f(2.5)),
+    ];
+    experts_choose_with("dots1", "-softmax", &edit);
 }
 
 /// gpt-oss: the top two of the biased router logits, weighted by their softmax; every

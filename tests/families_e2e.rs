@@ -53,6 +53,9 @@ const CASES: &[(&str, &str, Option<&str>)] = &[
     // gpt-oss's own vocabulary (o200k_harmony) is in none of llama.cpp's vocabulary files: a
     // byte-level BPE one stands in, with gpt-oss's Harmony template.
     ("gpt-oss", "gpt-2", Some("openai-gpt-oss-120b.jinja")),
+    // dots.llm1's vocabulary is Qwen2's byte-level BPE grown; its template is not among
+    // llama.cpp's.
+    ("dots1", "qwen2", None),
     (
         "granitemoe",
         "gpt-2",

@@ -228,6 +228,13 @@ pub struct MoeCfg {
     /// Biases on the router and on each expert's gate, up and down (gpt-oss): the router's
     /// added to its logits, each expert's after its product.
     pub biases: bool,
+    /// `exp_probs_b`: a bias added to the probabilities for choosing the experts only, their
+    /// weights staying unbiased (dots.llm1, DeepSeek-V3 style): read where it may be.
+    pub selection_bias: Need,
+    /// The chosen weights times this, where it is neither 0 nor 1 (`expert_weights_scale`).
+    pub weights_scale: f32,
+    /// Layers before this one have a dense FFN (`leading_dense_block_count`).
+    pub dense_lead: usize,
 }
 
 /// A router's gating (llama.cpp's `expert_gating_func` as the family's graph passes it).
@@ -238,6 +245,9 @@ pub enum Gating {
     Softmax,
     /// Top k of the raw logits, then a softmax over those k alone (gpt-oss).
     SoftmaxWeight,
+    /// The sigmoid of each logit, the top k of those, their weights as they are (or
+    /// renormalised).
+    Sigmoid,
 }
 
 /// An expert every token goes through, beside the routed ones.

@@ -390,7 +390,7 @@ fn experts(
                     }
                 }
                 let mut sel = Vec::with_capacity(k);
-                super::moe::route(&logits, mc, &mut sel);
+                super::moe::route(&logits, mc, m.selection_bias.as_deref(), &mut sel);
                 sel
             })
             .collect();

@@ -38,15 +38,26 @@ pub fn router_logits(router: &[f32], x: &[f32], out: &mut [f32]) {
 
 /// One token's experts from its router `logits` (biased already, where the router has a
 /// bias): appends (expert, weight) for each of the `n_used` chosen, most likely first.
-pub fn route(logits: &[f32], cfg: &MoeCfg, sel: &mut Vec<(u32, f32)>) {
+/// `selection_bias`: added to the probabilities for the choice alone.
+pub fn route(
+    logits: &[f32],
+    cfg: &MoeCfg,
+    selection_bias: Option<&[f32]>,
+    sel: &mut Vec<(u32, f32)>,
+) {
     let p = match cfg.gating {
         Gating::Softmax => softmax(logits),
         Gating::SoftmaxWeight => logits.to_vec(),
+        Gating::Sigmoid => logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect(),
+    };
+    let choose: Vec<f32> = match selection_bias {
+        Some(b) => p.iter().zip(b).map(|(p, b)| p + b).collect(),
+        None => p.clone(),
     };
     let mut order: Vec<u32> = (0..p.len() as u32).collect();
     order.sort_by(|&a, &b| {
-        p[b as usize]
-            .partial_cmp(&p[a as usize])
+        choose[b as usize]
+            .partial_cmp(&choose[a as usize])
             .unwrap_or(std::cmp::Ordering::Equal)
             .then(a.cmp(&b))
     });
@@ -60,6 +71,11 @@ pub fn route(logits: &[f32], cfg: &MoeCfg, sel: &mut Vec<(u32, f32)>) {
         let s = s.max(NORM_FLOOR);
         for v in &mut w {
             *v /= s;
+        }
+    }
+    if cfg.weights_scale != 0.0 && cfg.weights_scale != 1.0 {
+        for v in &mut w {
+            *v *= cfg.weights_scale;
         }
     }
     sel.extend(chosen.iter().copied().zip(w));
@@ -93,6 +109,9 @@ mod tests {
             shared: SharedExpert::None,
             gating: Gating::Softmax,
             biases: false,
+            selection_bias: Need::Absent,
+            weights_scale: 0.0,
+            dense_lead: 0,
         }
     }
 
@@ -102,12 +121,12 @@ mod tests {
         let e: Vec<f64> = logits.iter().map(|&l| (f64::from(l) - 2.0).exp()).collect();
         let total: f64 = e.iter().sum();
         let mut sel = Vec::new();
-        route(&logits, &cfg(2, false), &mut sel);
+        route(&logits, &cfg(2, false), None, &mut sel);
         // Ties go to the lower index: 1 before 3.
         assert_eq!(sel.iter().map(|s| s.0).collect::<Vec<_>>(), [1, 3]);
         assert!((f64::from(sel[0].1) - e[1] / total).abs() < 1e-6);
         sel.clear();
-        route(&logits, &cfg(3, true), &mut sel);
+        route(&logits, &cfg(3, true), None, &mut sel);
         assert_eq!(sel.iter().map(|s| s.0).collect::<Vec<_>>(), [1, 3, 2]);
         let sum: f32 = sel.iter().map(|s| s.1).sum();
         assert!((sum - 1.0).abs() < 1e-6, "{sel:?}");
@@ -121,11 +140,35 @@ mod tests {
         let mut c = cfg(2, false);
         c.gating = Gating::SoftmaxWeight;
         let mut sel = Vec::new();
-        route(&logits, &c, &mut sel);
+        route(&logits, &c, None, &mut sel);
         assert_eq!(sel.iter().map(|s| s.0).collect::<Vec<_>>(), [1, 3]);
         let want = 1.0 / (1.0 + (-1.0f64).exp());
         assert!((f64::from(sel[0].1) - want).abs() < 1e-6, "{sel:?}");
         assert!((f64::from(sel[1].1) - (1.0 - want)).abs() < 1e-6, "{sel:?}");
+    }
+
+    /// Sigmoid gating with a selection bias (dots.llm1): the bias decides the choice, the
+    /// weights are the unbiased sigmoids, renormalised and scaled.
+    #[test]
+    fn sigmoid_gating_chooses_by_the_biased_probabilities() {
+        let logits = [2.0f32, 1.0, 0.0, -1.0];
+        let mut c = cfg(2, true);
+        c.gating = Gating::Sigmoid;
+        c.weights_scale = 2.5;
+        let bias = [0.0f32, 0.0, 0.9, 0.0];
+        let mut sel = Vec::new();
+        route(&logits, &c, Some(&bias), &mut sel);
+        assert_eq!(sel.iter().map(|s| s.0).collect::<Vec<_>>(), [2, 0]);
+        let s = |x: f64| 1.0 / (1.0 + (-x).exp());
+        let (a, b) = (s(0.0), s(2.0));
+        assert!(
+            (f64::from(sel[0].1) - 2.5 * a / (a + b)).abs() < 1e-6,
+            "{sel:?}"
+        );
+        assert!(
+            (f64::from(sel[1].1) - 2.5 * b / (a + b)).abs() < 1e-6,
+            "{sel:?}"
+        );
     }
 
     #[test]

@@ -113,6 +113,8 @@ pub struct Moe {
     pub shared_gate: Option<Vec<f32>>,
     /// The router's bias (E), added to its logits (gpt-oss).
     pub router_bias: Option<Vec<f32>>,
+    /// `exp_probs_b` (E): added to the probabilities to choose the experts, not to weigh them.
+    pub selection_bias: Option<Vec<f32>>,
 }
 
 pub struct Layer {
@@ -688,9 +690,10 @@ fn load_layer(r: &Reader<'_>, cfg: &DecoderConfig, i: usize, view: usize) -> Res
         true => Some(r.host_vector(&name("attn_sinks.weight"), h)?),
         false => None,
     };
+    // Experts from layer `dense_lead` on (DeepSeek-style leading dense layers before).
     let ffn = match &cfg.moe {
-        None => Ffn::Dense(load_mlp(r, cfg, &p)?),
-        Some(m) => Ffn::Moe(Box::new(load_moe(r, cfg, m, &p)?)),
+        Some(m) if i >= m.dense_lead => Ffn::Moe(Box::new(load_moe(r, cfg, m, &p)?)),
+        _ => Ffn::Dense(load_mlp(r, cfg, &p)?),
     };
     Ok(Layer {
         attn_norm: r.norm(&name("attn_norm"), d, rules.attn_norm)?,
@@ -748,6 +751,11 @@ fn load_moe(r: &Reader<'_>, cfg: &DecoderConfig, m: &MoeCfg, p: &str) -> Result<
     let router_bias = match m.biases {
         true => Some(r.host_vector(&name("ffn_gate_inp.bias"), n)?),
         false => None,
+    };
+    let selection_bias = match m.selection_bias {
+        Need::Absent | Need::Ignored => None,
+        Need::Optional if !r.has(&name("exp_probs_b.bias")) => None,
+        _ => Some(r.host_vector(&name("exp_probs_b.bias"), n)?),
     };
     let gated = match m.gate {
         Need::Required => true,
@@ -841,6 +849,7 @@ fn load_moe(r: &Reader<'_>, cfg: &DecoderConfig, m: &MoeCfg, p: &str) -> Result<
         shared,
         shared_gate,
         router_bias,
+        selection_bias,
     })
 }
 

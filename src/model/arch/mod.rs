@@ -11,6 +11,7 @@
 //! says how the family routes them; a file with experts whose architecture does not is refused.
 
 mod cohere;
+mod dots;
 mod gemma;
 mod gpt;
 mod llama;
@@ -63,6 +64,7 @@ pub const ARCHS: &[(&str, Build)] = &[
     ("olmo2", olmo::olmo2),
     ("olmoe", olmo::olmoe),
     ("gpt-oss", openai::gpt_oss),
+    ("dots1", dots::dots1),
     ("exaone4", olmo::exaone4),
     ("glm4", olmo::glm4),
     ("chatglm", olmo::chatglm),
@@ -402,7 +404,25 @@ impl Common {
             shared,
             gating: Gating::Softmax,
             biases: false,
+            selection_bias: Need::Absent,
+            weights_scale: 0.0,
+            dense_lead: 0,
         }))
+    }
+
+    /// `expert_gating_func` as llama.cpp's graph takes it for the families that read it:
+    /// 1 softmax, 2 sigmoid, 3 softmax over the chosen logits; anything else (0, llama.cpp's
+    /// "none", on which its graph aborts; 4, the square root of softplus) refused.
+    pub fn gating(&self, k: &Keys) -> Result<Gating> {
+        match k.usize_or("expert_gating_func", 0)? {
+            1 => Ok(Gating::Softmax),
+            2 => Ok(Gating::Sigmoid),
+            3 => Ok(Gating::SoftmaxWeight),
+            g => bail!(
+                "{}.expert_gating_func is {g}: gen routes by softmax (1), sigmoid (2) or a softmax of the chosen logits (3)",
+                self.arch
+            ),
+        }
     }
 
     /// llama.cpp refuses llama-family files whose rotary width is not the head width.
