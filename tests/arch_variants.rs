@@ -643,6 +643,17 @@ fn dots1_softmax_gating_renormalised_and_scaled() {
     experts_choose_with("dots1", "-softmax", &edit);
 }
 
+/// DeepSeek-MoE: softmax, the weights scaled by `expert_weights_scale`, beside the shared
+/// expert, after a leading dense layer.
+#[test]
+fn deepseek_experts_choose_two_of_eight_their_weights_scaled() {
+    experts_choose_with(
+        "deepseek",
+        "-scaled",
+        &[("deepseek.expert_weights_scale", f(2.5))],
+    );
+}
+
 /// gpt-oss: the top two of the biased router logits, weighted by their softmax; every
 /// expert's biases.
 #[test]

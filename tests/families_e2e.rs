@@ -56,6 +56,7 @@ const CASES: &[(&str, &str, Option<&str>)] = &[
     // dots.llm1's vocabulary is Qwen2's byte-level BPE grown; its template is not among
     // llama.cpp's.
     ("dots1", "qwen2", None),
+    ("deepseek", "deepseek-llm", None),
     (
         "granitemoe",
         "gpt-2",

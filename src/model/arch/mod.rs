@@ -11,7 +11,7 @@
 //! says how the family routes them; a file with experts whose architecture does not is refused.
 
 mod cohere;
-mod dots;
+mod deepseek;
 mod gemma;
 mod gpt;
 mod llama;
@@ -64,7 +64,8 @@ pub const ARCHS: &[(&str, Build)] = &[
     ("olmo2", olmo::olmo2),
     ("olmoe", olmo::olmoe),
     ("gpt-oss", openai::gpt_oss),
-    ("dots1", dots::dots1),
+    ("dots1", deepseek::dots1),
+    ("deepseek", deepseek::deepseek),
     ("exaone4", olmo::exaone4),
     ("glm4", olmo::glm4),
     ("chatglm", olmo::chatglm),

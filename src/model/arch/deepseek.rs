@@ -1,0 +1,75 @@
+//! DeepSeek-style mixtures of experts with ordinary attention: leading dense layers, then
+//! routed experts beside shared ones whose width is `expert_shared_count` experts' — DeepSeek-MoE
+//! (`deepseek`: DeepSeek-MoE 16B, llama's attention, softmax gating, weights scaled by
+//! `expert_weights_scale`) and dots.llm1 (`dots1`: Qwen3's attention with per-head q/k norms,
+//! the file's `expert_gating_func` (sigmoid in the published files) with a selection bias
+//! (`exp_probs_b`), weights renormalised and scaled as its keys say). DeepSeek-V2/V3's
+//! latent attention (`deepseek2`) is not here: refused as an architecture.
+
+use anyhow::{bail, Result};
+
+use super::{Common, ExpertWidth};
+use crate::model::config::{
+    DecoderConfig, Gating, Keys, MoeCfg, Need, NormKind, Output, QkNorm, RopePairs, SharedExpert,
+    TensorRules,
+};
+
+/// The experts past `leading_dense_block_count`, with `expert_shared_count` shared ones and
+/// the chosen weights scaled by `expert_weights_scale`, as both loaders read them.
+fn experts(k: &Keys, c: &Common, norm: bool, gating: Gating) -> Result<MoeCfg> {
+    let ff = k.usize("expert_feed_forward_length")?;
+    let shared = k.usize("expert_shared_count")?;
+    if shared == 0 {
+        bail!(
+            "{}.expert_shared_count is 0: its layers with experts have shared ones",
+            c.arch
+        );
+    }
+    let moe = c.moe(
+        k,
+        ExpertWidth::ExpertKey,
+        norm,
+        false,
+        Need::Required,
+        SharedExpert::Plain { ff: ff * shared },
+    )?;
+    let Some(mut m) = moe else {
+        bail!(
+            "{}.expert_count is 0: it has experts past its leading dense layers",
+            c.arch
+        );
+    };
+    m.gating = gating;
+    m.weights_scale = k.f32_or("expert_weights_scale", 0.0)?;
+    m.dense_lead = k.usize_or("leading_dense_block_count", 0)?;
+    Ok(m)
+}
+
+/// DeepSeek-MoE (16B), as llama.cpp's `deepseek` loader reads it: llama's attention (q/k/v
+/// biases optional, no rope factors), softmax gating, weights not renormalised.
+pub fn deepseek(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let tensors = TensorRules {
+        output: Output::TiedIfAbsent,
+        ..TensorRules::PLAIN
+    };
+    let mut d = c.decoder(k, NormKind::Rms, RopePairs::Norm, tensors)?;
+    d.moe = Some(experts(k, &c, false, Gating::Softmax)?);
+    Ok(d)
+}
+
+/// dots.llm1, as llama.cpp's `dots1` loader reads it.
+pub fn dots1(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let tensors = TensorRules {
+        qk_norm: Need::Required,
+        output: Output::Own,
+        ..TensorRules::PLAIN
+    };
+    let mut d = c.decoder(k, NormKind::Rms, RopePairs::Neox, tensors)?;
+    d.attn.qk_norm = QkNorm::Heads { after_rope: false };
+    c.whole_heads_rotate()?;
+    let gating = c.gating(k)?;
+    let mut m = experts(k, &c, k.bool_or("expert_weights_norm", false)?, gating)?;
+    m.selection_bias = Need::Optional;
+    d.moe = Some(m);
+    Ok(d)
+}
