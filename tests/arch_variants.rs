@@ -673,3 +673,89 @@ fn gpt_oss_yarn_and_the_windowed_layers_own_rope_base() {
     ];
     edited("gpt-oss-moe", "gpt-oss-yarn", &edit);
 }
+
+/// GLM-4.5: experts chosen by biased sigmoids beside the shared one, after a dense layer.
+#[test]
+fn glm4moe_experts_choose_two_of_eight_by_biased_sigmoids() {
+    experts_choose("glm4moe");
+}
+
+/// GLM-4.5's partial rotary (half the head, as its files have it), pairs of halves with
+/// multimodal rope sections and without them.
+#[test]
+fn glm4moe_partial_rotary_with_and_without_sections() {
+    let sections = |v: [i32; 4]| Some(Value::Array(v.iter().map(|&x| Value::I32(x)).collect()));
+    let halves = [
+        ("glm4moe.rope.dimension_count", u(64)),
+        ("glm4moe.rope.dimension_sections", sections([16, 16, 0, 0])),
+    ];
+    edited("glm4moe-moe", "glm4moe-partial-halves", &halves);
+    let no_sections = [
+        ("glm4moe.rope.dimension_count", u(64)),
+        ("glm4moe.rope.dimension_sections", None),
+    ];
+    edited("glm4moe-moe", "glm4moe-partial-no-sections", &no_sections);
+}
+
+/// A GLM-4.5 file ending in a multi-token prediction block (`nextn_predict_layers` 1: a
+/// third block holding a layer's tensors and the `nextn.*` ones), which llama.cpp skips: gen
+/// skips it too and agrees; as a plain block it would change the logits.
+#[test]
+fn glm4moe_skips_its_multi_token_prediction_block() {
+    let dir = suite::dir();
+    let src = dir.join("seed-1/glm4moe-moe.gguf");
+    let mut f = std::fs::File::open(&src).unwrap();
+    let content = gguf_file::Content::read(&mut f).unwrap();
+    let mut extra: Vec<(String, QTensor)> = Vec::new();
+    // A layer's tensors without the per-tensor scales, which llama.cpp reads for the trunk's
+    // layers only (as real files have them).
+    for name in content
+        .tensor_infos
+        .keys()
+        .filter(|n| n.starts_with("blk.1.") && !n.contains("scale"))
+    {
+        let t = content.tensor(&mut f, name, &Device::Cpu).unwrap();
+        extra.push((name.replacen("blk.1.", "blk.2.", 1), t));
+    }
+    let d = 256;
+    extra.push((
+        "blk.2.nextn.eh_proj.weight".into(),
+        random_f32(vec![d, 2 * d], 3, 0.05),
+    ));
+    extra.push((
+        "blk.2.nextn.enorm.weight".into(),
+        random_f32(vec![d], 4, 1.0),
+    ));
+    extra.push((
+        "blk.2.nextn.hnorm.weight".into(),
+        random_f32(vec![d], 5, 1.0),
+    ));
+    let file = scratch("glm4moe-mtp.gguf");
+    let edit = [
+        ("glm4moe.block_count", u(3)),
+        ("glm4moe.nextn_predict_layers", u(1)),
+    ];
+    let tensors = extra
+        .iter()
+        .map(|(n, t)| (n.as_str(), Some(copy(t))))
+        .collect();
+    suite::rewrite(&src, &file, &edit, tensors);
+    let e = check(&dir, &file, None, 256);
+    // The same three blocks run as layers: far from it.
+    let plain = scratch("glm4moe-three-layers.gguf");
+    let tensors: Vec<(&str, Option<QTensor>)> = extra
+        .iter()
+        .filter(|(n, _)| !n.contains("nextn"))
+        .map(|(n, t)| (n.as_str(), Some(copy(t))))
+        .collect();
+    suite::rewrite(&src, &plain, &[("glm4moe.block_count", u(3))], tensors);
+    let want = llama_logits(&dir, &file, &ids(&dir), 256);
+    let (other, _) = gen_logits(&plain, &ids(&dir), 50, 256).unwrap();
+    let apart = nmse(&want, &other);
+    assert!(apart > 100.0 * e, "three layers are as near ({apart:.2e})");
+}
+
+/// A copy of an f32 tensor (QTensor is not Clone).
+fn copy(t: &QTensor) -> QTensor {
+    QTensor::quantize(&t.dequantize(&Device::Cpu).unwrap(), GgmlDType::F32).unwrap()
+}

@@ -57,6 +57,9 @@ const CASES: &[(&str, &str, Option<&str>)] = &[
     // llama.cpp's.
     ("dots1", "qwen2", None),
     ("deepseek", "deepseek-llm", None),
+    // GLM-4.5's vocabulary (its own byte-level BPE) is in none of llama.cpp's vocabulary
+    // files: Qwen2's stands in, with GLM-4.6's template.
+    ("glm4moe", "qwen2", Some("GLM-4.6.jinja")),
     (
         "granitemoe",
         "gpt-2",

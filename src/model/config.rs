@@ -297,6 +297,9 @@ pub struct DecoderConfig {
     pub tensors: TensorRules,
     /// Some: every layer's FFN is a mixture of experts.
     pub moe: Option<MoeCfg>,
+    /// Multi-token prediction blocks after the last layer (GLM-4.5's): their tensors are
+    /// accepted and not read, as llama.cpp skips them unless asked to speculate with them.
+    pub mtp_blocks: usize,
 }
 
 impl DecoderConfig {

@@ -931,6 +931,14 @@ fn check_all_read(ckpt: &Checkpoint, cfg: &DecoderConfig, read: &BTreeSet<String
         if read.contains(&n) || cfg.tensors.ignored.contains(&n.as_str()) {
             continue;
         }
+        // Multi-token prediction blocks, which llama.cpp skips too.
+        let block = n
+            .strip_prefix("blk.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|b| b.parse::<usize>().ok());
+        if block.is_some_and(|b| b >= cfg.n_layer && b < cfg.n_layer + cfg.mtp_blocks) {
+            continue;
+        }
         // llama.cpp loads `.input_scale` factors for every projection and uses none of them.
         if let Some(of) = n.strip_suffix(".input_scale") {
             if read.contains(&format!("{of}.weight")) {

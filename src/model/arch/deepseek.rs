@@ -8,10 +8,10 @@
 
 use anyhow::{bail, Result};
 
-use super::{Common, ExpertWidth};
+use super::{rope_sections, Common, ExpertWidth};
 use crate::model::config::{
-    DecoderConfig, Gating, Keys, MoeCfg, Need, NormKind, Output, QkNorm, RopePairs, SharedExpert,
-    TensorRules,
+    DecoderConfig, Gating, Keys, MoeCfg, Need, NormKind, NormRule, Output, QkNorm, RopePairs,
+    SharedExpert, TensorRules,
 };
 
 /// The experts past `leading_dense_block_count`, with `expert_shared_count` shared ones and
@@ -70,6 +70,34 @@ pub fn dots1(k: &Keys, c: Common) -> Result<DecoderConfig> {
     let gating = c.gating(k)?;
     let mut m = experts(k, &c, k.bool_or("expert_weights_norm", false)?, gating)?;
     m.selection_bias = Need::Optional;
+    d.moe = Some(m);
+    Ok(d)
+}
+
+/// GLM-4.5, GLM-4.5-Air, GLM-4.6 (`glm4moe`), as llama.cpp's `glm4moe` loader reads it: q/k/v
+/// biases, per-head q/k norms where the file has them, partial rotary pairing halves (with
+/// multimodal rope sections or without: text positions turn every section alike); the FFN
+/// norm under the name `post_attention_norm`; leading dense layers, then sigmoid-gated experts
+/// (unless the file says otherwise) with a selection bias beside shared experts. Its
+/// multi-token prediction block is skipped (`nextn_predict_layers`).
+pub fn glm4moe(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    rope_sections(k, &c)?;
+    let tensors = TensorRules {
+        qk_norm: Need::Optional,
+        ffn_norm_name: "post_attention_norm",
+        output: Output::TiedIfAbsent,
+        ..TensorRules::PLAIN
+    };
+    debug_assert!(matches!(tensors.ffn_norm, NormRule::Weighted { .. }));
+    let mut d = c.decoder(k, NormKind::Rms, RopePairs::Neox, tensors)?;
+    d.attn.qk_norm = QkNorm::Heads { after_rope: false };
+    // llama.cpp reads "none" (0, or no key) as sigmoid for this family.
+    let gating = match k.usize_or("expert_gating_func", 0)? {
+        0 => Gating::Sigmoid,
+        _ => c.gating(k)?,
+    };
+    let mut m = experts(k, &c, k.bool_or("expert_weights_norm", false)?, gating)?;
+    m.selection_bias = Need::Required;
     d.moe = Some(m);
     Ok(d)
 }

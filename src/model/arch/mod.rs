@@ -66,6 +66,7 @@ pub const ARCHS: &[(&str, Build)] = &[
     ("gpt-oss", openai::gpt_oss),
     ("dots1", deepseek::dots1),
     ("deepseek", deepseek::deepseek),
+    ("glm4moe", deepseek::glm4moe),
     ("exaone4", olmo::exaone4),
     ("glm4", olmo::glm4),
     ("chatglm", olmo::chatglm),
@@ -151,19 +152,29 @@ pub struct Common {
     /// `expert_count` (0: a dense model); an architecture that runs experts says how
     /// ([`Common::moe`]), the others refuse a file with them.
     pub n_expert: usize,
+    /// Multi-token prediction blocks after the `n_layer` that run (`nextn_predict_layers`).
+    pub nextn: usize,
 }
+
+/// The architectures whose files may end in multi-token prediction blocks, skipped.
+const MTP_ARCHS: &[&str] = &["glm4moe"];
 
 impl Common {
     fn read(k: &Keys) -> Result<Self> {
         let context_len = k.usize("context_length")?;
         let d_model = k.usize("embedding_length")?;
-        let n_layer = k.usize("block_count")?;
-        if let Some(n) = k.usize_opt("nextn_predict_layers")?.filter(|&n| n > 0) {
+        let n_layer_all = k.usize("block_count")?;
+        // Multi-token prediction layers (the file's last blocks) are llama.cpp's only for
+        // speculation, loaded on request: the families that have them skip them, as
+        // llama.cpp does by default; elsewhere they are refused.
+        let nextn = k.usize_opt("nextn_predict_layers")?.unwrap_or(0);
+        if nextn > 0 && !(MTP_ARCHS.contains(&k.arch) && nextn < n_layer_all) {
             bail!(
-                "{}.nextn_predict_layers is {n}: multi-token prediction layers are not supported",
+                "{}.nextn_predict_layers is {nextn}: multi-token prediction layers are not supported",
                 k.arch
             );
         }
+        let n_layer = n_layer_all - nextn;
         // llama.cpp reads Hunyuan's `expert_count` of 1 as no experts.
         let one_is_none = matches!(k.arch, "hunyuan-dense" | "hunyuan_vl");
         let n_expert = k
@@ -258,6 +269,7 @@ impl Common {
             rope_attn_factor: k.f32_or("rope.scaling.attn_factor", 1.0)?,
             n_ctx_orig: k.usize_or("rope.scaling.original_context_length", context_len)?,
             n_expert,
+            nextn,
         })
     }
 
@@ -351,6 +363,7 @@ impl Common {
             rope_pairs: pairs,
             tensors,
             moe: None,
+            mtp_blocks: self.nextn,
         })
     }
 
