@@ -697,6 +697,39 @@ fn glm4moe_partial_rotary_with_and_without_sections() {
     edited("glm4moe-moe", "glm4moe-partial-no-sections", &no_sections);
 }
 
+/// ERNIE 4.5 with experts: softmax routing, the two chosen renormalised, the selection bias
+/// (`exp_probs_b`) where the file has one, beside the shared expert.
+#[test]
+fn ernie4_5_moe_experts_choose_two_of_eight() {
+    experts_choose("ernie4_5-moe");
+}
+
+/// Routing settings llama.cpp would run differently or not at all are refused in one line that
+/// names the key: an ERNIE 4.5 layer after the dense ones left without experts (llama.cpp loads
+/// no dense FFN there), gating 0 (its graph aborts) and 4 (square root of softplus), and
+/// group-limited routing.
+#[test]
+fn unsupported_routing_is_refused_in_one_line() {
+    let dir = suite::dir();
+    let cases: [(&str, &str, Option<Value>); 4] = [
+        ("ernie4_5-moe", "interleave_moe_layer_step", u(3)),
+        ("dots1", "expert_gating_func", u(0)),
+        ("dots1", "expert_gating_func", u(4)),
+        ("qwen3moe", "expert_group_count", u(2)),
+    ];
+    for (arch, key, value) in cases {
+        let src = dir.join(format!("seed-1/{arch}-moe.gguf"));
+        let file = scratch(&format!("{arch}-{key}-refused.gguf"));
+        let full = format!("{arch}.{key}");
+        suite::rewrite(&src, &file, &[(full.as_str(), value)], Vec::new());
+        let e = match gen_logits(&file, &ids(&dir), 20, 256) {
+            Ok(_) => panic!("{full}: ran"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(e.contains(&full) && !e.contains('\n'), "{full}: {e}");
+    }
+}
+
 /// A GLM-4.5 file ending in a multi-token prediction block (`nextn_predict_layers` 1: a
 /// third block holding a layer's tensors and the `nextn.*` ones), which llama.cpp skips: gen
 /// skips it too and agrees; as a plain block it would change the logits.

@@ -60,6 +60,8 @@ const CASES: &[(&str, &str, Option<&str>)] = &[
     // GLM-4.5's vocabulary (its own byte-level BPE) is in none of llama.cpp's vocabulary
     // files: Qwen2's stands in, with GLM-4.6's template.
     ("glm4moe", "qwen2", Some("GLM-4.6.jinja")),
+    // ERNIE 4.5's vocabulary is SentencePiece: llama.cpp's Llama 2 one stands in.
+    ("ernie4_5-moe", "llama-spm", None),
     (
         "granitemoe",
         "gpt-2",

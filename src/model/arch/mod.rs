@@ -12,6 +12,7 @@
 
 mod cohere;
 mod deepseek;
+mod ernie;
 mod gemma;
 mod gpt;
 mod llama;
@@ -67,6 +68,7 @@ pub const ARCHS: &[(&str, Build)] = &[
     ("dots1", deepseek::dots1),
     ("deepseek", deepseek::deepseek),
     ("glm4moe", deepseek::glm4moe),
+    ("ernie4_5-moe", ernie::ernie4_5_moe),
     ("exaone4", olmo::exaone4),
     ("glm4", olmo::glm4),
     ("chatglm", olmo::chatglm),
