@@ -14,8 +14,7 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::Path;
 
 use candle_core::quantized::gguf_file;
 use gen::tokenizer::Tokenizer;
@@ -40,7 +39,7 @@ const VOCABS: &[(&str, Expect)] = &[
     ("deepseek-coder", Runs),            // gpt2 / deepseek-coder
     ("deepseek-llm", Runs),              // gpt2 / deepseek-llm
     ("falcon", Runs),                    // gpt2 / falcon
-    ("gemma-4", Refused("`gemma4`")),    // BPE on raw UTF-8 with escaped spaces
+    ("gemma-4", Runs),                   // gemma4: BPE on raw UTF-8 with escaped spaces
     ("gpt-2", Runs),                     // gpt2 / gpt-2
     ("gpt-neox", Runs),                  // gpt2, no pre (default); no .inp
     ("llama-bpe", Runs),                 // gpt2 / llama-bpe

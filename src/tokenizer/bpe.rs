@@ -69,12 +69,28 @@ pub(super) struct Bpe {
     pairs: Pairs,
     /// Llama 3's pre-tokenizer: a piece that is an entry as a whole is that entry.
     ignore_merges: bool,
+    /// Set for vocabularies merged on raw UTF-8 ([`Bpe::take_raw_utf8`]).
+    raw: Option<RawUtf8>,
 }
+
+/// How a raw-UTF-8 vocabulary (Gemma 4's) differs: a character it lacks is kept as a symbol
+/// that merges with nothing and comes out as `<0xNN>` byte tokens (a byte without one is
+/// dropped), as llama.cpp's BPE session does when it does not byte-encode.
+struct RawUtf8 {
+    bytes: [Option<u32>; 256],
+    /// A piece of newlines alone that is an entry is that entry.
+    whole_newlines: bool,
+}
+
+/// The id of a symbol the vocabulary lacks (raw UTF-8 only): never merged.
+const MISSING: u32 = u32::MAX;
 
 /// A symbol of a piece being merged: its id, bytes, and neighbours (len 0 once merged away).
 #[derive(Clone, Copy)]
 struct Symbol {
     id: u32,
+    /// Where its bytes start in the piece.
+    start: usize,
     len: usize,
     prev: Option<usize>,
     next: Option<usize>,
@@ -143,7 +159,21 @@ impl Bpe {
             lookup,
             pairs,
             ignore_merges,
+            raw: None,
         })
+    }
+
+    /// Merge raw UTF-8 (characters as they are) rather than byte-level characters: see
+    /// [`RawUtf8`]. `whole_newlines`: llama.cpp's Gemma 4 rule for pieces of newlines.
+    pub(super) fn take_raw_utf8(&mut self, whole_newlines: bool) {
+        let mut bytes = [None; 256];
+        for (b, id) in bytes.iter_mut().enumerate() {
+            *id = self.lookup.get(&format!("<0x{b:02X}>"));
+        }
+        self.raw = Some(RawUtf8 {
+            bytes,
+            whole_newlines,
+        });
     }
 
     /// The merges as (left id, right id) in rank order (for the `tokenizers` form).
@@ -165,7 +195,8 @@ impl Bpe {
         if piece.is_empty() {
             return;
         }
-        if self.ignore_merges {
+        let newlines = || piece.bytes().all(|b| b == b'\n');
+        if self.ignore_merges || self.raw.as_ref().is_some_and(|r| r.whole_newlines) && newlines() {
             if let Some(id) = self.lookup.get(piece) {
                 out.push(id);
                 return;
@@ -173,22 +204,30 @@ impl Bpe {
         }
         let mut symbols: Vec<Symbol> = Vec::with_capacity(piece.len());
         let mut buf = [0u8; 4];
-        for c in piece.chars() {
-            if let Some(id) = self.lookup.get(c.encode_utf8(&mut buf)) {
-                let i = symbols.len();
-                if let Some(last) = symbols.last_mut() {
-                    last.next = Some(i);
-                }
-                symbols.push(Symbol {
-                    id,
-                    len: c.len_utf8(),
-                    prev: i.checked_sub(1),
-                    next: None,
-                });
+        for (start, c) in piece.char_indices() {
+            let id = match self.lookup.get(c.encode_utf8(&mut buf)) {
+                Some(id) => id,
+                None if self.raw.is_some() => MISSING,
+                None => continue,
+            };
+            let i = symbols.len();
+            if let Some(last) = symbols.last_mut() {
+                last.next = Some(i);
             }
+            symbols.push(Symbol {
+                id,
+                start,
+                len: c.len_utf8(),
+                prev: i.checked_sub(1),
+                next: None,
+            });
         }
         let merge = |symbols: &[Symbol], pos: usize, right: usize| {
-            let (rank, id) = self.pairs.get(symbols[pos].id, symbols[right].id)?;
+            let (left, right) = (symbols[pos].id, symbols[right].id);
+            if left == MISSING || right == MISSING {
+                return None;
+            }
+            let (rank, id) = self.pairs.get(left, right)?;
             Some(Merge { rank, pos, id })
         };
         let mut queue: BinaryHeap<Merge> = (1..symbols.len())
@@ -204,6 +243,7 @@ impl Bpe {
             let right = symbols[next];
             symbols[top.pos] = Symbol {
                 id: top.id,
+                start: s.start,
                 len: s.len + right.len,
                 prev: s.prev,
                 next: right.next,
@@ -219,8 +259,15 @@ impl Bpe {
         }
         let mut at = (!symbols.is_empty()).then_some(0);
         while let Some(i) = at {
-            out.push(symbols[i].id);
-            at = symbols[i].next;
+            let s = symbols[i];
+            match (s.id, &self.raw) {
+                (MISSING, Some(raw)) => {
+                    let bytes = &piece.as_bytes()[s.start..s.start + s.len];
+                    out.extend(bytes.iter().filter_map(|&b| raw.bytes[usize::from(b)]));
+                }
+                (id, _) => out.push(id),
+            }
+            at = s.next;
         }
     }
 }
