@@ -730,6 +730,27 @@ fn unsupported_routing_is_refused_in_one_line() {
     }
 }
 
+/// Qwen3-VL's interleaved multimodal rope on text: the suite's sections ([32, 32, 32, 32] of
+/// 64 pairs) turn every pair, so here [8, 8, 8, 8] deals pairs 24-31 and 56-63 to the fourth
+/// section, which a text token's position does not turn (against llama.cpp, and far from the
+/// file where they turn), and the published [24, 20, 20, 0] (pairs 61 and 62 still) agrees.
+#[test]
+fn qwen3vl_text_rope_leaves_the_fourth_sections_pairs_still() {
+    let sections = |v: [i32; 4]| Some(Value::Array(v.iter().map(|&x| Value::I32(x)).collect()));
+    let quarters = [("qwen3vl.rope.dimension_sections", sections([8, 8, 8, 8]))];
+    edited("qwen3vl-dense", "qwen3vl-sections-8", &quarters);
+    let dir = suite::dir();
+    for stem in ["qwen3vl-dense", "qwen3vlmoe-moe"] {
+        let arch = stem.split('-').next().unwrap();
+        let src = dir.join(format!("seed-1/{stem}.gguf"));
+        let file = scratch(&format!("{stem}-published-sections.gguf"));
+        let key = format!("{arch}.rope.dimension_sections");
+        let edit = [(key.as_str(), sections([24, 20, 20, 0]))];
+        suite::rewrite(&src, &file, &edit, tensors(&sharp(&src), vec![]));
+        check(&dir, &file, None, 256);
+    }
+}
+
 /// A GLM-4.5 file ending in a multi-token prediction block (`nextn_predict_layers` 1: a
 /// third block holding a layer's tensors and the `nextn.*` ones), which llama.cpp skips: gen
 /// skips it too and agrees; as a plain block it would change the logits.

@@ -48,6 +48,9 @@ const CASES: &[(&str, &str, Option<&str>)] = &[
     ("qwen2", "qwen2", Some("Qwen-Qwen2.5-7B-Instruct.jinja")),
     ("qwen3", "qwen2", Some("Qwen-Qwen3-0.6B.jinja")),
     ("qwen3moe", "qwen2", Some("Qwen-Qwen3-0.6B.jinja")),
+    // Qwen3-VL's text models, with Qwen3's template (its own adds image and video parts).
+    ("qwen3vl", "qwen2", Some("Qwen-Qwen3-0.6B.jinja")),
+    ("qwen3vlmoe", "qwen2", Some("Qwen-Qwen3-0.6B.jinja")),
     ("qwen2moe", "qwen2", Some("Qwen-Qwen2.5-7B-Instruct.jinja")),
     ("olmoe", "gpt-2", None),
     // gpt-oss's own vocabulary (o200k_harmony) is in none of llama.cpp's vocabulary files: a

@@ -34,6 +34,41 @@ pub enum Factors {
     Short,
 }
 
+/// Multimodal rope (Qwen2-VL's M-RoPE, Qwen3-VL's interleaved form) as it turns text: the
+/// rotated pairs are dealt to sections (`rope.dimension_sections`: time, height, width, extra),
+/// and llama.cpp gives a text token its position in the first three and 0 in the fourth, so
+/// a pair dealt to the fourth (or to none) does not turn. Otherwise it is halves-paired rope.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TextMrope {
+    pub sections: [u32; 4],
+    /// Sections dealt in turn, pair by pair (IMROPE), not in runs (MROPE).
+    pub interleaved: bool,
+}
+
+impl TextMrope {
+    /// Whether pair `i` of the rotated part stays still for text, as ggml deals the pairs
+    /// (`ggml_mrope_cache_init`: the pair's sector is i modulo the sections' sum).
+    pub fn still(&self, i: usize) -> bool {
+        let [t, h, w, _] = self.sections.map(|x| x as usize);
+        let sector = i % self
+            .sections
+            .iter()
+            .map(|&x| x as usize)
+            .sum::<usize>()
+            .max(1);
+        if self.interleaved {
+            let text = match sector % 3 {
+                0 => sector < 3 * t,
+                1 => sector < 3 * h,
+                _ => sector < 3 * w,
+            };
+            !text
+        } else {
+            sector >= t + h + w
+        }
+    }
+}
+
 /// One rotary embedding, as llama.cpp's context resolves it (llama-context.cpp): the values
 /// its graph passes to `ggml_rope_ext`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -51,6 +86,8 @@ pub struct RopeCfg {
     pub beta_slow: f32,
     pub n_ctx_orig: usize,
     pub factors: Factors,
+    /// Multimodal rope's sections, where the file has them (see [`TextMrope`]).
+    pub mrope: Option<TextMrope>,
 }
 
 impl RopeCfg {
@@ -66,6 +103,7 @@ impl RopeCfg {
             beta_slow: 1.0,
             n_ctx_orig: 0,
             factors: Factors::None,
+            mrope: None,
         }
     }
 
@@ -94,6 +132,10 @@ impl RopeCfg {
         for &p in positions {
             for (i, f) in inv_freq.iter().enumerate() {
                 let ff = factors.map_or(1.0, |f| f[i]);
+                let p = match self.mrope {
+                    Some(m) if m.still(i) => 0,
+                    _ => p,
+                };
                 let extrap = p as f32 * f / ff;
                 let interp = self.freq_scale * extrap;
                 let (mut angle, mut mscale) = (interp, self.attn_factor);
@@ -147,6 +189,37 @@ mod tests {
         let f1 = 1.0 / 100f32.powf(0.5);
         assert_eq!(cos[0], (0.25 * (8.0f32 / 2.0)).cos());
         assert_eq!(cos[1], (0.25 * (8.0 * f1 / 4.0)).cos());
+    }
+
+    #[test]
+    fn text_mrope_leaves_the_pairs_of_the_fourth_section_still() {
+        // Qwen3-VL's [24, 20, 20, 0] interleaved over 64 pairs: t takes every third pair from
+        // 0 (up to 72, so all of them), h and w every third from 1 and 2 below 60; pairs 61
+        // and 62 fall to the fourth section.
+        let m = TextMrope {
+            sections: [24, 20, 20, 0],
+            interleaved: true,
+        };
+        let still: Vec<usize> = (0..64).filter(|&i| m.still(i)).collect();
+        assert_eq!(still, [61, 62]);
+        // Qwen2-VL's [16, 24, 24, 0] in runs covers every pair; [8, 8, 8, 8] leaves the last
+        // run of each 32 still.
+        let runs = |sections| TextMrope {
+            sections,
+            interleaved: false,
+        };
+        assert!((0..64).all(|i| !runs([16, 24, 24, 0]).still(i)));
+        let still: Vec<usize> = (0..64).filter(|&i| runs([8, 8, 8, 8]).still(i)).collect();
+        assert_eq!(still, (24..32).chain(56..64).collect::<Vec<_>>());
+        let cfg = RopeCfg {
+            mrope: Some(m),
+            ..RopeCfg::plain(128, 10_000.0)
+        };
+        let (cos, sin) = cfg.angles(&[5], None);
+        let (plain_cos, _) = RopeCfg::plain(128, 10_000.0).angles(&[5], None);
+        assert_eq!((cos[61], sin[61], cos[62]), (1.0, 0.0, 1.0));
+        assert_eq!(cos[60], plain_cos[60]);
+        assert_eq!(cos[63], plain_cos[63]);
     }
 
     #[test]

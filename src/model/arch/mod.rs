@@ -27,7 +27,7 @@ use super::config::{
     Activation, Attn, DecoderConfig, Gating, Keys, LayerPlan, MoeCfg, Need, NormKind, QkNorm,
     RopeCfg, RopePairs, SharedExpert, TensorRules,
 };
-use super::rope::{yarn_mscale, Factors};
+use super::rope::{yarn_mscale, Factors, TextMrope};
 
 /// Reads one architecture's configuration.
 type Build = fn(&Keys, Common) -> Result<DecoderConfig>;
@@ -56,6 +56,8 @@ pub const ARCHS: &[(&str, Build)] = &[
     ("qwen3", qwen::qwen3),
     ("qwen2moe", qwen::qwen2moe),
     ("qwen3moe", qwen::qwen3moe),
+    ("qwen3vl", qwen::qwen3vl),
+    ("qwen3vlmoe", qwen::qwen3vlmoe),
     ("gemma", gemma::gemma),
     ("gemma2", gemma::gemma2),
     ("gemma3", gemma::gemma3),
@@ -312,6 +314,7 @@ impl Common {
             // The file's factors, where it has them: long-rope's long or short ones as the
             // context window decides (set_context_window), or its `rope_freqs`.
             factors: Factors::Long,
+            mrope: None,
         }
     }
 
@@ -474,6 +477,35 @@ pub fn rope_sections(k: &Keys, c: &Common) -> Result<Vec<i64>> {
         Some(_) => bail!("{}.rope.dimension_sections should be an array", c.arch),
         None => Ok(Vec::new()),
     }
+}
+
+/// Multimodal rope as it turns text (`rope.dimension_sections`, required, as llama.cpp's
+/// Qwen2-VL and Qwen3-VL loaders require it): at most four sections, the first three not all
+/// 0, their sum at most a head's width (ggml asserts both). `interleaved`: Qwen3-VL's IMROPE.
+pub fn text_mrope(k: &Keys, c: &Common, interleaved: bool) -> Result<TextMrope> {
+    let key = format!("{}.rope.dimension_sections", c.arch);
+    let v = rope_sections(k, c)?;
+    if v.is_empty() {
+        bail!("{key} is missing: multimodal rope needs its sections");
+    }
+    let mut sections = [0u32; 4];
+    for (i, &x) in v.iter().enumerate() {
+        match (sections.get_mut(i), u32::try_from(x)) {
+            (Some(slot), Ok(x)) => *slot = x,
+            _ => bail!("{key} is {v:?}: expected at most four sections of 0 or more"),
+        }
+    }
+    let sum: usize = sections.iter().map(|&x| x as usize).sum();
+    if sections[..3].iter().all(|&x| x == 0) || sum > c.head_dim {
+        bail!(
+            "{key} is {v:?}: the first three all 0, or more than the head's {}",
+            c.head_dim
+        );
+    }
+    Ok(TextMrope {
+        sections,
+        interleaved,
+    })
 }
 
 /// Which layers have a sliding window, from `attention.sliding_window_pattern` as llama.cpp's

@@ -1,12 +1,15 @@
 //! Qwen (the first), Qwen2/2.5, Qwen3, and their mixtures of experts (Qwen2 MoE / Qwen1.5-MoE,
-//! Qwen3 MoE).
+//! Qwen3 MoE); the text models of Qwen3-VL (dense and MoE), which differ from them in how
+//! multimodal rope turns text ([`TextMrope`]) and in scales they leave unused. (Qwen2-VL's is
+//! not run: llama.cpp 0c1e57098's loader reads no norm epsilon for it and norms with 0.)
 
 use anyhow::Result;
 
-use super::{Common, ExpertWidth};
+use super::{text_mrope, Common, ExpertWidth};
 use crate::model::config::{
     DecoderConfig, Keys, Need, NormKind, Output, QkNorm, RopePairs, SharedExpert, TensorRules,
 };
+use crate::model::rope::TextMrope;
 
 /// Qwen (1): q, k and v with their biases in one matrix, its own output layer.
 pub fn qwen(k: &Keys, c: Common) -> Result<DecoderConfig> {
@@ -79,4 +82,36 @@ pub fn qwen2moe(k: &Keys, c: Common) -> Result<DecoderConfig> {
         shared,
     )?;
     Ok(d)
+}
+
+/// Every rotary embedding of `d` turned as multimodal rope turns text.
+fn with_mrope(mut d: DecoderConfig, m: TextMrope) -> DecoderConfig {
+    for r in &mut d.ropes {
+        r.mrope = Some(m);
+    }
+    d
+}
+
+/// Qwen3-VL's text model (2B to 32B): Qwen3 with interleaved M-RoPE, the FFN's scales read and
+/// not applied (llama.cpp's graph passes none). Its deepstack layers add the vision encoder's
+/// features to the first layers' outputs; a text token has none (llama.cpp pads its embedding
+/// with zeros there), so `n_deepstack_layers` changes nothing for text.
+pub fn qwen3vl(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let m = text_mrope(k, &c, true)?;
+    c.whole_heads_rotate()?;
+    let mut d = qwen3(k, c)?;
+    d.tensors.ffn_scales = false;
+    Ok(with_mrope(d, m))
+}
+
+/// Qwen3-VL MoE's text model (30B-A3B, 235B-A22B): Qwen3 MoE with interleaved M-RoPE, the
+/// experts' scales read and not applied.
+pub fn qwen3vlmoe(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let m = text_mrope(k, &c, true)?;
+    c.whole_heads_rotate()?;
+    let mut d = qwen3moe(k, c)?;
+    if let Some(moe) = &mut d.moe {
+        moe.scales = false;
+    }
+    Ok(with_mrope(d, m))
 }
