@@ -704,10 +704,35 @@ fn ernie4_5_moe_experts_choose_two_of_eight() {
     experts_choose("ernie4_5-moe");
 }
 
+/// Group-limited routing (DeepSeek-V3, Ling 2.0): eight experts in four groups of two, a token
+/// choosing its two among the two groups whose best two score highest. Against llama.cpp, and
+/// far from the same file routed without groups.
+#[test]
+fn experts_choose_within_their_best_groups() {
+    let groups = [
+        ("dots1.expert_group_count", u(4)),
+        ("dots1.expert_group_used_count", u(2)),
+    ];
+    experts_choose_with("dots1", "-groups", &groups);
+    let dir = suite::dir();
+    let grouped = scratch("dots1-groups-8-experts.gguf");
+    let ungrouped = scratch("dots1-groups-removed.gguf");
+    let removed = [
+        ("dots1.expert_group_count", None),
+        ("dots1.expert_group_used_count", None),
+    ];
+    suite::rewrite(&grouped, &ungrouped, &removed, Vec::new());
+    let want = llama_logits(&dir, &grouped, &ids(&dir), 256);
+    let (other, _) = gen_logits(&ungrouped, &ids(&dir), 50, 256).unwrap();
+    let apart = nmse(&want, &other);
+    eprintln!("without groups: {apart:.2e}");
+    assert!(apart > 1e-4, "groups hardly change the choice ({apart:.2e})");
+}
+
 /// Routing settings llama.cpp would run differently or not at all are refused in one line that
 /// names the key: an ERNIE 4.5 layer after the dense ones left without experts (llama.cpp loads
-/// no dense FFN there), gating 0 (its graph aborts) and 4 (square root of softplus), and
-/// group-limited routing.
+/// no dense FFN there), gating 0 (its graph aborts) and 4 (square root of softplus), and as
+/// many expert groups as experts (llama.cpp's loader asserts).
 #[test]
 fn unsupported_routing_is_refused_in_one_line() {
     let dir = suite::dir();

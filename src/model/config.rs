@@ -235,6 +235,17 @@ pub struct MoeCfg {
     pub weights_scale: f32,
     /// Layers before this one have a dense FFN (`leading_dense_block_count`).
     pub dense_lead: usize,
+    /// Group-limited routing (`expert_group_count`, `expert_group_used_count`): the experts
+    /// in this many equal groups, a token choosing only among those of its best groups.
+    pub groups: Option<ExpertGroups>,
+}
+
+/// DeepSeek-V3-style groups of experts: a group scores the sum of its two highest selection
+/// probabilities, and a token's experts come from its `used` best groups alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertGroups {
+    pub count: usize,
+    pub used: usize,
 }
 
 /// A router's gating (llama.cpp's `expert_gating_func` as the family's graph passes it).

@@ -4,7 +4,7 @@
 //! weights, renormalised to sum to 1 where the family does. The experts' products themselves
 //! run in [`super::layer`], on whichever backend.
 
-use super::config::{Gating, MoeCfg};
+use super::config::{ExpertGroups, Gating, MoeCfg};
 
 /// llama.cpp's floor on the sum the chosen weights are divided by (2^-14).
 const NORM_FLOOR: f32 = 6.103_515_6e-5;
@@ -50,17 +50,14 @@ pub fn route(
         Gating::SoftmaxWeight => logits.to_vec(),
         Gating::Sigmoid => logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect(),
     };
-    let choose: Vec<f32> = match selection_bias {
+    let mut choose: Vec<f32> = match selection_bias {
         Some(b) => p.iter().zip(b).map(|(p, b)| p + b).collect(),
         None => p.clone(),
     };
-    let mut order: Vec<u32> = (0..p.len() as u32).collect();
-    order.sort_by(|&a, &b| {
-        choose[b as usize]
-            .partial_cmp(&choose[a as usize])
-            .unwrap_or(std::cmp::Ordering::Equal)
-            .then(a.cmp(&b))
-    });
+    if let Some(g) = cfg.groups {
+        keep_best_groups(&mut choose, g);
+    }
+    let order = descending(&choose);
     let chosen = &order[..cfg.n_used.min(order.len())];
     let mut w: Vec<f32> = chosen.iter().map(|&e| p[e as usize]).collect();
     if cfg.gating == Gating::SoftmaxWeight {
@@ -79,6 +76,37 @@ pub fn route(
         }
     }
     sel.extend(chosen.iter().copied().zip(w));
+}
+
+/// Indices of `v` from the highest value down, ties to the lower index.
+fn descending(v: &[f32]) -> Vec<u32> {
+    let mut order: Vec<u32> = (0..v.len() as u32).collect();
+    order.sort_by(|&a, &b| {
+        v[b as usize]
+            .partial_cmp(&v[a as usize])
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(a.cmp(&b))
+    });
+    order
+}
+
+/// Group-limited routing, as llama.cpp's `build_moe_ffn` masks the choice: the experts in
+/// `g.count` consecutive groups, each scored by the sum of its two highest values; every
+/// expert outside the `g.used` best groups set to minus infinity.
+fn keep_best_groups(choose: &mut [f32], g: ExpertGroups) {
+    let per = choose.len() / g.count;
+    let scores: Vec<f32> = choose
+        .chunks_exact(per)
+        .map(|group| {
+            let top = descending(group);
+            group[top[0] as usize] + group[top[1] as usize]
+        })
+        .collect();
+    let best = descending(&scores);
+    for &group in &best[g.used..] {
+        let at = group as usize * per;
+        choose[at..at + per].fill(f32::NEG_INFINITY);
+    }
 }
 
 /// exp(x - max) / their sum (summed in f64, as ggml's softmax sums).
@@ -112,7 +140,32 @@ mod tests {
             selection_bias: Need::Absent,
             weights_scale: 0.0,
             dense_lead: 0,
+            groups: None,
         }
+    }
+
+    #[test]
+    fn groups_limit_the_choice_to_the_best_groups_by_their_top_two() {
+        // Eight experts in four groups of two, scoring 0.9, 1.0, 0.85 and 0.8: with two
+        // groups used, groups 1 and 0 keep their experts.
+        let p = [0.9f32, 0.0, 0.5, 0.5, 0.8, 0.05, 0.4, 0.4];
+        let mut c = cfg(2, false);
+        c.n_expert = 8;
+        c.gating = Gating::SoftmaxWeight;
+        c.groups = Some(ExpertGroups { count: 4, used: 2 });
+        let mut choose = p.to_vec();
+        keep_best_groups(&mut choose, c.groups.unwrap());
+        let kept: Vec<usize> = (0..8).filter(|&e| choose[e].is_finite()).collect();
+        assert_eq!(kept, [0, 1, 2, 3]);
+        // Without groups the two highest are experts 0 and 4; with them, 0 and 2 (4's group
+        // scores 0.85).
+        let mut sel = Vec::new();
+        route(&p, &c, None, &mut sel);
+        assert_eq!(sel.iter().map(|s| s.0).collect::<Vec<_>>(), [0, 2]);
+        c.groups = None;
+        sel.clear();
+        route(&p, &c, None, &mut sel);
+        assert_eq!(sel.iter().map(|s| s.0).collect::<Vec<_>>(), [0, 4]);
     }
 
     #[test]

@@ -24,8 +24,8 @@ mod qwen;
 use anyhow::{bail, Result};
 
 use super::config::{
-    Activation, Attn, DecoderConfig, Gating, Keys, LayerPlan, MoeCfg, Need, NormKind, QkNorm,
-    RopeCfg, RopePairs, SharedExpert, TensorRules,
+    Activation, Attn, DecoderConfig, ExpertGroups, Gating, Keys, LayerPlan, MoeCfg, Need, NormKind,
+    QkNorm, RopeCfg, RopePairs, SharedExpert, TensorRules,
 };
 use super::rope::{yarn_mscale, Factors, TextMrope};
 
@@ -396,12 +396,7 @@ impl Common {
                 self.n_expert.min(1024)
             );
         }
-        if let Some(g) = k.usize_opt("expert_group_count")?.filter(|&g| g > 1) {
-            bail!(
-                "{}.expert_group_count is {g}: group-limited routing is not supported",
-                self.arch
-            );
-        }
+        let groups = self.expert_groups(k)?;
         let n_ff = k.usize_or("feed_forward_length", 0)?;
         let ff = match width {
             ExpertWidth::FeedForward => n_ff,
@@ -426,7 +421,41 @@ impl Common {
             selection_bias: Need::Absent,
             weights_scale: 0.0,
             dense_lead: 0,
+            groups,
         }))
+    }
+
+    /// `expert_group_count` and `expert_group_used_count`, which llama.cpp reads for every
+    /// architecture, held to what its loader asserts (fewer groups than experts; above one
+    /// group: the experts split evenly, between 1 and count - 1 used) and to two experts a
+    /// group at least (each group scores its best two).
+    fn expert_groups(&self, k: &Keys) -> Result<Option<ExpertGroups>> {
+        let count = k.usize_or("expert_group_count", 0)?;
+        let used = k.usize_or("expert_group_used_count", 0)?;
+        let arch = &self.arch;
+        if count >= self.n_expert {
+            bail!(
+                "{arch}.expert_group_count is {count}: expected fewer groups than the {} experts",
+                self.n_expert
+            );
+        }
+        if count <= 1 {
+            return Ok(None);
+        }
+        if !self.n_expert.is_multiple_of(count) || self.n_expert / count < 2 {
+            bail!(
+                "{arch}.expert_group_count is {count}: {} experts do not make groups of two or \
+                 more alike",
+                self.n_expert
+            );
+        }
+        if used == 0 || used >= count {
+            bail!(
+                "{arch}.expert_group_used_count is {used}: expected 1 to {}",
+                count - 1
+            );
+        }
+        Ok(Some(ExpertGroups { count, used }))
     }
 
     /// `expert_gating_func` as llama.cpp's graph takes it for the families that read it:
