@@ -726,7 +726,10 @@ fn experts_choose_within_their_best_groups() {
     let (other, _) = gen_logits(&ungrouped, &ids(&dir), 50, 256).unwrap();
     let apart = nmse(&want, &other);
     eprintln!("without groups: {apart:.2e}");
-    assert!(apart > 1e-4, "groups hardly change the choice ({apart:.2e})");
+    assert!(
+        apart > 1e-4,
+        "groups hardly change the choice ({apart:.2e})"
+    );
 }
 
 /// Routing settings llama.cpp would run differently or not at all are refused in one line that
@@ -781,8 +784,21 @@ fn qwen3vl_text_rope_leaves_the_fourth_sections_pairs_still() {
 /// skips it too and agrees; as a plain block it would change the logits.
 #[test]
 fn glm4moe_skips_its_multi_token_prediction_block() {
+    skips_its_prediction_block("glm4moe", &[]);
+}
+
+/// Ling 2.0's prediction block, which also holds a `layer_output_norm`.
+#[test]
+fn bailingmoe2_skips_its_multi_token_prediction_block() {
+    skips_its_prediction_block("bailingmoe2", &["layer_output_norm"]);
+}
+
+/// `{arch}-moe` with a third block (layer 1's tensors, the `nextn.*` ones and `norms`, vectors
+/// of the width) marked as a prediction block: against llama.cpp, and far from the file where
+/// the block runs as a layer.
+fn skips_its_prediction_block(arch: &str, norms: &[&str]) {
     let dir = suite::dir();
-    let src = dir.join("seed-1/glm4moe-moe.gguf");
+    let src = dir.join(format!("seed-1/{arch}-moe.gguf"));
     let mut f = std::fs::File::open(&src).unwrap();
     let content = gguf_file::Content::read(&mut f).unwrap();
     let mut extra: Vec<(String, QTensor)> = Vec::new();
@@ -801,19 +817,19 @@ fn glm4moe_skips_its_multi_token_prediction_block() {
         "blk.2.nextn.eh_proj.weight".into(),
         random_f32(vec![d, 2 * d], 3, 0.05),
     ));
-    extra.push((
-        "blk.2.nextn.enorm.weight".into(),
-        random_f32(vec![d], 4, 1.0),
-    ));
-    extra.push((
-        "blk.2.nextn.hnorm.weight".into(),
-        random_f32(vec![d], 5, 1.0),
-    ));
-    let file = scratch("glm4moe-mtp.gguf");
-    let edit = [
-        ("glm4moe.block_count", u(3)),
-        ("glm4moe.nextn_predict_layers", u(1)),
-    ];
+    let vectors = ["nextn.enorm", "nextn.hnorm"].iter().chain(norms);
+    for (i, n) in vectors.enumerate() {
+        extra.push((
+            format!("blk.2.{n}.weight"),
+            random_f32(vec![d], 4 + i as u64, 1.0),
+        ));
+    }
+    let file = scratch(&format!("{arch}-mtp.gguf"));
+    let (count, nextn) = (
+        format!("{arch}.block_count"),
+        format!("{arch}.nextn_predict_layers"),
+    );
+    let edit = [(count.as_str(), u(3)), (nextn.as_str(), u(1))];
     let tensors = extra
         .iter()
         .map(|(n, t)| (n.as_str(), Some(copy(t))))
@@ -821,17 +837,69 @@ fn glm4moe_skips_its_multi_token_prediction_block() {
     suite::rewrite(&src, &file, &edit, tensors);
     let e = check(&dir, &file, None, 256);
     // The same three blocks run as layers: far from it.
-    let plain = scratch("glm4moe-three-layers.gguf");
+    let plain = scratch(&format!("{arch}-three-layers.gguf"));
     let tensors: Vec<(&str, Option<QTensor>)> = extra
         .iter()
-        .filter(|(n, _)| !n.contains("nextn"))
+        .filter(|(n, _)| !n.contains("nextn") && !norms.iter().any(|m| n.contains(m)))
         .map(|(n, t)| (n.as_str(), Some(copy(t))))
         .collect();
-    suite::rewrite(&src, &plain, &[("glm4moe.block_count", u(3))], tensors);
+    suite::rewrite(&src, &plain, &[(count.as_str(), u(3))], tensors);
     let want = llama_logits(&dir, &file, &ids(&dir), 256);
     let (other, _) = gen_logits(&plain, &ids(&dir), 50, 256).unwrap();
     let apart = nmse(&want, &other);
     assert!(apart > 100.0 * e, "three layers are as near ({apart:.2e})");
+}
+
+/// llama.cpp's Ling 2.0 loader reads q, k and v only as one `attn_qkv`: a file with them apart
+/// is refused in one line naming the missing tensor.
+#[test]
+fn bailingmoe2_with_q_k_v_apart_is_refused() {
+    let dir = suite::dir();
+    let src = dir.join("seed-1/bailingmoe2-moe.gguf");
+    let file = scratch("bailingmoe2-qkv-apart.gguf");
+    let parts: Vec<(String, QTensor)> = ["attn_q", "attn_k", "attn_v"]
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            (
+                format!("blk.0.{n}.weight"),
+                random_f32(vec![256, 256], 30 + i as u64, 0.05),
+            )
+        })
+        .collect();
+    let gone: Vec<String> = ["attn_qkv.weight", "attn_qkv.scale", "attn_qkv.input_scale"]
+        .iter()
+        .map(|n| format!("blk.0.{n}"))
+        .collect();
+    let tensors: Vec<(&str, Option<QTensor>)> = parts
+        .iter()
+        .map(|(n, t)| (n.as_str(), Some(copy(t))))
+        .chain(gone.iter().map(|n| (n.as_str(), None)))
+        .collect();
+    suite::rewrite(&src, &file, &[], tensors);
+    let e = match gen_logits(&file, &ids(&dir), 20, 256) {
+        Ok(_) => panic!("ran"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(
+        e.contains("blk.0.attn_qkv.weight") && !e.contains('\n'),
+        "{e}"
+    );
+}
+
+/// Ling 2.0 as published: half of each head rotates, eight experts in four groups of which a
+/// token's two come from the best two, sigmoid-gated with a selection bias, beside the shared
+/// expert, after a leading dense layer.
+#[test]
+fn bailingmoe2_experts_choose_within_groups_with_partial_rotary() {
+    let edit = [
+        ("bailingmoe2.rope.dimension_count", u(64)),
+        ("bailingmoe2.expert_group_count", u(4)),
+        ("bailingmoe2.expert_group_used_count", u(2)),
+        ("bailingmoe2.expert_weights_norm", Some(Value::Bool(true))),
+        ("bailingmoe2.expert_weights_scale", f(2.5)),
+    ];
+    experts_choose_with("bailingmoe2", "-published", &edit);
 }
 
 /// A copy of an f32 tensor (QTensor is not Clone).

@@ -63,6 +63,9 @@ const CASES: &[(&str, &str, Option<&str>)] = &[
     // GLM-4.5's vocabulary (its own byte-level BPE) is in none of llama.cpp's vocabulary
     // files: Qwen2's stands in, with GLM-4.6's template.
     ("glm4moe", "qwen2", Some("GLM-4.6.jinja")),
+    // Ling 2.0's vocabulary (byte-level BPE, pre-tokenizer `bailingmoe2`) is in none of
+    // llama.cpp's vocabulary files: Llama 3's stands in.
+    ("bailingmoe2", "llama-bpe", None),
     // ERNIE 4.5's vocabulary is SentencePiece: llama.cpp's Llama 2 one stands in.
     ("ernie4_5-moe", "llama-spm", None),
     (

@@ -127,6 +127,8 @@ pub struct TensorRules {
     /// Biases of q, k and v (of the fused `attn_qkv`, or one each): llama.cpp reads q/k/v as
     /// three matrices or one fused matrix, whichever the file holds.
     pub qkv_bias: Need,
+    /// q, k and v only as one `attn_qkv` matrix (the family's loader creates no others).
+    pub fused_qkv: bool,
     /// `attn_q_norm` / `attn_k_norm`, read as [`Attn::qk_norm`] says.
     pub qk_norm: Need,
     pub wo_bias: Need,
@@ -157,6 +159,7 @@ impl TensorRules {
         post_ffn_norm: NormRule::None,
         output_norm: NormRule::Weighted { bias: Need::Absent },
         qkv_bias: Need::Optional,
+        fused_qkv: false,
         qk_norm: Need::Absent,
         wo_bias: Need::Optional,
         ffn_gate: Need::Required,

@@ -638,6 +638,13 @@ fn load_layer(r: &Reader<'_>, cfg: &DecoderConfig, i: usize, view: usize) -> Res
         };
         (fused, post)
     } else {
+        if rules.fused_qkv {
+            bail!(
+                "{} is missing: {} keeps q, k and v in one matrix",
+                name("attn_qkv.weight"),
+                cfg.arch
+            );
+        }
         let mut parts = Vec::new();
         let mut scales = Vec::new();
         for (n, rows) in ["attn_q", "attn_k", "attn_v"].iter().zip(widths) {

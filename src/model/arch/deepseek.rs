@@ -4,7 +4,8 @@
 //! `expert_weights_scale`) and dots.llm1 (`dots1`: Qwen3's attention with per-head q/k norms,
 //! the file's `expert_gating_func` (sigmoid in the published files) with a selection bias
 //! (`exp_probs_b`), weights renormalised and scaled as its keys say). DeepSeek-V2/V3's
-//! latent attention (`deepseek2`) is not here: refused as an architecture.
+//! latent attention (`deepseek2`) is not here: refused as an architecture. Ling 2.0
+//! (`bailingmoe2`) routes the same way, with fused q/k/v and shared experts of their own width.
 
 use anyhow::{bail, Result};
 
@@ -15,9 +16,16 @@ use crate::model::config::{
 };
 
 /// The experts past `leading_dense_block_count`, with `expert_shared_count` shared ones and
-/// the chosen weights scaled by `expert_weights_scale`, as both loaders read them.
-fn experts(k: &Keys, c: &Common, norm: bool, gating: Gating) -> Result<MoeCfg> {
-    let ff = k.usize("expert_feed_forward_length")?;
+/// the chosen weights scaled by `expert_weights_scale`, as these loaders read them: the shared
+/// ones as wide as `shared_ff` each (the experts' width where None).
+fn experts_with(
+    k: &Keys,
+    c: &Common,
+    norm: bool,
+    gating: Gating,
+    shared_ff: Option<usize>,
+) -> Result<MoeCfg> {
+    let ff = shared_ff.unwrap_or(k.usize("expert_feed_forward_length")?);
     let shared = k.usize("expert_shared_count")?;
     if shared == 0 {
         bail!(
@@ -43,6 +51,39 @@ fn experts(k: &Keys, c: &Common, norm: bool, gating: Gating) -> Result<MoeCfg> {
     m.weights_scale = k.f32_or("expert_weights_scale", 0.0)?;
     m.dense_lead = k.usize_or("leading_dense_block_count", 0)?;
     Ok(m)
+}
+
+/// [`experts_with`] shared experts as wide as the routed ones.
+fn experts(k: &Keys, c: &Common, norm: bool, gating: Gating) -> Result<MoeCfg> {
+    experts_with(k, c, norm, gating, None)
+}
+
+/// Ling 2.0 (Ling-mini-2.0 16B-A1.4B, Ling-flash-2.0; `bailingmoe2`), as llama.cpp's loader reads
+/// it: q, k and v in one matrix without biases, per-head q/k norms before rope (partial rotary
+/// pairing halves), its own output layer; leading dense layers, then experts gated by the
+/// file's `expert_gating_func` with an optional selection bias, group-limited where the file
+/// says, beside `expert_shared_count` shared ones of `expert_shared_feed_forward_length` (else
+/// the experts' width). Its multi-token prediction layers are skipped.
+pub fn bailingmoe2(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let tensors = TensorRules {
+        qkv_bias: Need::Absent,
+        fused_qkv: true,
+        qk_norm: Need::Required,
+        output: Output::Own,
+        ..TensorRules::PLAIN
+    };
+    let mut d = c.decoder(k, NormKind::Rms, RopePairs::Neox, tensors)?;
+    d.attn.qk_norm = QkNorm::Heads { after_rope: false };
+    let gating = c.gating(k)?;
+    let shared_ff = match k.usize_or("expert_shared_feed_forward_length", 0)? {
+        0 => None,
+        ff => Some(ff),
+    };
+    let norm = k.bool_or("expert_weights_norm", false)?;
+    let mut m = experts_with(k, &c, norm, gating, shared_ff)?;
+    m.selection_bias = Need::Optional;
+    d.moe = Some(m);
+    Ok(d)
 }
 
 /// DeepSeek-MoE (16B), as llama.cpp's `deepseek` loader reads it: llama's attention (q/k/v

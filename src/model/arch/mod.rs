@@ -70,6 +70,7 @@ pub const ARCHS: &[(&str, Build)] = &[
     ("dots1", deepseek::dots1),
     ("deepseek", deepseek::deepseek),
     ("glm4moe", deepseek::glm4moe),
+    ("bailingmoe2", deepseek::bailingmoe2),
     ("ernie4_5-moe", ernie::ernie4_5_moe),
     ("exaone4", olmo::exaone4),
     ("glm4", olmo::glm4),
@@ -161,7 +162,7 @@ pub struct Common {
 }
 
 /// The architectures whose files may end in multi-token prediction blocks, skipped.
-const MTP_ARCHS: &[&str] = &["glm4moe"];
+const MTP_ARCHS: &[&str] = &["glm4moe", "bailingmoe2"];
 
 impl Common {
     fn read(k: &Keys) -> Result<Self> {
