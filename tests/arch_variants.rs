@@ -697,6 +697,12 @@ fn glm4moe_partial_rotary_with_and_without_sections() {
     edited("glm4moe-moe", "glm4moe-partial-no-sections", &no_sections);
 }
 
+/// Phi-3.5-MoE: softmax routing, the two chosen renormalised, around RMS norms with biases.
+#[test]
+fn phimoe_experts_choose_two_of_eight() {
+    experts_choose("phimoe");
+}
+
 /// ERNIE 4.5 with experts: softmax routing, the two chosen renormalised, the selection bias
 /// (`exp_probs_b`) where the file has one, beside the shared expert.
 #[test]

@@ -66,6 +66,12 @@ const CASES: &[(&str, &str, Option<&str>)] = &[
     // Ling 2.0's vocabulary (byte-level BPE, pre-tokenizer `bailingmoe2`) is in none of
     // llama.cpp's vocabulary files: Llama 3's stands in.
     ("bailingmoe2", "llama-bpe", None),
+    // Phi-3.5-MoE shares Phi-3.5-mini's vocabulary and template.
+    (
+        "phimoe",
+        "phi-3",
+        Some("microsoft-Phi-3.5-mini-instruct.jinja"),
+    ),
     // ERNIE 4.5's vocabulary is SentencePiece: llama.cpp's Llama 2 one stands in.
     ("ernie4_5-moe", "llama-spm", None),
     (

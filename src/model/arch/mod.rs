@@ -71,6 +71,7 @@ pub const ARCHS: &[(&str, Build)] = &[
     ("deepseek", deepseek::deepseek),
     ("glm4moe", deepseek::glm4moe),
     ("bailingmoe2", deepseek::bailingmoe2),
+    ("phimoe", phi::phimoe),
     ("ernie4_5-moe", ernie::ernie4_5_moe),
     ("exaone4", olmo::exaone4),
     ("glm4", olmo::glm4),

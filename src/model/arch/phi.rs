@@ -1,11 +1,12 @@
-//! Phi-2 and Phi-3 (Phi-3.5-mini, Phi-4-mini, with long-rope factors and partial rotary).
+//! Phi-2, Phi-3 (Phi-3.5-mini, Phi-4-mini, with long-rope factors and partial rotary) and
+//! Phi-3.5-MoE.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 
-use super::Common;
+use super::{Common, ExpertWidth};
 use crate::model::config::{
     Activation, DecoderConfig, Keys, Need, NormKind, NormRule, Output, RopeFactors, RopePairs,
-    TensorRules,
+    SharedExpert, TensorRules,
 };
 
 /// Phi-2: LayerNorms with biases, attention and a GELU FFN (no gate, biases everywhere) side
@@ -43,4 +44,37 @@ pub fn phi3(k: &Keys, c: Common) -> Result<DecoderConfig> {
         ..TensorRules::PLAIN
     };
     c.decoder(k, NormKind::Rms, RopePairs::Neox, tensors)
+}
+
+/// Phi-3.5-MoE (`phimoe`), as llama.cpp's loader and its Phi-3 graph run it: Phi-3's attention
+/// and long-rope factors, RMS norms with biases (llama.cpp norms by RMS and adds the bias),
+/// biases on attention's output and on the output layer, and every FFN softmax-routed experts
+/// of `feed_forward_length`, the chosen weights renormalised.
+pub fn phimoe(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let biased = NormRule::Weighted {
+        bias: Need::Required,
+    };
+    let tensors = TensorRules {
+        attn_norm: biased,
+        ffn_norm: biased,
+        output_norm: biased,
+        wo_bias: Need::Required,
+        output: Output::Own,
+        output_bias: Need::Required,
+        rope_factors: RopeFactors::LongShort,
+        ..TensorRules::PLAIN
+    };
+    let mut d = c.decoder(k, NormKind::Rms, RopePairs::Neox, tensors)?;
+    d.moe = c.moe(
+        k,
+        ExpertWidth::FeedForward,
+        true,
+        false,
+        Need::Required,
+        SharedExpert::None,
+    )?;
+    if d.moe.is_none() {
+        bail!("{}.expert_count is 0: every layer has experts", c.arch);
+    }
+    Ok(d)
 }
