@@ -467,6 +467,31 @@ fn hunyuan_rope_alpha() {
     );
 }
 
+/// Hunyuan-A13B's loader applies no `rope.scaling.alpha` (llama.cpp reads the key for every
+/// architecture, and only Hunyuan dense and Hunyuan-VL raise their base by it): with the rope
+/// made to matter, gen agrees with llama.cpp on a file that has it, and is far from the same
+/// file with the raised base gen would take for Hunyuan dense.
+#[test]
+fn hunyuan_moe_ignores_rope_alpha() {
+    let dir = suite::dir();
+    let src = dir.join("seed-1/hunyuan-moe-moe.gguf");
+    let sh = sharp(&src);
+    let file = scratch("hunyuan-moe-alpha.gguf");
+    let alpha = [("hunyuan-moe.rope.scaling.alpha", f(1000.0))];
+    suite::rewrite(&src, &file, &alpha, tensors(&sh, vec![]));
+    let e = check(&dir, &file, None, 256);
+    // 1000^(128 / 126) times the suite's base, as Hunyuan dense would turn it.
+    let raised = scratch("hunyuan-moe-raised-base.gguf");
+    let base = 10_000.0 * 1000f32.powf(128.0 / 126.0);
+    let edit = [("hunyuan-moe.rope.freq_base", f(base))];
+    suite::rewrite(&src, &raised, &edit, tensors(&sh, vec![]));
+    let want = llama_logits(&dir, &file, &ids(&dir), 256);
+    let (other, _) = gen_logits(&raised, &ids(&dir), 50, 256).unwrap();
+    let apart = nmse(&want, &other);
+    eprintln!("with the raised base: {apart:.2e}");
+    assert!(apart > 100.0 * e, "the base hardly matters ({apart:.2e})");
+}
+
 /// StableLM 2 12B's layers have no FFN norm: attention and the FFN read one normalised input,
 /// side by side. The suite's StableLM without its FFN norms, against the same with them.
 #[test]
@@ -695,6 +720,12 @@ fn glm4moe_partial_rotary_with_and_without_sections() {
         ("glm4moe.rope.dimension_sections", None),
     ];
     edited("glm4moe-moe", "glm4moe-partial-no-sections", &no_sections);
+}
+
+/// Hunyuan-A13B: softmax routing renormalised, beside the shared expert every layer has.
+#[test]
+fn hunyuan_moe_experts_choose_two_of_eight_beside_the_shared_one() {
+    experts_choose("hunyuan-moe");
 }
 
 /// Phi-3.5-MoE: softmax routing, the two chosen renormalised, around RMS norms with biases.

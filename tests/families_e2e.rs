@@ -66,6 +66,9 @@ const CASES: &[(&str, &str, Option<&str>)] = &[
     // Ling 2.0's vocabulary (byte-level BPE, pre-tokenizer `bailingmoe2`) is in none of
     // llama.cpp's vocabulary files: Llama 3's stands in.
     ("bailingmoe2", "llama-bpe", None),
+    // Hunyuan-A13B's vocabulary (byte-level BPE, pre-tokenizer `hunyuan`, split as Qwen2's) is
+    // in none of llama.cpp's vocabulary files: Qwen2's stands in.
+    ("hunyuan-moe", "qwen2", None),
     // Phi-3.5-MoE shares Phi-3.5-mini's vocabulary and template.
     (
         "phimoe",

@@ -251,6 +251,37 @@ pub fn pangu_embedded(k: &Keys, c: Common) -> Result<DecoderConfig> {
     c.decoder(k, NormKind::Rms, RopePairs::Neox, tensors)
 }
 
+/// Hunyuan-A13B (`hunyuan-moe`): Hunyuan's attention (per-head q/k norms after halves-paired
+/// rope; its loader applies no `rope.scaling.alpha`), every FFN a shared expert
+/// (`expert_shared_feed_forward_length`, else `feed_forward_length` wide) beside softmax-routed
+/// experts of `feed_forward_length`, the chosen weights renormalised.
+pub fn hunyuan_moe(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let tensors = TensorRules {
+        qk_norm: Need::Required,
+        ..TensorRules::PLAIN
+    };
+    let mut d = c.decoder(k, NormKind::Rms, RopePairs::Neox, tensors)?;
+    d.attn.qk_norm = QkNorm::Heads { after_rope: true };
+    c.whole_heads_rotate()?;
+    k.usize("expert_feed_forward_length")?;
+    let ff = match k.usize_or("expert_shared_feed_forward_length", 0)? {
+        0 => k.usize("feed_forward_length")?,
+        ff => ff,
+    };
+    d.moe = c.moe(
+        k,
+        ExpertWidth::FeedForward,
+        true,
+        false,
+        Need::Required,
+        SharedExpert::Plain { ff },
+    )?;
+    if d.moe.is_none() {
+        bail!("{}.expert_count is 0: every layer has experts", c.arch);
+    }
+    Ok(d)
+}
+
 /// Hunyuan dense (and Hunyuan-VL's text model): halves-paired rope, per-head RMS norms of q
 /// and k after it; `rope.scaling.alpha` raises the rope base to base * alpha^(hd / (hd - 2)).
 pub fn hunyuan(k: &Keys, c: Common) -> Result<DecoderConfig> {

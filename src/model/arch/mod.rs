@@ -51,6 +51,7 @@ pub const ARCHS: &[(&str, Build)] = &[
     ("pangu-embedded", llama::pangu_embedded),
     ("hunyuan-dense", llama::hunyuan),
     ("hunyuan_vl", llama::hunyuan),
+    ("hunyuan-moe", llama::hunyuan_moe),
     ("qwen", qwen::qwen),
     ("qwen2", qwen::qwen2),
     ("qwen3", qwen::qwen3),
