@@ -728,6 +728,14 @@ fn hunyuan_moe_experts_choose_two_of_eight_beside_the_shared_one() {
     experts_choose("hunyuan-moe");
 }
 
+/// MiniMax-M2 as published: sigmoid gating with the selection bias, renormalised, after
+/// whole-projection q/k norms and half of each head rotating.
+#[test]
+fn minimax_m2_experts_choose_two_of_eight_by_biased_sigmoids() {
+    let half = [("minimax-m2.rope.dimension_count", u(64))];
+    experts_choose_with("minimax-m2", "-half-rotary", &half);
+}
+
 /// Phi-3.5-MoE: softmax routing, the two chosen renormalised, around RMS norms with biases.
 #[test]
 fn phimoe_experts_choose_two_of_eight() {

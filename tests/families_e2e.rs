@@ -69,6 +69,9 @@ const CASES: &[(&str, &str, Option<&str>)] = &[
     // Hunyuan-A13B's vocabulary (byte-level BPE, pre-tokenizer `hunyuan`, split as Qwen2's) is
     // in none of llama.cpp's vocabulary files: Qwen2's stands in.
     ("hunyuan-moe", "qwen2", None),
+    // MiniMax-M2's vocabulary (byte-level BPE, pre-tokenizer `minimax-m2`, split as GPT-4o's)
+    // is in none of llama.cpp's vocabulary files: Llama 3's stands in, with its own template.
+    ("minimax-m2", "llama-bpe", Some("MiniMax-M2.jinja")),
     // Phi-3.5-MoE shares Phi-3.5-mini's vocabulary and template.
     (
         "phimoe",

@@ -16,6 +16,7 @@ mod ernie;
 mod gemma;
 mod gpt;
 mod llama;
+mod minimax;
 mod olmo;
 mod openai;
 mod phi;
@@ -52,6 +53,7 @@ pub const ARCHS: &[(&str, Build)] = &[
     ("hunyuan-dense", llama::hunyuan),
     ("hunyuan_vl", llama::hunyuan),
     ("hunyuan-moe", llama::hunyuan_moe),
+    ("minimax-m2", minimax::minimax_m2),
     ("qwen", qwen::qwen),
     ("qwen2", qwen::qwen2),
     ("qwen3", qwen::qwen3),
