@@ -736,6 +736,18 @@ fn minimax_m2_experts_choose_two_of_eight_by_biased_sigmoids() {
     experts_choose_with("minimax-m2", "-half-rotary", &half);
 }
 
+/// K-EXAONE: a window of 8 on every other layer (the suite's two layers are both windowed by
+/// the default pattern of four), the full layer turning nothing, eight experts of which two
+/// chosen by biased sigmoids beside the shared one, after the leading dense layer.
+#[test]
+fn exaone_moe_experts_choose_with_windowed_and_unrotated_layers() {
+    let edit = [
+        ("exaone-moe.attention.sliding_window", u(8)),
+        ("exaone-moe.attention.sliding_window_pattern", u(2)),
+    ];
+    experts_choose_with("exaone-moe", "-windows", &edit);
+}
+
 /// Phi-3.5-MoE: softmax routing, the two chosen renormalised, around RMS norms with biases.
 #[test]
 fn phimoe_experts_choose_two_of_eight() {
@@ -829,19 +841,25 @@ fn qwen3vl_text_rope_leaves_the_fourth_sections_pairs_still() {
 /// skips it too and agrees; as a plain block it would change the logits.
 #[test]
 fn glm4moe_skips_its_multi_token_prediction_block() {
-    skips_its_prediction_block("glm4moe", &[]);
+    skips_its_prediction_block("glm4moe", &[], 1);
 }
 
 /// Ling 2.0's prediction block, which also holds a `layer_output_norm`.
 #[test]
 fn bailingmoe2_skips_its_multi_token_prediction_block() {
-    skips_its_prediction_block("bailingmoe2", &["layer_output_norm"]);
+    skips_its_prediction_block("bailingmoe2", &["layer_output_norm"], 1);
 }
 
-/// `{arch}-moe` with a third block (layer 1's tensors, the `nextn.*` ones and `norms`, vectors
-/// of the width) marked as a prediction block: against llama.cpp, and far from the file where
-/// the block runs as a layer.
-fn skips_its_prediction_block(arch: &str, norms: &[&str]) {
+/// K-EXAONE's prediction block, whose FFN is dense (as its first layer's).
+#[test]
+fn exaone_moe_skips_its_multi_token_prediction_block() {
+    skips_its_prediction_block("exaone-moe", &[], 0);
+}
+
+/// `{arch}-moe` with a third block (layer `from`'s tensors, the `nextn.*` ones and `norms`,
+/// vectors of the width) marked as a prediction block: against llama.cpp, and (where the block
+/// copies the last layer) far from the file where the block runs as a layer.
+fn skips_its_prediction_block(arch: &str, norms: &[&str], from: usize) {
     let dir = suite::dir();
     let src = dir.join(format!("seed-1/{arch}-moe.gguf"));
     let mut f = std::fs::File::open(&src).unwrap();
@@ -852,10 +870,10 @@ fn skips_its_prediction_block(arch: &str, norms: &[&str]) {
     for name in content
         .tensor_infos
         .keys()
-        .filter(|n| n.starts_with("blk.1.") && !n.contains("scale"))
+        .filter(|n| n.starts_with(&format!("blk.{from}.")) && !n.contains("scale"))
     {
         let t = content.tensor(&mut f, name, &Device::Cpu).unwrap();
-        extra.push((name.replacen("blk.1.", "blk.2.", 1), t));
+        extra.push((name.replacen(&format!("blk.{from}."), "blk.2.", 1), t));
     }
     let d = 256;
     extra.push((
@@ -875,12 +893,18 @@ fn skips_its_prediction_block(arch: &str, norms: &[&str]) {
         format!("{arch}.nextn_predict_layers"),
     );
     let edit = [(count.as_str(), u(3)), (nextn.as_str(), u(1))];
+    // llama.cpp's loader miscounts a shared `rope_freqs` in a skipped block ("too many tensors
+    // created"): without it.
     let tensors = extra
         .iter()
         .map(|(n, t)| (n.as_str(), Some(copy(t))))
+        .chain((from == 0).then_some(("rope_freqs.weight", None)))
         .collect();
     suite::rewrite(&src, &file, &edit, tensors);
     let e = check(&dir, &file, None, 256);
+    if from != 1 {
+        return;
+    }
     // The same three blocks run as layers: far from it.
     let plain = scratch(&format!("{arch}-three-layers.gguf"));
     let tensors: Vec<(&str, Option<QTensor>)> = extra

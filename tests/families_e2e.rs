@@ -72,6 +72,9 @@ const CASES: &[(&str, &str, Option<&str>)] = &[
     // MiniMax-M2's vocabulary (byte-level BPE, pre-tokenizer `minimax-m2`, split as GPT-4o's)
     // is in none of llama.cpp's vocabulary files: Llama 3's stands in, with its own template.
     ("minimax-m2", "llama-bpe", Some("MiniMax-M2.jinja")),
+    // K-EXAONE's vocabulary (byte-level BPE, pre-tokenizer `exaone-moe`) is in none of
+    // llama.cpp's vocabulary files: GPT-2's stands in.
+    ("exaone-moe", "gpt-2", None),
     // Phi-3.5-MoE shares Phi-3.5-mini's vocabulary and template.
     (
         "phimoe",

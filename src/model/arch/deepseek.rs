@@ -9,10 +9,10 @@
 
 use anyhow::{bail, Result};
 
-use super::{rope_sections, Common, ExpertWidth};
+use super::{rope_sections, swa_layers, Common, ExpertWidth};
 use crate::model::config::{
-    DecoderConfig, Gating, Keys, MoeCfg, Need, NormKind, NormRule, Output, QkNorm, RopePairs,
-    SharedExpert, TensorRules,
+    DecoderConfig, Gating, Keys, MoeCfg, Need, NormKind, NormRule, Output, QkNorm, RopeFactors,
+    RopePairs, SharedExpert, TensorRules,
 };
 
 /// The experts past `leading_dense_block_count`, with `expert_shared_count` shared ones and
@@ -139,6 +139,58 @@ pub fn glm4moe(k: &Keys, c: Common) -> Result<DecoderConfig> {
     };
     let mut m = experts(k, &c, k.bool_or("expert_weights_norm", false)?, gating)?;
     m.selection_bias = Need::Required;
+    d.moe = Some(m);
+    Ok(d)
+}
+
+/// K-EXAONE / EXAONE MoE (`exaone-moe`), as llama.cpp's loader reads it: per-head q/k norms,
+/// rope (with `rope_freqs` where the file has them) on the windowed layers only, three of four
+/// windowed by `attention.sliding_window` (all at the full layers' base: llama.cpp's graph
+/// passes it to both); leading dense layers, then experts by the file's `expert_gating_func`
+/// with an optional selection bias beside one shared expert of
+/// `expert_shared_feed_forward_length` (else the experts' width). Its prediction layers are
+/// skipped.
+pub fn exaone_moe(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let tensors = TensorRules {
+        qk_norm: Need::Required,
+        output: Output::Own,
+        rope_factors: RopeFactors::Freqs,
+        ..TensorRules::PLAIN
+    };
+    let mut d = c.decoder(k, NormKind::Rms, RopePairs::Neox, tensors)?;
+    d.attn.qk_norm = QkNorm::Heads { after_rope: false };
+    c.whole_heads_rotate()?;
+    let swa = swa_layers(k, &c, 4)?;
+    let window = k.usize("attention.sliding_window")?;
+    d.set_windows(window, &swa, None);
+    for plan in &mut d.layers {
+        if plan.window.is_none() {
+            plan.rope = None;
+        }
+    }
+    let ff = k.usize("expert_feed_forward_length")?;
+    let shared = match k.usize_or("expert_shared_feed_forward_length", 0)? {
+        0 => ff,
+        n => n,
+    };
+    let moe = c.moe(
+        k,
+        ExpertWidth::ExpertKey,
+        k.bool_or("expert_weights_norm", false)?,
+        false,
+        Need::Required,
+        SharedExpert::Plain { ff: shared },
+    )?;
+    let Some(mut m) = moe else {
+        bail!(
+            "{}.expert_count is 0: it has experts past its leading dense layers",
+            c.arch
+        );
+    };
+    m.gating = c.gating(k)?;
+    m.selection_bias = Need::Optional;
+    m.weights_scale = k.f32_or("expert_weights_scale", 0.0)?;
+    m.dense_lead = k.usize_or("leading_dense_block_count", 0)?;
     d.moe = Some(m);
     Ok(d)
 }

@@ -74,6 +74,7 @@ pub const ARCHS: &[(&str, Build)] = &[
     ("deepseek", deepseek::deepseek),
     ("glm4moe", deepseek::glm4moe),
     ("bailingmoe2", deepseek::bailingmoe2),
+    ("exaone-moe", deepseek::exaone_moe),
     ("phimoe", phi::phimoe),
     ("ernie4_5-moe", ernie::ernie4_5_moe),
     ("exaone4", olmo::exaone4),
@@ -166,7 +167,7 @@ pub struct Common {
 }
 
 /// The architectures whose files may end in multi-token prediction blocks, skipped.
-const MTP_ARCHS: &[&str] = &["glm4moe", "bailingmoe2"];
+const MTP_ARCHS: &[&str] = &["glm4moe", "bailingmoe2", "exaone-moe"];
 
 impl Common {
     fn read(k: &Keys) -> Result<Self> {
