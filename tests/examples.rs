@@ -81,7 +81,7 @@ fn from_markdown(name: &str, text: &str) -> Vec<(String, String, String)> {
     let mut fenced = false;
     // Prose, a paragraph at a time: inline code may run over a line break.
     let mut para: Vec<&str> = Vec::new();
-    let mut inline = |para: &mut Vec<&str>, out: &mut Vec<(String, String, String)>| {
+    let inline = |para: &mut Vec<&str>, out: &mut Vec<(String, String, String)>| {
         let joined = para.iter().map(|l| l.trim()).collect::<Vec<_>>().join(" ");
         for (i, part) in joined.split('`').enumerate() {
             if i % 2 == 1 && (part == "gen" || part.starts_with("gen ")) && !has_placeholder(part) {

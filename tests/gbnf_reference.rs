@@ -132,7 +132,7 @@ type Args = (String, String, Vec<String>, Vec<String>);
 /// `"desc", "grammar", { strings }, { strings }`, or None when anything is not a literal.
 fn split_args(toks: &[Tok]) -> Option<Args> {
     let mut it = toks.iter();
-    let mut string = |it: &mut std::slice::Iter<Tok>| match it.next() {
+    let string = |it: &mut std::slice::Iter<Tok>| match it.next() {
         Some(Tok::Str(s)) => Some(s.clone()),
         _ => None,
     };

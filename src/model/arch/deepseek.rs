@@ -41,12 +41,7 @@ fn experts_with(
         Need::Required,
         SharedExpert::Plain { ff: ff * shared },
     )?;
-    let Some(mut m) = moe else {
-        bail!(
-            "{}.expert_count is 0: it has experts past its leading dense layers",
-            c.arch
-        );
-    };
+    let mut m = c.with_experts(moe)?;
     m.gating = gating;
     m.weights_scale = k.f32_or("expert_weights_scale", 0.0)?;
     m.dense_lead = k.usize_or("leading_dense_block_count", 0)?;
@@ -181,12 +176,7 @@ pub fn exaone_moe(k: &Keys, c: Common) -> Result<DecoderConfig> {
         Need::Required,
         SharedExpert::Plain { ff: shared },
     )?;
-    let Some(mut m) = moe else {
-        bail!(
-            "{}.expert_count is 0: it has experts past its leading dense layers",
-            c.arch
-        );
-    };
+    let mut m = c.with_experts(moe)?;
     m.gating = c.gating(k)?;
     m.selection_bias = Need::Optional;
     m.weights_scale = k.f32_or("expert_weights_scale", 0.0)?;

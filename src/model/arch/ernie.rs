@@ -42,9 +42,7 @@ pub fn ernie4_5_moe(k: &Keys, c: Common) -> Result<DecoderConfig> {
         Need::Optional,
         shared,
     )?;
-    let Some(mut m) = moe else {
-        bail!("{}.expert_count is 0", c.arch);
-    };
+    let mut m = c.with_experts(moe)?;
     m.selection_bias = Need::Optional;
     m.dense_lead = lead;
     d.moe = Some(m);

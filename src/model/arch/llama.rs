@@ -268,7 +268,7 @@ pub fn hunyuan_moe(k: &Keys, c: Common) -> Result<DecoderConfig> {
         0 => k.usize("feed_forward_length")?,
         ff => ff,
     };
-    d.moe = c.moe(
+    let moe = c.moe(
         k,
         ExpertWidth::FeedForward,
         true,
@@ -276,9 +276,7 @@ pub fn hunyuan_moe(k: &Keys, c: Common) -> Result<DecoderConfig> {
         Need::Required,
         SharedExpert::Plain { ff },
     )?;
-    if d.moe.is_none() {
-        bail!("{}.expert_count is 0: every layer has experts", c.arch);
-    }
+    d.moe = Some(c.with_experts(moe)?);
     Ok(d)
 }
 

@@ -3,7 +3,7 @@
 //! `expert_gating_func` (sigmoid in the published files), chosen by the probabilities plus
 //! `exp_probs_b`, renormalised.
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 
 use super::{Common, ExpertWidth};
 use crate::model::config::{
@@ -28,9 +28,7 @@ pub fn minimax_m2(k: &Keys, c: Common) -> Result<DecoderConfig> {
         Need::Required,
         SharedExpert::None,
     )?;
-    let Some(mut m) = moe else {
-        bail!("{}.expert_count is 0: every layer has experts", c.arch);
-    };
+    let mut m = c.with_experts(moe)?;
     m.gating = c.gating(k)?;
     m.selection_bias = Need::Required;
     d.moe = Some(m);

@@ -431,6 +431,17 @@ impl Common {
         }))
     }
 
+    /// `moe` of a family whose layers (past any leading dense ones) all have experts: a file
+    /// without any is refused.
+    pub fn with_experts(&self, moe: Option<MoeCfg>) -> Result<MoeCfg> {
+        moe.ok_or_else(|| {
+            anyhow::anyhow!(
+                "{}.expert_count is 0: this architecture's layers have experts",
+                self.arch
+            )
+        })
+    }
+
     /// `expert_group_count` and `expert_group_used_count`, which llama.cpp reads for every
     /// architecture, held to what its loader asserts (fewer groups than experts; above one
     /// group: the experts split evenly, between 1 and count - 1 used) and to two experts a

@@ -1,7 +1,7 @@
 //! Phi-2, Phi-3 (Phi-3.5-mini, Phi-4-mini, with long-rope factors and partial rotary) and
 //! Phi-3.5-MoE.
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 
 use super::{Common, ExpertWidth};
 use crate::model::config::{
@@ -65,7 +65,7 @@ pub fn phimoe(k: &Keys, c: Common) -> Result<DecoderConfig> {
         ..TensorRules::PLAIN
     };
     let mut d = c.decoder(k, NormKind::Rms, RopePairs::Neox, tensors)?;
-    d.moe = c.moe(
+    let moe = c.moe(
         k,
         ExpertWidth::FeedForward,
         true,
@@ -73,8 +73,6 @@ pub fn phimoe(k: &Keys, c: Common) -> Result<DecoderConfig> {
         Need::Required,
         SharedExpert::None,
     )?;
-    if d.moe.is_none() {
-        bail!("{}.expert_count is 0: every layer has experts", c.arch);
-    }
+    d.moe = Some(c.with_experts(moe)?);
     Ok(d)
 }
