@@ -123,12 +123,7 @@ pub fn olmoe(k: &Keys, c: Common) -> Result<DecoderConfig> {
     let mut d = c.decoder(k, NormKind::Rms, RopePairs::Neox, tensors)?;
     d.attn.qk_norm = QkNorm::Whole;
     let (w, none) = (ExpertWidth::FeedForward, SharedExpert::None);
-    d.moe = c.moe(k, w, false, false, Need::Required, none)?;
-    if d.moe.is_none() {
-        anyhow::bail!(
-            "{}: expert_count is 0, and llama.cpp runs OLMoE only with experts",
-            c.arch
-        );
-    }
+    let moe = c.moe(k, w, false, false, Need::Required, none)?;
+    d.moe = Some(c.with_experts(moe)?);
     Ok(d)
 }

@@ -28,7 +28,7 @@ pub fn gpt_oss(k: &Keys, c: Common) -> Result<DecoderConfig> {
     d.attn.scale = 1.0 / (c.n_rot as f32).sqrt();
     d.attn.sinks = true;
     d.activation = Activation::SwigluOai;
-    let mut moe = c.moe(
+    let moe = c.moe(
         k,
         ExpertWidth::ExpertKey,
         false,
@@ -36,12 +36,10 @@ pub fn gpt_oss(k: &Keys, c: Common) -> Result<DecoderConfig> {
         Need::Required,
         SharedExpert::None,
     )?;
-    let Some(m) = moe.as_mut() else {
-        anyhow::bail!("gpt-oss.expert_count is 0: every gpt-oss layer is a mixture of experts");
-    };
+    let mut m = c.with_experts(moe)?;
     m.gating = Gating::SoftmaxWeight;
     m.biases = true;
-    d.moe = moe;
+    d.moe = Some(m);
     let window = k.usize("attention.sliding_window")?;
     let swa = swa_layers(k, &c, 2)?;
     // Windowed layers rotate at `rope.freq_base_swa` (else the full layers' base), with the
