@@ -158,11 +158,7 @@ pub fn exaone_moe(k: &Keys, c: Common) -> Result<DecoderConfig> {
     let swa = swa_layers(k, &c, 4)?;
     let window = k.usize("attention.sliding_window")?;
     d.set_windows(window, &swa, None);
-    for plan in &mut d.layers {
-        if plan.window.is_none() {
-            plan.rope = None;
-        }
-    }
+    d.rope_on_windows_only();
     let ff = k.usize("expert_feed_forward_length")?;
     let shared = match k.usize_or("expert_shared_feed_forward_length", 0)? {
         0 => ff,

@@ -581,6 +581,15 @@ pub fn swa_layers(k: &Keys, c: &Common, default_pattern: usize) -> Result<Vec<bo
 }
 
 impl DecoderConfig {
+    /// Only the windowed layers rotate (EXAONE 4's 32B, K-EXAONE): the others lose their rope.
+    pub fn rope_on_windows_only(&mut self) {
+        for plan in &mut self.layers {
+            if plan.window.is_none() {
+                plan.rope = None;
+            }
+        }
+    }
+
     /// Put `window` on the layers `swa` marks; with `local_rope`, those layers rotate by it.
     pub fn set_windows(&mut self, window: usize, swa: &[bool], local_rope: Option<RopeCfg>) {
         let local = local_rope.map(|r| {

@@ -70,11 +70,7 @@ pub fn exaone4(k: &Keys, c: Common) -> Result<DecoderConfig> {
         let swa = swa_layers(k, &c, 4)?;
         let window = k.usize_or("attention.sliding_window", 4096)?;
         d.set_windows(window, &swa, None);
-        for plan in &mut d.layers {
-            if plan.window.is_none() {
-                plan.rope = None;
-            }
-        }
+        d.rope_on_windows_only();
     }
     Ok(d)
 }
