@@ -65,7 +65,7 @@ impl PromptCache {
         let layout = model.kv_layout();
         anyhow::ensure!(
             !layout.is_empty(),
-            "--prompt-cache: this model cannot save its KV cache"
+            "--prompt-cache: this model cannot save its cache (a hybrid model's recurrent state is not kept in cache files)"
         );
         let model_id = model_id(model_path, &layout)?;
         let mut cache = Self {

@@ -126,6 +126,13 @@ const CASES: &[(&str, &str, Option<&str>)] = &[
     ("gptneox", "gpt-neox", None),
     ("codeshell", "starcoder", None),
     ("stablelm", "gpt-neox", None),
+    // LFM2's vocabulary (byte-level BPE, pre-tokenizer `lfm2`) is in none of llama.cpp's
+    // vocabulary files: Llama 3's stands in, with LFM2.5's template.
+    ("lfm2", "llama-bpe", Some("LFM2.5-Instruct.jinja")),
+    ("qwen35", "qwen35", Some("Qwen3.5-4B.jinja")),
+    ("qwen35moe", "qwen35", Some("Qwen3.5-4B.jinja")),
+    // Qwen3-Next shares Qwen3's vocabulary and chat format.
+    ("qwen3next", "qwen2", Some("Qwen-Qwen3-0.6B.jinja")),
 ];
 
 fn scratch(name: &str) -> PathBuf {

@@ -122,6 +122,8 @@ pub struct TensorRules {
     /// The FFN norm's tensor: `ffn_norm`, or `post_attention_norm` where a family stores it
     /// under that name (Seed-OSS).
     pub ffn_norm_name: &'static str,
+    /// The final norm's tensor: `output_norm`, or `token_embd_norm` (LFM2's files).
+    pub output_norm_name: &'static str,
     pub post_ffn_norm: NormRule,
     pub output_norm: NormRule,
     /// Biases of q, k and v (of the fused `attn_qkv`, or one each): llama.cpp reads q/k/v as
@@ -156,6 +158,7 @@ impl TensorRules {
         post_attn_norm: NormRule::None,
         ffn_norm: NormRule::Weighted { bias: Need::Absent },
         ffn_norm_name: "ffn_norm",
+        output_norm_name: "output_norm",
         post_ffn_norm: NormRule::None,
         output_norm: NormRule::Weighted { bias: Need::Absent },
         qkv_bias: Need::Optional,
@@ -198,15 +201,73 @@ pub struct Attn {
     /// `attn_sinks` (gpt-oss): one learned logit per query head that joins every softmax's
     /// denominator and takes no value (llama.cpp's `soft_max_ext` with sinks).
     pub sinks: bool,
+    /// The q projection holds, per head, its query and then a gate: attention's output is
+    /// times sigmoid(gate) before the output projection (Qwen3.5, Qwen3-Next).
+    pub gated_output: bool,
 }
 
-/// One layer's attention: the window its queries see and its rotary embedding.
+/// One layer's plan: what mixes its tokens, and for attention the window its queries see and
+/// its rotary embedding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LayerPlan {
     /// A query attends to itself and the `window - 1` tokens before it; None: everything.
     pub window: Option<usize>,
     /// Index into [`DecoderConfig::ropes`]; None: no rotary embedding on this layer.
     pub rope: Option<usize>,
+    pub mixer: Mixer,
+}
+
+/// What mixes a layer's tokens: attention over the paged KV cache, or a recurrent block whose
+/// state per sequence the model keeps beside the cache ([`super::state`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mixer {
+    Attention,
+    /// LFM2's gated short convolution: `shortconv.in_proj` gives b, c and x (d each), the
+    /// channels of b·x are convolved causally over the last `taps` tokens (`shortconv.conv`,
+    /// (d, taps)), times c, then `shortconv.out_proj`. State: the last taps - 1 values of b·x.
+    ShortConv {
+        taps: usize,
+    },
+    /// Gated DeltaNet (Qwen3.5, Qwen3-Next): see [`DeltaNet`].
+    DeltaNet(DeltaNet),
+}
+
+impl Mixer {
+    /// Floats of state one sequence keeps for a layer of this kind (d: the model's width).
+    pub fn state_floats(&self, d: usize) -> usize {
+        match *self {
+            Mixer::Attention => 0,
+            Mixer::ShortConv { taps } => (taps - 1) * d,
+            Mixer::DeltaNet(n) => n.conv_floats() + n.v_heads * n.k_dim * n.v_dim,
+        }
+    }
+}
+
+/// A Gated DeltaNet layer's shape: `k_heads` query/key heads of `k_dim`, `v_heads` value heads
+/// of `v_dim` (a multiple of the key heads, each key head serving v_heads / k_heads of them),
+/// and a causal convolution of `taps` over the q, k and v channels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeltaNet {
+    pub k_heads: usize,
+    pub v_heads: usize,
+    pub k_dim: usize,
+    pub v_dim: usize,
+    pub taps: usize,
+    /// Value head j reads key head j / (v_heads / k_heads) (Qwen3-Next), not j mod k_heads
+    /// (Qwen3.5, whose converter tiles the value heads); Qwen3-Next's `ssm_ba` also holds b
+    /// and a grouped by key head, and its graph applies no scale to the block's products.
+    pub grouped: bool,
+}
+
+impl DeltaNet {
+    /// The convolved channels: q and k (k_heads · k_dim each), then v (v_heads · v_dim).
+    pub fn conv_channels(&self) -> usize {
+        2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+    }
+
+    pub fn conv_floats(&self) -> usize {
+        (self.taps - 1) * self.conv_channels()
+    }
 }
 
 /// A mixture-of-experts FFN on every layer, as llama.cpp's `build_moe_ffn` runs it for the
@@ -223,6 +284,9 @@ pub struct MoeCfg {
     pub norm_weights: bool,
     /// `ffn_{gate,up,down}_exps.scale` applied after each product (read and ignored otherwise).
     pub scales: bool,
+    /// The shared expert's `ffn_{gate,up,down}_shexp.scale` applied likewise (Qwen3.5 MoE,
+    /// Qwen3-Next); read and ignored otherwise.
+    pub shared_scales: bool,
     /// `ffn_gate_exps`: Required, or Optional (an expert without it is act(up)).
     pub gate: Need,
     pub shared: SharedExpert,
@@ -320,6 +384,19 @@ impl DecoderConfig {
     /// The sliding window of layer `l`, or `None` where it attends to the whole context.
     pub fn layer_window(&self, l: usize) -> Option<usize> {
         self.layers[l].window
+    }
+
+    /// Whether any layer keeps a recurrent state per sequence (a hybrid model).
+    pub fn recurrent(&self) -> bool {
+        self.layers.iter().any(|l| l.mixer != Mixer::Attention)
+    }
+
+    /// The layers with attention (and so with keys and values in the cache).
+    pub fn attention_layers(&self) -> usize {
+        self.layers
+            .iter()
+            .filter(|l| l.mixer == Mixer::Attention)
+            .count()
     }
 
     /// The rotary embedding of layer `l`, if it has one.
@@ -474,6 +551,24 @@ impl<'a> Keys<'a> {
                 short(other)
             ),
         }
+    }
+
+    /// A per-layer array of counts, or None when absent or a scalar.
+    pub fn layer_counts(&self, key: &str, n_layer: usize) -> Result<Option<Vec<usize>>> {
+        let Some(Value::Array(a)) = self.get(key) else {
+            return Ok(None);
+        };
+        if a.len() < n_layer {
+            bail!(
+                "metadata key {} has {} entries for {n_layer} layers",
+                self.full(key),
+                a.len()
+            );
+        }
+        a.iter()
+            .map(|v| Ok(self.as_u64(key, v)? as usize))
+            .collect::<Result<Vec<usize>>>()
+            .map(Some)
     }
 
     /// A per-layer flag array (u32/i32/bool; 1 or true: set), or None when absent or a scalar.

@@ -24,8 +24,9 @@ use super::kv_cache::PagedKv;
 use super::plan::PassPlan;
 use super::profile::Profile;
 use super::qlinear::DeviceWeights;
+use super::state::States;
 use super::weights::Weights;
-use super::{LanguageModel, ModelInfo, SeqStep};
+use super::{LanguageModel, ModelInfo, SeqStep, StepKind};
 use crate::format::checkpoint::Checkpoint;
 
 /// Where the layers run.
@@ -41,6 +42,8 @@ pub struct Decoder {
     cfg: DecoderConfig,
     weights: Weights,
     kv: PagedKv,
+    /// The recurrent layers' state per sequence (hybrid models), beside the KV cache.
+    states: States,
     backend: Backend,
     profile: Profile,
     kernels: KernelPaths,
@@ -123,6 +126,16 @@ impl Decoder {
         } else {
             Backend::Device(DeviceBackend::new(device, &cfg))
         };
+        let states = States::new(
+            cfg.layers
+                .iter()
+                .map(|l| l.mixer.state_floats(cfg.d_model))
+                .collect(),
+        );
+        let mut kv = PagedKv::new(0);
+        if cfg.recurrent() {
+            kv.forbid_prefix_cache();
+        }
         let info = ModelInfo {
             arch: cfg.arch.clone(),
             name: ckpt.name.clone(),
@@ -133,7 +146,8 @@ impl Decoder {
             info,
             cfg,
             weights,
-            kv: PagedKv::new(0),
+            kv,
+            states,
             backend,
             profile: Profile::from_env(),
             kernels,
@@ -150,12 +164,27 @@ impl Decoder {
         self.profile.start(n == batch.len());
         let plan = PassPlan::new(&self.kv, batch, &self.weights.windows);
         let (w, cfg, profile) = (&self.weights, &self.cfg, &mut self.profile);
+        // Each step's recurrent state (none without recurrent layers); a step of several
+        // decode tokens logs its inputs, so that rejected ones can be rolled back.
+        let steps: Vec<_> = batch
+            .iter()
+            .map(|s| {
+                let logged = s.kind == StepKind::Decode && s.tokens.len() > 1;
+                (s.seq, s.pos, s.tokens.len(), logged)
+            })
+            .collect();
+        let mut states = match self.states.any() {
+            true => self.states.for_pass(&steps)?,
+            false => Vec::new(),
+        };
         let last = match &mut self.backend {
-            Backend::Cpu(b) => b.forward(&plan, w, cfg, profile)?,
-            Backend::Device(b) => b.forward(&plan, w, cfg, profile)?,
+            Backend::Cpu(b) => b.forward(&plan, w, cfg, &mut states, profile)?,
+            Backend::Device(b) => b.forward(&plan, w, cfg, &mut states, profile)?,
         }; // (B, d)
+        drop(states);
         for step in batch {
             self.kv.advance(step.seq, step.tokens.len());
+            self.states.advance(step.seq, step.tokens.len());
         }
         let logits = super::layer::logits(&last, w, cfg)?;
         profile.mark(last.device(), "norm, logits");
@@ -189,8 +218,25 @@ impl LanguageModel for Decoder {
         }
         let caching = self.kv.prefix_cache();
         self.kv = PagedKv::new(blocks);
+        if self.cfg.recurrent() {
+            self.kv.forbid_prefix_cache();
+        }
         self.kv.set_prefix_cache(caching);
         Ok(())
+    }
+
+    fn free_sequence(&mut self, seq: super::SeqId) {
+        self.kv.free_sequence(seq);
+        self.states.free(seq);
+    }
+
+    fn truncate(&mut self, seq: super::SeqId, len: usize) {
+        self.kv.truncate(seq, len);
+        let (cfg, w) = (&self.cfg, &self.weights);
+        self.states.truncate(seq, len, |l, state, input| {
+            let (mixer, eps) = (&cfg.layers[l].mixer, cfg.norm_eps);
+            super::recurrent::replay(mixer, &w.layers[l].mixer, eps, state, input)
+        });
     }
 
     fn kv_bytes_per_token(&self) -> usize {
@@ -198,7 +244,7 @@ impl LanguageModel for Decoder {
             Backend::Cpu(b) => b.value_bytes(),
             Backend::Device(b) => b.value_bytes(),
         };
-        2 * self.cfg.n_layer * self.cfg.n_kv_head * self.cfg.head_dim * bytes
+        2 * self.cfg.attention_layers() * self.cfg.n_kv_head * self.cfg.head_dim * bytes
     }
 
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<Tensor> {
@@ -226,6 +272,10 @@ impl LanguageModel for Decoder {
 
     fn kv_layout(&self) -> String {
         let c = &self.cfg;
+        if c.recurrent() {
+            // A hybrid's recurrent state is not in the blocks: they alone cannot be saved.
+            return String::new();
+        }
         let (store, compute) = match &self.backend {
             Backend::Cpu(_) => (
                 "f16",

@@ -115,6 +115,7 @@ pub struct PagedKv {
     peak: usize,
     seqs: Vec<Option<Sequence>>,
     caching: bool,
+    no_prefix_cache: bool,
 }
 
 impl Default for PagedKv {
@@ -137,13 +138,14 @@ impl PagedKv {
             peak: 0,
             seqs: Vec::new(),
             caching: true,
+            no_prefix_cache: false,
         }
     }
 
     /// Turn the prefix cache on or off (off: nothing is published or looked up, and what was
     /// published is forgotten).
     pub fn set_prefix_cache(&mut self, on: bool) {
-        self.caching = on;
+        self.caching = on && !self.no_prefix_cache;
         if !on {
             for b in 0..self.total {
                 if self.entries[b].is_some() {
@@ -151,6 +153,13 @@ impl PagedKv {
                 }
             }
         }
+    }
+
+    /// Keep the prefix cache off for good: a hybrid model's blocks hold only its attention
+    /// layers' part of a prefix (its recurrent state is not in them).
+    pub fn forbid_prefix_cache(&mut self) {
+        self.no_prefix_cache = true;
+        self.set_prefix_cache(false);
     }
 
     pub fn prefix_cache(&self) -> bool {

@@ -11,10 +11,11 @@
 use anyhow::Result;
 use candle_core::{Device, Tensor, D};
 
-use super::config::{Activation, DecoderConfig, NormKind, NormRule, QkNorm};
+use super::config::{Activation, DecoderConfig, Mixer, NormKind, NormRule, QkNorm};
 use super::plan::PassPlan;
 use super::profile::Profile;
-use super::weights::{Ffn, Layer, Mlp, Moe, Norm, Weights};
+use super::state::SeqState;
+use super::weights::{AttnWeights, Ffn, Layer, MixerWeights, Mlp, Moe, Norm, Weights};
 
 /// What a backend brings to a pass.
 pub trait LayerOps {
@@ -135,6 +136,7 @@ pub fn run(
     plan: &PassPlan<'_>,
     w: &Weights,
     cfg: &DecoderConfig,
+    states: &mut [&mut SeqState],
     profile: &mut Profile,
 ) -> Result<Tensor> {
     let dev = ops.device().clone();
@@ -154,7 +156,34 @@ pub fn run(
             Some(xn) => xn,
             None => maybe_norm(&x, layer.attn_norm.as_ref(), cfg)?,
         };
-        let mut a = attention(ops, l, layer, &xn, cfg, temperature.as_ref(), profile)?;
+        let mut a = match &layer.mixer {
+            MixerWeights::Attention(at) => attention(
+                ops,
+                l,
+                layer.view,
+                at,
+                &xn,
+                cfg,
+                temperature.as_ref(),
+                profile,
+            )?,
+            MixerWeights::ShortConv(sc) => {
+                let Mixer::ShortConv { taps } = cfg.layers[l].mixer else {
+                    unreachable!("weights loaded for the layer's plan")
+                };
+                let a = super::recurrent::short_conv(sc, taps, l, &xn, plan, states)?;
+                profile.mark(&dev, "short conv");
+                a
+            }
+            MixerWeights::DeltaNet(dn) => {
+                let Mixer::DeltaNet(n) = cfg.layers[l].mixer else {
+                    unreachable!("weights loaded for the layer's plan")
+                };
+                let a = super::delta_net::forward(dn, &n, l, &xn, cfg, plan, states)?;
+                profile.mark(&dev, "delta net");
+                a
+            }
+        };
         if let Some(n) = &layer.post_attn_norm {
             a = norm(&a, n, cfg)?;
         }
@@ -247,10 +276,12 @@ fn attention_temperature(
 /// The layer's attention block: q/k/v with their scales and biases, clamps, q/k norms, rope,
 /// the backend's attention, the output projection with its scale and bias. xn: (N, d).
 /// Returns (N, d).
+#[allow(clippy::too_many_arguments)]
 fn attention(
     ops: &mut impl LayerOps,
     l: usize,
-    layer: &Layer,
+    view: usize,
+    layer: &AttnWeights,
     xn: &Tensor,
     cfg: &DecoderConfig,
     temperature: Option<&Tensor>,
@@ -268,6 +299,15 @@ fn attention(
         qkv.push(t);
     }
     let [mut q, mut k, v]: [Tensor; 3] = qkv.try_into().expect("three projections");
+    // Qwen3.5's q rows hold each head's query, then its output gate.
+    let gate = match cfg.attn.gated_output {
+        true => {
+            let qg = q.reshape((n, h, 2 * hd))?;
+            q = qg.narrow(2, 0, hd)?.contiguous()?.reshape((n, h * hd))?;
+            Some(qg.narrow(2, hd, hd)?.contiguous()?.reshape((n, h * hd))?)
+        }
+        false => None,
+    };
     profile.mark(&dev, "q/k/v");
     let qk_norm = |q: Tensor, k: Tensor| -> Result<(Tensor, Tensor)> {
         match &layer.qk_norm {
@@ -299,7 +339,10 @@ fn attention(
     }
     let k = k.reshape((n, kv * hd))?;
     profile.mark(&dev, "rope");
-    let y = ops.attend(l, layer.view, &q, &k, &v, layer.sinks.as_deref(), profile)?;
+    let mut y = ops.attend(l, view, &q, &k, &v, layer.sinks.as_deref(), profile)?;
+    if let Some(g) = gate {
+        y = (y * candle_nn::ops::sigmoid(&g)?)?;
+    }
     let o = layer.wo.forward(&y)?;
     layer.wo_post.apply(o)
 }

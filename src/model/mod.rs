@@ -10,6 +10,7 @@ pub mod arch;
 pub mod config;
 pub mod cpu;
 pub mod decoder;
+pub mod delta_net;
 pub mod device;
 pub mod kv_cache;
 pub mod layer;
@@ -17,7 +18,9 @@ pub mod moe;
 pub mod plan;
 pub mod profile;
 pub mod qlinear;
+pub mod recurrent;
 pub mod rope;
+pub mod state;
 pub mod weights;
 
 use candle_core::Tensor;

@@ -133,6 +133,7 @@ mod tests {
             ff: 8,
             norm_weights,
             scales: false,
+            shared_scales: false,
             gate: Need::Required,
             shared: SharedExpert::None,
             gating: Gating::Softmax,

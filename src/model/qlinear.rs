@@ -21,6 +21,21 @@ pub enum Projections {
 }
 
 impl Projections {
+    /// Its matrices (one when fused).
+    pub fn linears(&self) -> Vec<&QLinear> {
+        match self {
+            Projections::Fused { linear, .. } => vec![linear],
+            Projections::Separate(ls) => ls.iter().collect(),
+        }
+    }
+
+    pub fn linears_mut(&mut self) -> Vec<&mut QLinear> {
+        match self {
+            Projections::Fused { linear, .. } => vec![linear],
+            Projections::Separate(ls) => ls.iter_mut().collect(),
+        }
+    }
+
     pub fn new(parts: Vec<QLinear>) -> Self {
         if let Some(fused) = Self::fuse_dense(&parts) {
             return fused;

@@ -12,7 +12,7 @@ use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 
 use super::config::{
-    DecoderConfig, MoeCfg, Need, NormRule, Output, QkNorm, RopeFactors, SharedExpert,
+    DecoderConfig, Mixer, MoeCfg, Need, NormRule, Output, QkNorm, RopeFactors, SharedExpert,
 };
 use super::cpu::matmul::{CpuQWeight, Kernel};
 use super::cpu::tile_cache::{self, TileCache};
@@ -119,6 +119,65 @@ pub struct Moe {
 
 pub struct Layer {
     pub attn_norm: Option<Norm>,
+    /// What mixes its tokens: attention, or a recurrent block.
+    pub mixer: MixerWeights,
+    pub post_attn_norm: Option<Norm>,
+    pub ffn_norm: Option<Norm>,
+    pub ffn: Ffn,
+    pub post_ffn_norm: Option<Norm>,
+    /// Index into [`Weights::windows`] (the pass plan's key ranges).
+    pub view: usize,
+}
+
+/// A layer's token mixer ([`super::config::Mixer`]).
+pub enum MixerWeights {
+    Attention(Box<AttnWeights>),
+    ShortConv(Box<ShortConvWeights>),
+    DeltaNet(Box<DeltaNetWeights>),
+}
+
+impl MixerWeights {
+    /// Its matrices.
+    pub fn linears(&self) -> Vec<&QLinear> {
+        match self {
+            MixerWeights::Attention(a) => {
+                let mut v = a.qkv.linears();
+                v.push(&a.wo);
+                v
+            }
+            MixerWeights::ShortConv(c) => vec![&c.in_proj, &c.out_proj],
+            MixerWeights::DeltaNet(n) => {
+                let mut v = n.proj.linears();
+                v.push(&n.out);
+                v
+            }
+        }
+    }
+
+    pub fn linears_mut(&mut self) -> Vec<&mut QLinear> {
+        match self {
+            MixerWeights::Attention(a) => {
+                let a = &mut **a;
+                let mut v = a.qkv.linears_mut();
+                v.push(&mut a.wo);
+                v
+            }
+            MixerWeights::ShortConv(c) => {
+                let c = &mut **c;
+                vec![&mut c.in_proj, &mut c.out_proj]
+            }
+            MixerWeights::DeltaNet(n) => {
+                let n = &mut **n;
+                let mut v = n.proj.linears_mut();
+                v.push(&mut n.out);
+                v
+            }
+        }
+    }
+}
+
+/// An attention block's weights.
+pub struct AttnWeights {
     /// q (h*hd, d), k (kv*hd, d), v (kv*hd, d): three matrices, or one of (h+2kv)*hd rows.
     pub qkv: Projections,
     pub qkv_post: [Affine; 3],
@@ -128,12 +187,35 @@ pub struct Layer {
     pub wo_post: Affine,
     /// Each query head's attention sink (h), on the host (gpt-oss).
     pub sinks: Option<Vec<f32>>,
-    pub post_attn_norm: Option<Norm>,
-    pub ffn_norm: Option<Norm>,
-    pub ffn: Ffn,
-    pub post_ffn_norm: Option<Norm>,
-    /// Index into [`Weights::windows`] (the pass plan's key ranges).
-    pub view: usize,
+}
+
+/// LFM2's short convolution block.
+pub struct ShortConvWeights {
+    /// (3d, d): b, c and x.
+    pub in_proj: QLinear,
+    /// Per channel, its `taps` weights, oldest token first: (d, taps), on the host.
+    pub conv: Vec<f32>,
+    pub out_proj: QLinear, // (d, d)
+}
+
+/// A Gated DeltaNet block (Qwen3.5's linear attention).
+pub struct DeltaNetWeights {
+    /// Four products of the layer's input: q, k and v of every head (the convolution's
+    /// channels, conv_channels), the output gate z (v_heads * v_dim), and beta's and alpha's
+    /// logits (v_heads each).
+    pub proj: Projections,
+    /// Their `.scale`s, where the family applies them.
+    pub proj_post: Vec<Affine>,
+    /// Per channel, its `taps` weights, oldest token first: (conv_channels, taps), host.
+    pub conv: Vec<f32>,
+    /// Per value head: the time step's bias and A (the decay is -exp(A_log)·softplus(a + dt),
+    /// A = -exp(A_log) as the file stores it).
+    pub dt_bias: Vec<f32>,
+    pub a: Vec<f32>,
+    /// The output norm's weights (v_dim), shared by every head, host.
+    pub norm: Vec<f32>,
+    pub out: QLinear, // (d, v_heads * v_dim)
+    pub out_post: Affine,
 }
 
 pub struct Weights {
@@ -166,7 +248,7 @@ pub enum Embedding {
 
 /// Reads a checkpoint's tensors onto one device, quantized weights kept as `kind` says, and
 /// remembers which it read.
-struct Reader<'a> {
+pub(super) struct Reader<'a> {
     ckpt: &'a Checkpoint,
     device: &'a Device,
     kind: DeviceWeights,
@@ -178,18 +260,18 @@ struct Reader<'a> {
 }
 
 impl Reader<'_> {
-    fn has(&self, n: &str) -> bool {
+    pub(super) fn has(&self, n: &str) -> bool {
         self.ckpt.has_tensor(n)
     }
 
-    fn tensor(&self, n: &str) -> Result<QTensor> {
+    pub(super) fn tensor(&self, n: &str) -> Result<QTensor> {
         self.read.borrow_mut().insert(n.to_string());
         self.timed(|| self.ckpt.tensor(n, self.device))
             .with_context(|| format!("reading tensor {n}"))
     }
 
     /// `f`, a read from the file, with its time added to `reading`.
-    fn timed<T>(&self, f: impl FnOnce() -> T) -> T {
+    pub(super) fn timed<T>(&self, f: impl FnOnce() -> T) -> T {
         let t0 = std::time::Instant::now();
         let out = f();
         self.reading.set(self.reading.get() + t0.elapsed());
@@ -197,7 +279,7 @@ impl Reader<'_> {
     }
 
     /// A norm's weight or a bias: `len` values, widened.
-    fn vector(&self, n: &str, len: usize) -> Result<Tensor> {
+    pub(super) fn vector(&self, n: &str, len: usize) -> Result<Tensor> {
         let t = self.tensor(n)?.dequantize(self.device)?;
         if t.elem_count() != len || t.dims().iter().filter(|&&d| d != 1).count() > 1 {
             bail!("{n} has shape {:?}, expected [{len}]", t.dims());
@@ -206,14 +288,20 @@ impl Reader<'_> {
     }
 
     /// [`Self::vector`]'s values as f32 on the host (sinks, a router's bias).
-    fn host_vector(&self, n: &str, len: usize) -> Result<Vec<f32>> {
+    pub(super) fn host_vector(&self, n: &str, len: usize) -> Result<Vec<f32>> {
         let v = self.vector(n, len)?.to_dtype(candle_core::DType::F32)?;
         Ok(v.to_device(&Device::Cpu)?.to_vec1()?)
     }
 
     /// A small (rows, cols) table of values (per-head norm weights) that `need` says may,
     /// must or must not be there.
-    fn table_if(&self, n: &str, rows: usize, cols: usize, need: Need) -> Result<Option<Tensor>> {
+    pub(super) fn table_if(
+        &self,
+        n: &str,
+        rows: usize,
+        cols: usize,
+        need: Need,
+    ) -> Result<Option<Tensor>> {
         let present = match need {
             Need::Absent => false,
             Need::Optional => self.has(n),
@@ -231,7 +319,7 @@ impl Reader<'_> {
     }
 
     /// A vector that `need` says may, must or must not be there (Ignored: read, not used).
-    fn vector_if(&self, n: &str, len: usize, need: Need) -> Result<Option<Tensor>> {
+    pub(super) fn vector_if(&self, n: &str, len: usize, need: Need) -> Result<Option<Tensor>> {
         match need {
             Need::Absent => Ok(None),
             Need::Required => self.vector(n, len).map(Some),
@@ -244,7 +332,7 @@ impl Reader<'_> {
     }
 
     /// The values of a small tensor (rope factors), on the host.
-    fn values(&self, n: &str, len: usize) -> Result<Option<Vec<f32>>> {
+    pub(super) fn values(&self, n: &str, len: usize) -> Result<Option<Vec<f32>>> {
         if !self.has(n) {
             return Ok(None);
         }
@@ -259,7 +347,7 @@ impl Reader<'_> {
     /// A per-tensor scale (`blk.N.attn_q.scale` for `blk.N.attn_q.weight`: one value), when
     /// the file has one; `used` false: read and ignored, as llama.cpp does for the FFN of most
     /// families.
-    fn scale(&self, base: &str, used: bool) -> Result<Option<f32>> {
+    pub(super) fn scale(&self, base: &str, used: bool) -> Result<Option<f32>> {
         let n = format!("{base}.scale");
         if !self.has(&n) {
             return Ok(None);
@@ -269,7 +357,12 @@ impl Reader<'_> {
     }
 
     /// The matrix `n` of `rows` (any, if None) by `cols`, and its row count.
-    fn matrix(&self, n: &str, rows: Option<usize>, cols: usize) -> Result<(QLinear, usize)> {
+    pub(super) fn matrix(
+        &self,
+        n: &str,
+        rows: Option<usize>,
+        cols: usize,
+    ) -> Result<(QLinear, usize)> {
         // On the CPU, gen's kernels repack the file's blocks straight from the mapped file
         // (a type candle cannot read, IQ4_NL or IQ4_XS, must take this way); a type they do
         // not run goes through candle below.
@@ -317,7 +410,7 @@ impl Reader<'_> {
     /// Expert `e`'s matrix (`rows` by `cols`) of the stacked expert tensor `n`, which must
     /// hold `experts` of them; repacked from the mapped file as [`Self::matrix`] does, its
     /// tile-cache part named `n#e`.
-    fn expert(
+    pub(super) fn expert(
         &self,
         n: &str,
         e: usize,
@@ -354,7 +447,7 @@ impl Reader<'_> {
     }
 
     /// A norm as `rule` says: None where the architecture has no norm there.
-    fn norm(&self, prefix: &str, len: usize, rule: NormRule) -> Result<Option<Norm>> {
+    pub(super) fn norm(&self, prefix: &str, len: usize, rule: NormRule) -> Result<Option<Norm>> {
         match rule {
             NormRule::None => Ok(None),
             NormRule::Plain => Ok(Some(Norm {
@@ -436,7 +529,7 @@ impl Weights {
             let view = index_of(&mut windows, cfg.layer_window(i));
             layers.push(load_layer(&r, cfg, i, view)?);
         }
-        let out_norm = r.norm("output_norm", cfg.d_model, rules.output_norm)?;
+        let out_norm = r.norm(rules.output_norm_name, cfg.d_model, rules.output_norm)?;
         let output = match tied_output {
             Some(out) => out,
             None => {
@@ -521,8 +614,7 @@ impl Weights {
         }
         let mut all = Vec::new();
         for l in &self.layers {
-            all.extend(of_all(&l.qkv));
-            all.extend(of(&l.wo));
+            all.extend(l.mixer.linears().into_iter().filter_map(of));
             for m in l.ffn.mlps() {
                 all.extend(of_all(&m.gate_up));
                 all.extend(of(&m.w_down));
@@ -548,8 +640,7 @@ impl Weights {
         }
         let mut all = Vec::new();
         for l in &mut self.layers {
-            all.extend(of_all(&mut l.qkv));
-            all.extend(of(&mut l.wo));
+            all.extend(l.mixer.linears_mut().into_iter().filter_map(of));
             for m in l.ffn.mlps_mut() {
                 all.extend(of_all(&mut m.gate_up));
                 all.extend(of(&mut m.w_down));
@@ -609,9 +700,43 @@ fn load_layer(r: &Reader<'_>, cfg: &DecoderConfig, i: usize, view: usize) -> Res
     let rules = &cfg.tensors;
     let p = format!("blk.{i}");
     let name = |n: &str| format!("{p}.{n}");
+    let d = cfg.d_model;
+    let mixer = match cfg.layers[i].mixer {
+        Mixer::Attention => MixerWeights::Attention(Box::new(load_attention(r, cfg, &p)?)),
+        Mixer::ShortConv { taps } => MixerWeights::ShortConv(Box::new(
+            super::recurrent::load_short_conv(r, cfg, &p, taps)?,
+        )),
+        Mixer::DeltaNet(n) => {
+            MixerWeights::DeltaNet(Box::new(super::delta_net::load(r, cfg, &p, n)?))
+        }
+    };
+    // Experts from layer `dense_lead` on (DeepSeek-style leading dense layers before).
+    let ffn = match &cfg.moe {
+        Some(m) if i >= m.dense_lead => Ffn::Moe(Box::new(load_moe(r, cfg, m, &p)?)),
+        _ => Ffn::Dense(load_mlp(r, cfg, &p)?),
+    };
+    Ok(Layer {
+        attn_norm: r.norm(&name("attn_norm"), d, rules.attn_norm)?,
+        mixer,
+        post_attn_norm: r.norm(&name("post_attention_norm"), d, rules.post_attn_norm)?,
+        ffn_norm: r.norm(&name(rules.ffn_norm_name), d, rules.ffn_norm)?,
+        ffn,
+        post_ffn_norm: r.norm(&name("post_ffw_norm"), d, rules.post_ffn_norm)?,
+        view,
+    })
+}
+
+/// The attention block of layer `p`.
+fn load_attention(r: &Reader<'_>, cfg: &DecoderConfig, p: &str) -> Result<AttnWeights> {
+    let rules = &cfg.tensors;
+    let name = |n: &str| format!("{p}.{n}");
     let mm = |n: &str, rows: Option<usize>, cols: usize| r.matrix(&name(n), rows, cols);
     let (d, h, kv, hd) = (cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.head_dim);
-    let widths = [h * hd, kv * hd, kv * hd];
+    let q_rows = match cfg.attn.gated_output {
+        true => 2 * h * hd,
+        false => h * hd,
+    };
+    let widths = [q_rows, kv * hd, kv * hd];
     let attn_scale = |n: &str| r.scale(&name(n), true);
     let (qkv, qkv_post) = if r.has(&name("attn_qkv.weight")) {
         let (w, _) = mm("attn_qkv.weight", Some(widths.iter().sum()), d)?;
@@ -697,24 +822,13 @@ fn load_layer(r: &Reader<'_>, cfg: &DecoderConfig, i: usize, view: usize) -> Res
         true => Some(r.host_vector(&name("attn_sinks.weight"), h)?),
         false => None,
     };
-    // Experts from layer `dense_lead` on (DeepSeek-style leading dense layers before).
-    let ffn = match &cfg.moe {
-        Some(m) if i >= m.dense_lead => Ffn::Moe(Box::new(load_moe(r, cfg, m, &p)?)),
-        _ => Ffn::Dense(load_mlp(r, cfg, &p)?),
-    };
-    Ok(Layer {
-        attn_norm: r.norm(&name("attn_norm"), d, rules.attn_norm)?,
+    Ok(AttnWeights {
         qkv,
         qkv_post,
         qk_norm,
         wo,
         wo_post,
         sinks,
-        post_attn_norm: r.norm(&name("post_attention_norm"), d, rules.post_attn_norm)?,
-        ffn_norm: r.norm(&name(rules.ffn_norm_name), d, rules.ffn_norm)?,
-        ffn,
-        post_ffn_norm: r.norm(&name("post_ffw_norm"), d, rules.post_ffn_norm)?,
-        view,
     })
 }
 
@@ -764,9 +878,14 @@ fn load_moe(r: &Reader<'_>, cfg: &DecoderConfig, m: &MoeCfg, p: &str) -> Result<
         Need::Optional if !r.has(&name("exp_probs_b.bias")) => None,
         _ => Some(r.host_vector(&name("exp_probs_b.bias"), n)?),
     };
+    // Gate and up as one stack of 2·ff rows an expert, gate first (llama.cpp reads either).
+    let merged = r.has(&name("ffn_gate_up_exps.weight"));
+    if merged && m.biases {
+        bail!("{p}.ffn_gate_up_exps.weight: merged gate and up with biases are not supported");
+    }
     let gated = match m.gate {
         Need::Required => true,
-        _ => r.has(&name("ffn_gate_exps.weight")),
+        _ => merged || r.has(&name("ffn_gate_exps.weight")),
     };
     // Per-expert scales: E values each, applied where the family does.
     let scales = |base: &str| -> Result<Option<Vec<f32>>> {
@@ -777,12 +896,15 @@ fn load_moe(r: &Reader<'_>, cfg: &DecoderConfig, m: &MoeCfg, p: &str) -> Result<
         let v: Vec<f32> = r.vector(&t, n)?.to_vec1()?;
         Ok(m.scales.then_some(v))
     };
-    let s_gate = if gated {
-        scales("ffn_gate_exps")?
-    } else {
-        None
+    let (s_gate, s_up) = match (merged, gated) {
+        (true, _) => {
+            let s = scales("ffn_gate_up_exps")?;
+            (s.clone(), s)
+        }
+        (false, true) => (scales("ffn_gate_exps")?, scales("ffn_up_exps")?),
+        (false, false) => (None, scales("ffn_up_exps")?),
     };
-    let (s_up, s_down) = (scales("ffn_up_exps")?, scales("ffn_down_exps")?);
+    let s_down = scales("ffn_down_exps")?;
     // Per-expert biases (gpt-oss): E rows of the product's width each, added after the
     // product (and its scale, as llama.cpp's graph orders them).
     let biases = |base: &str, width: usize| -> Result<Option<Tensor>> {
@@ -809,32 +931,50 @@ fn load_moe(r: &Reader<'_>, cfg: &DecoderConfig, m: &MoeCfg, p: &str) -> Result<
         let mut parts = Vec::new();
         let mut posts = Vec::new();
         if gated {
-            parts.push(r.expert(&name("ffn_gate_exps.weight"), e, n, m.ff, d)?);
             posts.push(post(&s_gate, &b_gate, e)?);
         }
-        parts.push(r.expert(&name("ffn_up_exps.weight"), e, n, m.ff, d)?);
         posts.push(post(&s_up, &b_up, e)?);
+        let gate_up = match merged {
+            true => Projections::Fused {
+                linear: r.expert(&name("ffn_gate_up_exps.weight"), e, n, 2 * m.ff, d)?,
+                widths: vec![m.ff, m.ff],
+            },
+            false => {
+                if gated {
+                    parts.push(r.expert(&name("ffn_gate_exps.weight"), e, n, m.ff, d)?);
+                }
+                parts.push(r.expert(&name("ffn_up_exps.weight"), e, n, m.ff, d)?);
+                Projections::new(parts)
+            }
+        };
         experts.push(Mlp {
-            gate_up: Projections::new(parts),
+            gate_up,
             gate_up_post: posts,
             w_down: r.expert(&name("ffn_down_exps.weight"), e, n, d, m.ff)?,
             down_post: post(&s_down, &b_down, e)?,
         });
     }
     let shared_mlp = |ff: usize| -> Result<Mlp> {
-        let mm = |s: &str, rows: usize, cols: usize| -> Result<QLinear> {
-            r.scale(&name(s), false)?; // read; llama.cpp does not apply it
-            Ok(r.matrix(&name(&format!("{s}.weight")), Some(rows), cols)?.0)
+        // Each product's scale, where the family's graph applies it (read and ignored
+        // otherwise).
+        let mm = |s: &str, rows: usize, cols: usize| -> Result<(QLinear, Affine)> {
+            let post = Affine {
+                scale: r.scale(&name(s), m.shared_scales)?,
+                ..Default::default()
+            };
+            Ok((
+                r.matrix(&name(&format!("{s}.weight")), Some(rows), cols)?.0,
+                post,
+            ))
         };
-        let gate_up = Projections::new(vec![
-            mm("ffn_gate_shexp", ff, d)?,
-            mm("ffn_up_shexp", ff, d)?,
-        ]);
+        let (gate, gate_post) = mm("ffn_gate_shexp", ff, d)?;
+        let (up, up_post) = mm("ffn_up_shexp", ff, d)?;
+        let (w_down, down_post) = mm("ffn_down_shexp", d, ff)?;
         Ok(Mlp {
-            gate_up,
-            gate_up_post: vec![Affine::default(), Affine::default()],
-            w_down: mm("ffn_down_shexp", d, ff)?,
-            down_post: Affine::default(),
+            gate_up: Projections::new(vec![gate, up]),
+            gate_up_post: vec![gate_post, up_post],
+            w_down,
+            down_post,
         })
     };
     let (shared, shared_gate) = match m.shared {

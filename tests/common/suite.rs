@@ -53,7 +53,10 @@ pub fn read_logits(path: &Path) -> Vec<Vec<f32>> {
 /// llama.cpp's logits for `ids` on `model`, computed now by the suite's reader with a context
 /// of `n_ctx` tokens.
 pub fn llama_logits(dir: &Path, model: &Path, ids: &[u32], n_ctx: usize) -> Vec<Vec<f32>> {
-    let out = model.with_extension("logits");
+    // A file of its own (never the suite's recorded `.logits` beside the model).
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let out = std::env::temp_dir().join(format!("gen-llama-logits-{}-{n}", std::process::id()));
     let list: Vec<String> = ids.iter().map(u32::to_string).collect();
     let status = Command::new(dir.join("llama-logits"))
         .arg(model)
@@ -63,7 +66,9 @@ pub fn llama_logits(dir: &Path, model: &Path, ids: &[u32], n_ctx: usize) -> Vec<
         .status()
         .expect("running llama-logits");
     assert!(status.success(), "llama-logits on {}", model.display());
-    read_logits(&out)
+    let logits = read_logits(&out);
+    let _ = std::fs::remove_file(&out);
+    logits
 }
 
 /// Normalized mean squared error: mse(want, got) / mse(want, 0).

@@ -15,6 +15,7 @@ mod deepseek;
 mod ernie;
 mod gemma;
 mod gpt;
+mod hybrid;
 mod llama;
 mod minimax;
 mod olmo;
@@ -25,8 +26,8 @@ mod qwen;
 use anyhow::{bail, Result};
 
 use super::config::{
-    Activation, Attn, DecoderConfig, ExpertGroups, Gating, Keys, LayerPlan, MoeCfg, Need, NormKind,
-    QkNorm, RopeCfg, RopePairs, SharedExpert, TensorRules,
+    Activation, Attn, DecoderConfig, ExpertGroups, Gating, Keys, LayerPlan, Mixer, MoeCfg, Need,
+    NormKind, QkNorm, RopeCfg, RopePairs, SharedExpert, TensorRules,
 };
 use super::rope::{yarn_mscale, Factors, TextMrope};
 
@@ -90,6 +91,10 @@ pub const ARCHS: &[(&str, Build)] = &[
     ("gptneox", gpt::gptneox),
     ("codeshell", gpt::codeshell),
     ("stablelm", gpt::stablelm),
+    ("lfm2", hybrid::lfm2),
+    ("qwen35", hybrid::qwen35),
+    ("qwen35moe", hybrid::qwen35moe),
+    ("qwen3next", hybrid::qwen3next),
 ];
 
 /// The names of [`ARCHS`], for messages.
@@ -111,13 +116,20 @@ pub fn from_gguf(
     let keys = Keys::new(md, arch);
     let common = Common::read(&keys)?;
     let n_expert = common.n_expert;
+    let no_attention = common.no_attention.clone();
     let mut cfg = build(&keys, common)?;
+    for (l, (plan, &none)) in cfg.layers.iter().zip(&no_attention).enumerate() {
+        if none && plan.mixer == Mixer::Attention {
+            bail!("{arch}: layer {l} has no attention heads, which a {arch} layer needs");
+        }
+    }
     if n_expert > 0 && cfg.moe.is_none() {
         bail!(
             "{arch}.expert_count is {n_expert}: mixture-of-experts {arch} files are not supported"
         );
     }
     cfg.check()?;
+    super::recurrent::check(&cfg)?;
     cfg.set_context_window(cfg.context_len);
     Ok(cfg)
 }
@@ -164,10 +176,43 @@ pub struct Common {
     pub n_expert: usize,
     /// Multi-token prediction blocks after the `n_layer` that run (`nextn_predict_layers`).
     pub nextn: usize,
+    /// Layers whose per-layer head count is 0: a hybrid's layers without attention.
+    pub no_attention: Vec<bool>,
+}
+
+/// A head count key as a value alike on every layer that has heads, and the per-layer values
+/// when it is an array (`default`: where the key is absent; None: 0).
+fn layer_heads(
+    k: &Keys,
+    key: &str,
+    n_layer: usize,
+    default: Option<usize>,
+) -> Result<(usize, Vec<usize>)> {
+    let Some(per_layer) = k.layer_counts(key, n_layer)? else {
+        return Ok((k.usize_or(key, default.unwrap_or(0))?, Vec::new()));
+    };
+    let mut value = 0;
+    for &n in per_layer.iter().filter(|&&n| n > 0) {
+        if value != 0 && n != value {
+            bail!(
+                "{}.{key} differs between layers: gen runs only models whose layers are alike",
+                k.arch
+            );
+        }
+        value = n;
+    }
+    Ok((value, per_layer))
 }
 
 /// The architectures whose files may end in multi-token prediction blocks, skipped.
-const MTP_ARCHS: &[&str] = &["glm4moe", "bailingmoe2", "exaone-moe"];
+const MTP_ARCHS: &[&str] = &[
+    "glm4moe",
+    "bailingmoe2",
+    "exaone-moe",
+    "qwen35",
+    "qwen35moe",
+    "qwen3next",
+];
 
 impl Common {
     fn read(k: &Keys) -> Result<Self> {
@@ -214,8 +259,14 @@ impl Common {
                 k.arch
             );
         }
-        let n_head = k.usize_or("attention.head_count", 0)?;
-        let n_kv_head = k.usize_or("attention.head_count_kv", n_head)?;
+        // Per-layer head counts: alike on every layer with attention, 0 on a hybrid's layers
+        // without (whose architecture says what they are instead).
+        let (n_head, heads_h) = layer_heads(k, "attention.head_count", n_layer_all, None)?;
+        let (n_kv_head, heads_kv) =
+            layer_heads(k, "attention.head_count_kv", n_layer_all, Some(n_head))?;
+        let no_attention: Vec<bool> = (0..n_layer)
+            .map(|l| heads_h.get(l) == Some(&0) || heads_kv.get(l) == Some(&0))
+            .collect();
         if n_head == 0 || n_kv_head == 0 || d_model == 0 || n_layer == 0 || context_len == 0 {
             bail!("metadata gives a zero size (layers {n_layer}, width {d_model}, heads {n_head}/{n_kv_head}, context {context_len})");
         }
@@ -280,6 +331,7 @@ impl Common {
             n_ctx_orig: k.usize_or("rope.scaling.original_context_length", context_len)?,
             n_expert,
             nextn,
+            no_attention,
         })
     }
 
@@ -356,6 +408,7 @@ impl Common {
                 qk_norm: QkNorm::None,
                 temperature: None,
                 sinks: false,
+                gated_output: false,
             },
             parallel: false,
             gated: true,
@@ -367,6 +420,7 @@ impl Common {
                 LayerPlan {
                     window: None,
                     rope: Some(0),
+                    mixer: Mixer::Attention,
                 };
                 self.n_layer
             ],
@@ -420,6 +474,7 @@ impl Common {
             ff,
             norm_weights,
             scales,
+            shared_scales: false,
             gate,
             shared,
             gating: Gating::Softmax,

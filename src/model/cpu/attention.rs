@@ -1346,6 +1346,51 @@ mod tests {
         }
     }
 
+    /// A query's output is the same bits alone or beside others (a speculative check's
+    /// queries, windowed).
+    #[test]
+    fn a_query_alone_or_beside_others_gives_the_same_bits() {
+        let (kv, l, block, hd, g) = (2, 53, 16, 128, 1);
+        let h = g * kv;
+        let k = data16(kv * l * hd, 2);
+        let v = data16(kv * l * hd, 3);
+        let blocks: Vec<u32> = (0..l.div_ceil(block) as u32).collect();
+        let (kp, vp) = (
+            paged(&k, kv, l, hd, block, &blocks),
+            paged(&v, kv, l, hd, block, &blocks),
+        );
+        let spans: Vec<(usize, usize)> = (41..49).map(|len| (len, len - 32)).collect();
+        let qs: Vec<Vec<f32>> = (0..spans.len())
+            .map(|i| data(h * hd, 11 + i as u32))
+            .collect();
+        let steps: Vec<PagedQuery<'_>> = spans
+            .iter()
+            .zip(&qs)
+            .map(|(&(len, from), q)| PagedQuery {
+                q,
+                blocks: &blocks,
+                len,
+                from,
+            })
+            .collect();
+        for avx2 in [false, avx2_available()] {
+            let args = (block, h, kv, hd, Scoring::from(0.1));
+            let all = decode_with(&steps, &kp, &vp, args, avx2);
+            for (i, st) in steps.iter().enumerate() {
+                let one = decode_with(std::slice::from_ref(st), &kp, &vp, args, avx2);
+                let got = &all[i * h * hd..(i + 1) * h * hd];
+                assert!(
+                    got.iter()
+                        .zip(&one)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "avx2 {avx2}: query {i} (len {}, from {})",
+                    st.len,
+                    st.from
+                );
+            }
+        }
+    }
+
     /// A sliding window: only positions from..len count, whichever block they start in.
     #[test]
     fn a_window_attends_to_the_last_positions_only() {

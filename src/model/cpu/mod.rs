@@ -108,6 +108,7 @@ impl CpuBackend {
         plan: &PassPlan<'_>,
         w: &Weights,
         cfg: &DecoderConfig,
+        states: &mut [&mut crate::model::state::SeqState],
         profile: &mut Profile,
     ) -> Result<Tensor> {
         let mut pass = CpuPass {
@@ -122,7 +123,7 @@ impl CpuBackend {
             decode: plan.decode_queries(),
             device: Device::Cpu,
         };
-        super::layer::run(&mut pass, plan, w, cfg, profile)
+        super::layer::run(&mut pass, plan, w, cfg, states, profile)
     }
 }
 

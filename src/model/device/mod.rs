@@ -124,6 +124,7 @@ impl DeviceBackend {
         plan: &PassPlan<'_>,
         w: &Weights,
         cfg: &DecoderConfig,
+        states: &mut [&mut crate::model::state::SeqState],
         profile: &mut Profile,
     ) -> Result<Tensor> {
         let dev = self.device.clone();
@@ -164,7 +165,7 @@ impl DeviceBackend {
             write,
             ropes,
         };
-        super::layer::run(&mut pass, plan, w, cfg, profile)
+        super::layer::run(&mut pass, plan, w, cfg, states, profile)
     }
 
     /// How each step of the pass reaches its keys under window `v`: prompt chunks get the

@@ -1,0 +1,324 @@
+//! Gated DeltaNet, the linear attention of Qwen3.5 and Qwen3-Next, as llama.cpp's graph
+//! computes it (src/models/qwen35.cpp, qwen3next.cpp, delta-net-base.cpp), token by token.
+//!
+//! Per token x (normalised): `mixed` = [q | k | v] (one row of `attn_qkv`), the gate z
+//! (`attn_gate`), and per value head b and a (`ssm_beta`, `ssm_alpha`; Qwen3-Next's `ssm_ba`
+//! holds both, grouped by key head). Then:
+//! - a causal convolution over `mixed`'s channels (the last `taps` tokens, no bias), then SiLU;
+//! - q and k L2-normalised per key head (x / sqrt(Σx² + eps), eps the RMS norms'), q scaled by
+//!   1/sqrt(k_dim);
+//! - per value head j (its key head: j mod k_heads for Qwen3.5, whose converter tiles the value
+//!   heads; j / (v_heads / k_heads) for Qwen3-Next): beta = sigmoid(b), g = softplus(a + dt) · A
+//!   (A = `ssm_a`, already -exp(A_log)); with the state S (v_dim rows of k_dim):
+//!   S ← exp(g)·S; delta = (v - S·k)·beta; S ← S + delta ⊗ k; o = S·q;
+//! - o RMS-normalised per head (`ssm_norm`, shared by the heads) times SiLU(z), then `ssm_out`.
+//!
+//! The state a sequence keeps: the convolution's last taps - 1 inputs (token-major), then each
+//! value head's S. What a token logs for a rollback: its `mixed`, g and beta.
+
+use anyhow::{bail, Result};
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
+
+use super::config::{DecoderConfig, DeltaNet};
+use super::plan::PassPlan;
+use super::state::SeqState;
+use super::weights::{Affine, DeltaNetWeights, Reader};
+
+/// Layer `p`'s DeltaNet block.
+pub(super) fn load(
+    r: &Reader<'_>,
+    cfg: &DecoderConfig,
+    p: &str,
+    n: DeltaNet,
+) -> Result<DeltaNetWeights> {
+    let d = cfg.d_model;
+    let name = |s: &str| format!("{p}.{s}");
+    let (ch, vd) = (n.conv_channels(), n.v_heads * n.v_dim);
+    let scaled = !n.grouped; // Qwen3-Next's graph passes no scale to these products
+    let mut parts = Vec::new();
+    let mut post = Vec::new();
+    let mut part = |t: &str, rows: usize, used: bool| -> Result<()> {
+        parts.push(r.matrix(&name(&format!("{t}.weight")), Some(rows), d)?.0);
+        post.push(Affine {
+            scale: r.scale(&name(t), used)?,
+            ..Default::default()
+        });
+        Ok(())
+    };
+    if !r.has(&name("attn_qkv.weight")) {
+        bail!(
+            "{} is missing: gen reads a DeltaNet layer's q, k and v from attn_qkv (a file with \
+             only the older ssm_in layout is not supported)",
+            name("attn_qkv.weight")
+        );
+    }
+    part("attn_qkv", ch, scaled)?;
+    part("attn_gate", vd, scaled)?;
+    if n.grouped {
+        part("ssm_ba", 2 * n.v_heads, true)?;
+        // Read by llama.cpp's loader, unused where attn_qkv is there.
+        if r.has(&name("ssm_in.weight")) {
+            r.matrix(&name("ssm_in.weight"), None, d)?;
+            r.scale(&name("ssm_in"), false)?;
+        }
+    } else {
+        part("ssm_beta", n.v_heads, true)?;
+        part("ssm_alpha", n.v_heads, true)?;
+    }
+    let conv = super::recurrent::host_table(r, &name("ssm_conv1d.weight"), ch, n.taps)?;
+    let (out, _) = r.matrix(&name("ssm_out.weight"), Some(d), vd)?;
+    let out_post = Affine {
+        scale: r.scale(&name("ssm_out"), scaled)?,
+        ..Default::default()
+    };
+    Ok(DeltaNetWeights {
+        proj: super::qlinear::Projections::new(parts),
+        proj_post: post,
+        conv,
+        dt_bias: r.host_vector(&name("ssm_dt.bias"), n.v_heads)?,
+        a: r.host_vector(&name("ssm_a"), n.v_heads)?,
+        norm: r.host_vector(&name("ssm_norm.weight"), n.v_dim)?,
+        out,
+        out_post,
+    })
+}
+
+/// 8-lane sums (vectorised by the compiler), reduced in one fixed order.
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ar, br) = (ac.remainder(), bc.remainder());
+    for (x, y) in ac.zip(bc) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (x, y) in ar.iter().zip(br) {
+        s += x * y;
+    }
+    s
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// ggml's softplus: linear above 20.
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        (1.0 + x.exp()).ln()
+    }
+}
+
+/// x / sqrt(Σx² + eps), in place.
+fn l2_norm(x: &mut [f32], eps: f32) {
+    let ss: f64 = x.iter().map(|&v| v as f64 * v as f64).sum();
+    let s = 1.0 / ((ss as f32) + eps).sqrt();
+    for v in x {
+        *v *= s;
+    }
+}
+
+/// One token's update of one value head's state `s` (v_dim rows of k_dim): decay, the delta
+/// rule, and the head's output from the updated state.
+fn head_step(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], g: f32, beta: f32, o: &mut [f32]) {
+    let kd = k.len();
+    let decay = g.exp();
+    for (m, row) in s.chunks_exact_mut(kd).enumerate() {
+        for x in row.iter_mut() {
+            *x *= decay;
+        }
+        let delta = (v[m] - dot(row, k)) * beta;
+        for (x, &ki) in row.iter_mut().zip(k) {
+            *x += ki * delta;
+        }
+        o[m] = dot(row, q);
+    }
+}
+
+/// The layout of one token's logged input and of the state.
+struct Shape {
+    n: DeltaNet,
+    ch: usize,
+    conv: usize,
+}
+
+impl Shape {
+    fn new(n: &DeltaNet) -> Self {
+        Self {
+            n: *n,
+            ch: n.conv_channels(),
+            conv: n.conv_floats(),
+        }
+    }
+
+    /// Value head j's key head.
+    fn key_head(&self, j: usize) -> usize {
+        match self.n.grouped {
+            true => j / (self.n.v_heads / self.n.k_heads),
+            false => j % self.n.k_heads,
+        }
+    }
+
+    /// A token's logged input [mixed | g | beta] through the convolution: q, k (normalised, q
+    /// scaled) and v, each head after the other, into `qkv`; the conv state moves on.
+    fn conv(&self, w: &[f32], conv_state: &mut [f32], input: &[f32], qkv: &mut [f32], eps: f32) {
+        let n = &self.n;
+        super::recurrent::conv_step(w, n.taps, conv_state, &input[..self.ch], qkv);
+        for x in qkv.iter_mut() {
+            *x = silu(*x);
+        }
+        let kw = n.k_heads * n.k_dim;
+        let scale = 1.0 / (n.k_dim as f32).sqrt();
+        for h in qkv[..2 * kw].chunks_exact_mut(n.k_dim) {
+            l2_norm(h, eps);
+        }
+        for x in &mut qkv[..kw] {
+            *x *= scale;
+        }
+    }
+}
+
+/// Layer `l`'s DeltaNet over a pass: xn (N, d) normalised; each step's tokens in order through
+/// its sequence's state. Returns (N, d).
+pub fn forward(
+    w: &DeltaNetWeights,
+    n: &DeltaNet,
+    l: usize,
+    xn: &Tensor,
+    cfg: &DecoderConfig,
+    plan: &PassPlan<'_>,
+    states: &mut [&mut SeqState],
+) -> Result<Tensor> {
+    let sh = Shape::new(n);
+    let (tokens, _) = xn.dims2()?;
+    let (ch, nv, vdim, kdim) = (sh.ch, n.v_heads, n.v_dim, n.k_dim);
+    let mut parts = Vec::new();
+    for (p, post) in w.proj.forward(xn)?.into_iter().zip(&w.proj_post) {
+        parts.push(super::recurrent::host_rows(&post.apply(p)?)?);
+    }
+    let (mixed, z) = (&parts[0], &parts[1]);
+    // Per token: the logged input [mixed | g | beta].
+    let width = ch + 2 * nv;
+    let mut inputs = vec![0f32; tokens * width];
+    for t in 0..tokens {
+        let row = &mut inputs[t * width..(t + 1) * width];
+        row[..ch].copy_from_slice(&mixed[t * ch..(t + 1) * ch]);
+        for j in 0..nv {
+            let (b, a) = match n.grouped {
+                // ssm_ba: per key head, its heads' b then their a.
+                true => {
+                    let rf = nv / n.k_heads;
+                    let (g, r) = (j / rf, j % rf);
+                    let ba = &parts[2][t * 2 * nv..(t + 1) * 2 * nv];
+                    (ba[g * 2 * rf + r], ba[g * 2 * rf + rf + r])
+                }
+                false => (parts[2][t * nv + j], parts[3][t * nv + j]),
+            };
+            row[ch + j] = softplus(a + w.dt_bias[j]) * w.a[j];
+            row[ch + nv + j] = 1.0 / (1.0 + (-b).exp());
+        }
+    }
+    let mut o = vec![0f32; tokens * nv * vdim];
+    let mut qkv = vec![0f32; tokens * ch];
+    for (step, st) in plan.steps.iter().zip(states.iter_mut()) {
+        let rows = step.at..step.at + step.len;
+        for t in rows.clone() {
+            st.record(l, &inputs[t * width..(t + 1) * width]);
+        }
+        let (conv_state, heads) = st.layers[l].split_at_mut(sh.conv);
+        for t in rows.clone() {
+            let input = &inputs[t * width..(t + 1) * width];
+            sh.conv(
+                &w.conv,
+                conv_state,
+                input,
+                &mut qkv[t * ch..(t + 1) * ch],
+                cfg.norm_eps,
+            );
+        }
+        // Heads side by side, each through the step's tokens in order.
+        let outs: Vec<Vec<f32>> = heads
+            .par_chunks_exact_mut(vdim * kdim)
+            .enumerate()
+            .map(|(j, s)| {
+                let kh = sh.key_head(j);
+                let kw = n.k_heads * kdim;
+                let mut out = vec![0f32; step.len * vdim];
+                for (i, t) in rows.clone().enumerate() {
+                    let x = &qkv[t * ch..(t + 1) * ch];
+                    let q = &x[kh * kdim..(kh + 1) * kdim];
+                    let k = &x[kw + kh * kdim..kw + (kh + 1) * kdim];
+                    let v = &x[2 * kw + j * vdim..2 * kw + (j + 1) * vdim];
+                    let inp = &inputs[t * width..(t + 1) * width];
+                    let (g, beta) = (inp[ch + j], inp[ch + nv + j]);
+                    head_step(s, q, k, v, g, beta, &mut out[i * vdim..(i + 1) * vdim]);
+                }
+                out
+            })
+            .collect();
+        for (j, out) in outs.iter().enumerate() {
+            for (i, t) in rows.clone().enumerate() {
+                let at = (t * nv + j) * vdim;
+                o[at..at + vdim].copy_from_slice(&out[i * vdim..(i + 1) * vdim]);
+            }
+        }
+    }
+    // The gated norm: each head's output RMS-normalised, times the weights and SiLU(z).
+    for (oh, zh) in o.chunks_exact_mut(vdim).zip(z.chunks_exact(vdim)) {
+        let ss: f64 = oh.iter().map(|&v| v as f64 * v as f64).sum();
+        let scale = 1.0 / ((ss / vdim as f64) as f32 + cfg.norm_eps).sqrt();
+        for ((x, &wn), &zv) in oh.iter_mut().zip(&w.norm).zip(zh) {
+            *x = (*x * scale) * wn * silu(zv);
+        }
+    }
+    let y = Tensor::from_vec(o, (tokens, nv * vdim), &Device::Cpu)?
+        .to_device(xn.device())?
+        .to_dtype(xn.dtype())?;
+    w.out_post.apply(w.out.forward(&y)?)
+}
+
+/// Fold one logged input into a layer's state, as [`forward`] did (outputs discarded).
+pub fn replay(n: &DeltaNet, w: &DeltaNetWeights, eps: f32, state: &mut [f32], input: &[f32]) {
+    let sh = Shape::new(n);
+    let (ch, nv, vdim, kdim) = (sh.ch, n.v_heads, n.v_dim, n.k_dim);
+    let (conv_state, heads) = state.split_at_mut(sh.conv);
+    let mut qkv = vec![0f32; ch];
+    sh.conv(&w.conv, conv_state, input, &mut qkv, eps);
+    let kw = n.k_heads * kdim;
+    let mut out = vec![0f32; vdim];
+    for (j, s) in heads.chunks_exact_mut(vdim * kdim).enumerate() {
+        let kh = sh.key_head(j);
+        let q = &qkv[kh * kdim..(kh + 1) * kdim];
+        let k = &qkv[kw + kh * kdim..kw + (kh + 1) * kdim];
+        let v = &qkv[2 * kw + j * vdim..2 * kw + (j + 1) * vdim];
+        head_step(s, q, k, v, input[ch + j], input[ch + nv + j], &mut out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The delta rule on one head, against the update written out with k_dim = v_dim = 2.
+    #[test]
+    fn one_head_follows_the_delta_rule() {
+        let mut s = vec![1.0, 0.0, 0.0, 1.0]; // rows m, columns i
+        let (q, k, v) = ([1.0, 2.0], [0.6, 0.8], [3.0, -1.0]);
+        let (g, beta) = ((0.5f32).ln(), 0.5);
+        let mut o = [0f32; 2];
+        head_step(&mut s, &q, &k, &v, g, beta, &mut o);
+        // S = 0.5·I; S·k = (0.3, 0.4); delta = ((3 - 0.3)·0.5, (-1 - 0.4)·0.5) = (1.35, -0.7)
+        let want = [0.5 + 0.6 * 1.35, 0.8 * 1.35, 0.6 * -0.7, 0.5 + 0.8 * -0.7];
+        for (a, b) in s.iter().zip(want) {
+            assert!((a - b).abs() < 1e-6, "{s:?}");
+        }
+        let o_want = [want[0] + 2.0 * want[1], want[2] + 2.0 * want[3]];
+        assert!((o[0] - o_want[0]).abs() < 1e-6 && (o[1] - o_want[1]).abs() < 1e-6);
+    }
+}

@@ -1,0 +1,244 @@
+//! Hybrid models (LFM2's short convolutions, Qwen3.5's and Qwen3-Next's Gated DeltaNet beside
+//! attention layers): their recurrent state carried exactly, however a sequence's tokens are
+//! passed, and rolled back where speculation rejects tokens.
+//!
+//! On llama.cpp's own suite files for each hybrid architecture (F32, random weights):
+//! - a prompt of 150 tokens, past DeltaNet's 64-token chunks in llama.cpp's prefill, agrees
+//!   with llama.cpp's logits at every position (as a prefill of 100 then decode steps, and as
+//!   decode steps alone);
+//! - the logits are the same bits whether the prompt is one prefill or chunks of other sizes,
+//!   whether the reply is decoded a token a pass, beside another sequence's prompt, or checked
+//!   several at a time and rolled back to where a proposal was rejected;
+//! - a rollback the state cannot make is refused at the next pass, never run from a wrong
+//!   state; a prefix taken from the cache is never attached (the blocks hold no state).
+
+mod common;
+
+use std::path::PathBuf;
+
+use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use common::suite::{self, gen_logits, llama_logits, nmse, NMSE_F32};
+use gen::format::checkpoint::Checkpoint;
+use gen::model::decoder::Decoder;
+use gen::model::{LanguageModel, SeqStep};
+
+const HYBRIDS: [&str; 4] = [
+    "lfm2-dense",
+    "qwen35-dense",
+    "qwen35moe-moe",
+    "qwen3next-moe",
+];
+
+fn file(stem: &str) -> PathBuf {
+    suite::dir().join("seed-1").join(format!("{stem}.gguf"))
+}
+
+/// `n` ids of the suite's 128-token vocabulary.
+fn ids(n: usize, seed: u64) -> Vec<u32> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 33) % 128) as u32
+        })
+        .collect()
+}
+
+/// An F16 copy of a suite file: its matrices in a type gen's kernels sum in one order however
+/// many tokens share a product (F32 matrices go through candle's products, which do not
+/// promise that).
+fn f16_copy(stem: &str) -> PathBuf {
+    let src = file(stem);
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("hybrid");
+    std::fs::create_dir_all(&dir).unwrap();
+    let to = dir.join(format!("{stem}.F16.gguf"));
+    let mut f = std::fs::File::open(&src).unwrap();
+    let content = gguf_file::Content::read(&mut f).unwrap();
+    let mut tensors = Vec::new();
+    for (name, info) in &content.tensor_infos {
+        let matrix = info.shape.rank() >= 2 && name.ends_with(".weight");
+        let host = name.ends_with("shortconv.conv.weight") || name.contains("ssm_conv1d");
+        if matrix && !host && !name.contains("norm") {
+            let t = content.tensor(&mut f, name, &Device::Cpu).unwrap();
+            let t = t.dequantize(&Device::Cpu).unwrap();
+            tensors.push((name.clone(), QTensor::quantize(&t, GgmlDType::F16).unwrap()));
+        }
+    }
+    let refs = tensors
+        .iter()
+        .map(|(n, t)| {
+            (
+                n.as_str(),
+                Some(
+                    QTensor::quantize(&t.dequantize(&Device::Cpu).unwrap(), GgmlDType::F16)
+                        .unwrap(),
+                ),
+            )
+        })
+        .collect();
+    suite::rewrite(&src, &to, &[], refs);
+    to
+}
+
+fn load(stem: &str) -> Decoder {
+    let ckpt = Checkpoint::open_gguf(&f16_copy(stem)).unwrap();
+    let mut m = Decoder::from_checkpoint(&ckpt, &candle_core::Device::Cpu).unwrap();
+    m.set_context_window(256);
+    m.reserve_pool(64).unwrap();
+    m
+}
+
+fn bits(t: &Tensor) -> Vec<Vec<u32>> {
+    t.to_vec2::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(|r| r.into_iter().map(f32::to_bits).collect())
+        .collect()
+}
+
+#[test]
+fn a_prompt_past_deltanets_chunks_agrees_with_llama_cpp() {
+    let dir = suite::dir();
+    let ids = ids(150, 7);
+    for stem in HYBRIDS {
+        let path = file(stem);
+        let want = llama_logits(&dir, &path, &ids, 256);
+        let (decoded, mixed) = gen_logits(&path, &ids, 100, 256).unwrap();
+        let (e, e_mixed) = (nmse(&want, &decoded), nmse(&want[99..], &mixed));
+        eprintln!("{stem}: decode steps {e:.2e}, prefill of 100 + decode {e_mixed:.2e}");
+        assert!(
+            e <= NMSE_F32 && e_mixed <= NMSE_F32,
+            "{stem}: {e:.2e} / {e_mixed:.2e}"
+        );
+    }
+}
+
+/// The reference: the prompt as one prefill, then the reply a token a pass. Returns the
+/// prefill's row and each reply token's row.
+fn plain(m: &mut Decoder, prompt: &[u32], reply: &[u32]) -> Vec<Vec<Vec<u32>>> {
+    let s = m.new_sequence();
+    assert!(m.reserve(s, prompt.len() + reply.len()));
+    let mut rows = vec![bits(&m.forward(&[SeqStep::prefill(s, prompt, 0)]).unwrap())];
+    for (i, t) in reply.iter().enumerate() {
+        let step = [*t];
+        let pos = prompt.len() + i;
+        rows.push(bits(&m.forward(&[SeqStep::decode(s, &step, pos)]).unwrap()));
+    }
+    m.free_sequence(s);
+    rows
+}
+
+#[test]
+fn the_state_is_the_same_however_a_sequence_is_passed() {
+    let (prompt, reply) = (ids(40, 1), ids(12, 2));
+    let p = prompt.len();
+    for stem in HYBRIDS {
+        let mut m = load(stem);
+        let want = plain(&mut m, &prompt, &reply);
+        // The prompt in chunks of 5, 16 and 19.
+        let s = m.new_sequence();
+        assert!(m.reserve(s, p + reply.len()));
+        let mut last = None;
+        for (a, b) in [(0, 5), (5, 21), (21, 40)] {
+            last = Some(bits(
+                &m.forward(&[SeqStep::prefill(s, &prompt[a..b], a)]).unwrap(),
+            ));
+        }
+        assert_eq!(last.unwrap(), want[0], "{stem}: a chunked prompt");
+        // Decoding beside another sequence's prompt, in one pass each time.
+        let other = m.new_sequence();
+        assert!(m.reserve(other, 40));
+        for (i, t) in reply.iter().enumerate() {
+            let step = [*t];
+            let mut batch = vec![SeqStep::decode(s, &step, p + i)];
+            if i < 2 {
+                batch.push(SeqStep::prefill(
+                    other,
+                    &prompt[i * 20..(i + 1) * 20],
+                    i * 20,
+                ));
+            }
+            let rows = bits(&m.forward(&batch).unwrap());
+            assert_eq!(
+                rows[0],
+                want[i + 1][0],
+                "{stem}: reply token {i} in a batch"
+            );
+        }
+        m.free_sequence(s);
+        m.free_sequence(other);
+        checked_and_rolled_back(&mut m, stem, &prompt, &reply, &want);
+    }
+}
+
+/// Speculation's check: the reply's tokens several a pass, rejected ones rolled back.
+fn checked_and_rolled_back(
+    m: &mut Decoder,
+    stem: &str,
+    prompt: &[u32],
+    reply: &[u32],
+    want: &[Vec<Vec<u32>>],
+) {
+    let p = prompt.len();
+    let s = m.new_sequence();
+    assert!(m.reserve(s, p + reply.len()));
+    m.forward(&[SeqStep::prefill(s, prompt, 0)]).unwrap();
+    // Check reply[0..5] in one pass; keep two, roll back the rest; then reply[2..6], keep
+    // four; then the rest a token a pass.
+    let mut at = 0;
+    for (fed, keep) in [(5, 2), (4, 4)] {
+        let rows = bits(
+            &m.forward(&[SeqStep::decode(s, &reply[at..at + fed], p + at)])
+                .unwrap(),
+        );
+        for (i, row) in rows.iter().enumerate() {
+            assert_eq!(
+                *row,
+                want[at + i + 1][0],
+                "{stem}: token {} checked",
+                at + i
+            );
+        }
+        at += keep;
+        m.truncate(s, p + at);
+    }
+    for i in at..reply.len() {
+        let step = [reply[i]];
+        let rows = bits(&m.forward(&[SeqStep::decode(s, &step, p + i)]).unwrap());
+        assert_eq!(
+            rows[0],
+            want[i + 1][0],
+            "{stem}: token {i} after the rollbacks"
+        );
+    }
+    // Back past the last checked step: refused at the next pass, not run.
+    m.truncate(s, p);
+    let step = [reply[0]];
+    let err = m
+        .forward(&[SeqStep::decode(s, &step, p)])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("cannot go back"), "{stem}: {err}");
+    m.free_sequence(s);
+}
+
+#[test]
+fn a_cached_prefix_is_never_attached_to_a_hybrid() {
+    let mut m = load("lfm2-dense");
+    m.kv_mut().set_prefix_cache(true);
+    assert!(!m.kv().prefix_cache(), "the prefix cache stays off");
+    let prompt = ids(40, 3);
+    let s = m.new_sequence();
+    assert!(m.reserve(s, 40));
+    m.forward(&[SeqStep::prefill(s, &prompt, 0)]).unwrap();
+    m.kv_mut().publish(s, &prompt);
+    let t = m.new_sequence();
+    assert_eq!(m.kv_mut().attach_prefix(t, &prompt), 0);
+    assert!(
+        m.kv_layout().is_empty(),
+        "no prompt-cache file for a hybrid"
+    );
+}
