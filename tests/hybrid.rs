@@ -99,12 +99,30 @@ fn bits(t: &Tensor) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// A suite file without its random per-tensor scales (near 0.1 each, which leave each
+/// layer's output a small part of the residual), so that the recurrent layers show.
+fn unscaled(stem: &str) -> PathBuf {
+    let src = file(stem);
+    let content = gguf_file::Content::read(&mut std::fs::File::open(&src).unwrap()).unwrap();
+    let drop: Vec<(&str, Option<QTensor>)> = content
+        .tensor_infos
+        .keys()
+        .filter(|n| n.ends_with(".scale"))
+        .map(|n| (n.as_str(), None))
+        .collect();
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("hybrid");
+    std::fs::create_dir_all(&dir).unwrap();
+    let to = dir.join(format!("{stem}.unscaled.gguf"));
+    suite::rewrite(&src, &to, &[], drop);
+    to
+}
+
 #[test]
 fn a_prompt_past_deltanets_chunks_agrees_with_llama_cpp() {
     let dir = suite::dir();
     let ids = ids(150, 7);
-    for stem in HYBRIDS {
-        let path = file(stem);
+    for path in HYBRIDS.iter().flat_map(|s| [file(s), unscaled(s)]) {
+        let stem = path.file_name().unwrap().to_string_lossy().to_string();
         let want = llama_logits(&dir, &path, &ids, 256);
         let (decoded, mixed) = gen_logits(&path, &ids, 100, 256).unwrap();
         let (e, e_mixed) = (nmse(&want, &decoded), nmse(&want[99..], &mixed));
@@ -241,4 +259,151 @@ fn a_cached_prefix_is_never_attached_to_a_hybrid() {
         m.kv_layout().is_empty(),
         "no prompt-cache file for a hybrid"
     );
+}
+
+/// `t` (a suite tensor, read as F32) with `extra` more random rows (of its row width), as F32.
+fn grown_rows(t: &Tensor, extra: usize, seed: u64, a: f32) -> QTensor {
+    let cols = t.dim(1).unwrap();
+    let more = Tensor::from_vec(
+        common::data(extra * cols, seed, a),
+        (extra, cols),
+        &Device::Cpu,
+    );
+    let t = Tensor::cat(&[t, &more.unwrap()], 0).unwrap();
+    QTensor::quantize(&t, GgmlDType::F32).unwrap()
+}
+
+/// A suite file's DeltaNet layer (layer 0) rewritten from 2 key and 2 value heads to 2 key
+/// heads and 4 value heads (value heads as wide as key heads, as llama.cpp's graph takes them):
+/// q and k stay, v, z, the gates, the convolution's v channels and the output's columns grow.
+/// Which key head a value head reads then matters: j mod 2 for Qwen3.5 (whose converter tiles
+/// the value heads), j / 2 for Qwen3-Next.
+fn four_value_heads(stem: &str, arch: &str) -> PathBuf {
+    let src = file(stem);
+    let mut f = std::fs::File::open(&src).unwrap();
+    let content = gguf_file::Content::read(&mut f).unwrap();
+    let read = |f: &mut std::fs::File, n: &str| -> Tensor {
+        let t = content.tensor(f, n, &Device::Cpu).unwrap();
+        t.dequantize(&Device::Cpu).unwrap()
+    };
+    let (vd, extra) = (128, 2);
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    let p = "blk.0";
+    // v rows go last in attn_qkv and in the convolution's channels.
+    let qkv = read(&mut f, &format!("{p}.attn_qkv.weight"));
+    tensors.push((
+        format!("{p}.attn_qkv.weight"),
+        grown_rows(&qkv, extra * vd, 11, 0.1),
+    ));
+    let conv = read(&mut f, &format!("{p}.ssm_conv1d.weight"));
+    tensors.push((
+        format!("{p}.ssm_conv1d.weight"),
+        grown_rows(&conv, extra * vd, 12, 0.3),
+    ));
+    let gate = read(&mut f, &format!("{p}.attn_gate.weight"));
+    tensors.push((
+        format!("{p}.attn_gate.weight"),
+        grown_rows(&gate, extra * vd, 13, 0.1),
+    ));
+    let gates: &[&str] = match arch {
+        "qwen3next" => &["ssm_ba"],
+        _ => &["ssm_beta", "ssm_alpha"],
+    };
+    for (i, g) in gates.iter().enumerate() {
+        let t = read(&mut f, &format!("{p}.{g}.weight"));
+        let rows = t.dim(0).unwrap(); // 2 (beta, alpha) or 4 (ba)
+        tensors.push((
+            format!("{p}.{g}.weight"),
+            grown_rows(&t, rows, 14 + i as u64, 0.1),
+        ));
+    }
+    for (i, v) in ["ssm_dt.bias", "ssm_a"].iter().enumerate() {
+        let t = read(&mut f, &format!("{p}.{v}"));
+        let mut vals: Vec<f32> = t.to_vec1().unwrap();
+        vals.extend(common::data(extra, 20 + i as u64, 0.5));
+        if *v == "ssm_a" {
+            vals.iter_mut().for_each(|x| *x = -x.abs() - 0.1);
+        }
+        let n = vals.len();
+        let t = Tensor::from_vec(vals, n, &Device::Cpu).unwrap();
+        tensors.push((
+            format!("{p}.{v}"),
+            QTensor::quantize(&t, GgmlDType::F32).unwrap(),
+        ));
+    }
+    let out = read(&mut f, &format!("{p}.ssm_out.weight"));
+    let rows = out.dim(0).unwrap();
+    let more = Tensor::from_vec(
+        common::data(rows * extra * vd, 22, 0.1),
+        (rows, extra * vd),
+        &Device::Cpu,
+    );
+    let out = Tensor::cat(&[&out, &more.unwrap()], 1).unwrap();
+    tensors.push((
+        format!("{p}.ssm_out.weight"),
+        QTensor::quantize(&out, GgmlDType::F32).unwrap(),
+    ));
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("hybrid");
+    std::fs::create_dir_all(&dir).unwrap();
+    let to = dir.join(format!("{stem}.4v.gguf"));
+    let edit = [
+        (
+            format!("{arch}.ssm.inner_size"),
+            Some(gguf_file::Value::U32(4 * vd as u32)),
+        ),
+        (
+            format!("{arch}.ssm.time_step_rank"),
+            Some(gguf_file::Value::U32(4)),
+        ),
+    ];
+    let edit: Vec<(&str, Option<gguf_file::Value>)> =
+        edit.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    let mut refs = tensors
+        .into_iter()
+        .map(|(n, t)| (n, Some(t)))
+        .collect::<Vec<_>>();
+    // The suite's random per-tensor scales (near 0.1 each) leave the DeltaNet's output a
+    // small part of the residual: without them, which key head a value head reads shows.
+    for name in content.tensor_infos.keys() {
+        if name.ends_with(".scale") && !refs.iter().any(|(n, _)| n == name) {
+            refs.push((name.clone(), None));
+        }
+    }
+    if arch == "qwen3next" {
+        // The older fused input layout, which llama.cpp's loader sizes by the heads too: the
+        // layer reads attn_qkv and attn_gate instead, so the file goes without it.
+        for s in ["weight", "scale", "input_scale"] {
+            refs.push((format!("{p}.ssm_in.{s}"), None));
+        }
+    }
+    let refs = refs
+        .iter()
+        .map(|(n, t)| {
+            (
+                n.as_str(),
+                t.as_ref().map(|t| {
+                    QTensor::quantize(&t.dequantize(&Device::Cpu).unwrap(), GgmlDType::F32).unwrap()
+                }),
+            )
+        })
+        .collect();
+    suite::rewrite(&src, &to, &edit, refs);
+    to
+}
+
+#[test]
+fn value_heads_read_the_key_head_each_family_gives_them() {
+    let dir = suite::dir();
+    let ids = ids(80, 5);
+    for (stem, arch) in [("qwen35-dense", "qwen35"), ("qwen3next-moe", "qwen3next")] {
+        let path = four_value_heads(stem, arch);
+        let want = llama_logits(&dir, &path, &ids, 256);
+        let (decoded, mixed) = gen_logits(&path, &ids, 40, 256).unwrap();
+        let (e, e_mixed) = (nmse(&want, &decoded), nmse(&want[39..], &mixed));
+        eprintln!("{stem}, 4 value heads on 2 key heads: {e:.2e} / {e_mixed:.2e}");
+        assert!(
+            e <= NMSE_F32 && e_mixed <= NMSE_F32,
+            "{stem}: {e:.2e} / {e_mixed:.2e}"
+        );
+    }
 }
