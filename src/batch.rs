@@ -304,7 +304,7 @@ pub fn run(
             if s.phase == Phase::Prompt {
                 // Its prefill computed these: later prompts may begin with them.
                 let seq = s.slot.expect("running");
-                model.kv_mut().publish(seq, &s.history[..s.prompt_len]);
+                model.publish(seq, &s.history[..s.prompt_len]);
                 s.cached = s.prompt_len;
                 if s.history.len() > s.prompt_len {
                     // Resumed: its next token is known; its reply goes back in next.
@@ -520,7 +520,7 @@ fn admit(
         let seq = model.new_sequence();
         // Where its blocks go: a run with room for the whole reply, if the pool has one.
         model.expect_tokens(seq, (s.prompt_len + s.max_new).min(opts.context_len));
-        let reused = model.kv_mut().attach(seq, found);
+        let reused = model.attach(seq, found);
         let ok = model.reserve(seq, s.history.len());
         debug_assert!(ok, "checked above");
         s.reused.get_or_insert(reused.min(s.prompt_len));

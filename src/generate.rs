@@ -195,7 +195,7 @@ pub fn generate_with(
     // A pool with room for this sequence at least, its blocks taken up front.
     model.reserve_pool(crate::model::kv_cache::blocks_for(capacity))?;
     let seq = model.new_sequence();
-    let reused = model.kv_mut().attach_prefix(seq, prompt);
+    let reused = model.attach_prefix(seq, prompt);
     if !model.reserve(seq, capacity) {
         model.free_sequence(seq);
         anyhow::bail!("the KV cache has no room for {capacity} tokens");
@@ -259,7 +259,7 @@ impl Run<'_> {
         let step = SeqStep::prefill(seq, &prompt[cached..], cached);
         let logits = self.model.forward(&[step])?;
         gen.forward_passes += 1;
-        self.model.kv_mut().publish(seq, prompt);
+        self.model.publish(seq, prompt);
         self.sampler.set_gate(self.sink.gate());
         let mut next = self.sampler.sample(&logits, &history)?;
         gen.sampled += 1;

@@ -10,7 +10,10 @@
 //!   whether the reply is decoded a token a pass, beside another sequence's prompt, or checked
 //!   several at a time and rolled back to where a proposal was rejected;
 //! - a rollback the state cannot make is refused at the next pass, never run from a wrong
-//!   state; a prefix taken from the cache is never attached (the blocks hold no state).
+//!   state;
+//! - a prefix taken from the cache starts from the state kept at its end (the same bits as a
+//!   fresh run), and a prefix without a kept state is not taken;
+//! - value heads outnumbering key heads read the key head each family gives them.
 
 mod common;
 
@@ -243,22 +246,46 @@ fn checked_and_rolled_back(
     m.free_sequence(s);
 }
 
+/// The prefix cache on a hybrid: a prompt chunk keeps its state at the last block end inside
+/// it, kept beside that block once published; a later prompt that begins with those blocks
+/// starts from that state, and its logits are the bits a fresh run gives. A prefix whose end
+/// has no kept state is not taken.
 #[test]
-fn a_cached_prefix_is_never_attached_to_a_hybrid() {
-    let mut m = load("lfm2-dense");
-    m.kv_mut().set_prefix_cache(true);
-    assert!(!m.kv().prefix_cache(), "the prefix cache stays off");
-    let prompt = ids(40, 3);
-    let s = m.new_sequence();
-    assert!(m.reserve(s, 40));
-    m.forward(&[SeqStep::prefill(s, &prompt, 0)]).unwrap();
-    m.kv_mut().publish(s, &prompt);
-    let t = m.new_sequence();
-    assert_eq!(m.kv_mut().attach_prefix(t, &prompt), 0);
-    assert!(
-        m.kv_layout().is_empty(),
-        "no prompt-cache file for a hybrid"
-    );
+fn a_cached_prefix_resumes_from_the_state_kept_at_its_end() {
+    let first = ids(40, 3);
+    let second: Vec<u32> = first.iter().copied().chain(ids(20, 4)).collect();
+    let reply = ids(6, 5);
+    // Shares only its first block with `first`, whose state was not kept.
+    let third: Vec<u32> = first[..16].iter().copied().chain(ids(30, 6)).collect();
+    for stem in HYBRIDS {
+        let mut m = load(stem);
+        m.kv_mut().set_prefix_cache(true);
+        let want_second = plain(&mut m, &second, &reply);
+        let want_third = plain(&mut m, &third, &reply);
+        let a = m.new_sequence();
+        assert!(m.reserve(a, first.len()));
+        m.forward(&[SeqStep::prefill(a, &first, 0)]).unwrap();
+        m.publish(a, &first);
+        m.free_sequence(a);
+        for (prompt, want, reused) in [(&second, &want_second, 32), (&third, &want_third, 0)] {
+            let s = m.new_sequence();
+            assert_eq!(m.attach_prefix(s, prompt), reused, "{stem}: tokens reused");
+            assert!(m.reserve(s, prompt.len() + reply.len()));
+            let step = SeqStep::prefill(s, &prompt[reused..], reused);
+            let mut rows = vec![bits(&m.forward(&[step]).unwrap())];
+            for (i, t) in reply.iter().enumerate() {
+                let step = [*t];
+                let pos = prompt.len() + i;
+                rows.push(bits(&m.forward(&[SeqStep::decode(s, &step, pos)]).unwrap()));
+            }
+            assert_eq!(&rows, want, "{stem}: {reused} tokens from the cache");
+            m.free_sequence(s);
+        }
+        assert!(
+            m.kv_layout().is_empty(),
+            "no prompt-cache file for a hybrid"
+        );
+    }
 }
 
 /// `t` (a suite tensor, read as F32) with `extra` more random rows (of its row width), as F32.

@@ -21,10 +21,11 @@ use super::config::DecoderConfig;
 use super::cpu::CpuBackend;
 use super::device::DeviceBackend;
 use super::kv_cache::PagedKv;
+use super::kv_cache::BLOCK_SIZE;
 use super::plan::PassPlan;
 use super::profile::Profile;
 use super::qlinear::DeviceWeights;
-use super::state::States;
+use super::state::{PassStep, States};
 use super::weights::Weights;
 use super::{LanguageModel, ModelInfo, SeqStep, StepKind};
 use crate::format::checkpoint::Checkpoint;
@@ -132,10 +133,7 @@ impl Decoder {
                 .map(|l| l.mixer.state_floats(cfg.d_model))
                 .collect(),
         );
-        let mut kv = PagedKv::new(0);
-        if cfg.recurrent() {
-            kv.forbid_prefix_cache();
-        }
+        let kv = PagedKv::new(0);
         let info = ModelInfo {
             arch: cfg.arch.clone(),
             name: ckpt.name.clone(),
@@ -166,11 +164,20 @@ impl Decoder {
         let (w, cfg, profile) = (&self.weights, &self.cfg, &mut self.profile);
         // Each step's recurrent state (none without recurrent layers); a step of several
         // decode tokens logs its inputs, so that rejected ones can be rolled back.
-        let steps: Vec<_> = batch
+        // A prompt chunk keeps the state at the last block end inside it, for the prefix
+        // cache (kept when that block is published).
+        let steps: Vec<PassStep> = batch
             .iter()
             .map(|s| {
-                let logged = s.kind == StepKind::Decode && s.tokens.len() > 1;
-                (s.seq, s.pos, s.tokens.len(), logged)
+                let end = s.pos + s.tokens.len();
+                let block_end = end / BLOCK_SIZE * BLOCK_SIZE;
+                PassStep {
+                    seq: s.seq,
+                    pos: s.pos,
+                    log: s.kind == StepKind::Decode && s.tokens.len() > 1,
+                    snap_at: (s.kind == StepKind::Prefill && block_end > s.pos)
+                        .then(|| block_end - 1),
+                }
             })
             .collect();
         let mut states = match self.states.any() {
@@ -218,11 +225,41 @@ impl LanguageModel for Decoder {
         }
         let caching = self.kv.prefix_cache();
         self.kv = PagedKv::new(blocks);
-        if self.cfg.recurrent() {
-            self.kv.forbid_prefix_cache();
-        }
         self.kv.set_prefix_cache(caching);
         Ok(())
+    }
+
+    fn attach(&mut self, seq: super::SeqId, mut found: Vec<u32>) -> usize {
+        if !self.states.any() {
+            return self.kv.attach(seq, found);
+        }
+        // A hybrid takes a prefix only as far as a state it kept there.
+        let keyed: Vec<(u32, u64)> = found
+            .iter()
+            .filter_map(|&b| self.kv.block_key(b).map(|k| (b, k)))
+            .collect();
+        found.truncate(self.states.restorable(&keyed));
+        let Some(&last) = found.last() else {
+            return 0;
+        };
+        let n = self.kv.attach(seq, found);
+        if n > 0 {
+            self.states.restore(seq, last);
+        }
+        n
+    }
+
+    fn publish(&mut self, seq: super::SeqId, tokens: &[u32]) {
+        self.kv.publish(seq, tokens);
+        if !self.states.any() {
+            return;
+        }
+        // The state its last prompt chunk kept, beside the block it ends, once published.
+        for (i, &b) in self.kv.blocks(seq).iter().enumerate() {
+            if let Some(key) = self.kv.block_key(b) {
+                self.states.keep(seq, (i + 1) * BLOCK_SIZE, b, key);
+            }
+        }
     }
 
     fn free_sequence(&mut self, seq: super::SeqId) {

@@ -231,25 +231,29 @@ pub fn forward(
         for t in rows.clone() {
             st.record(l, &inputs[t * width..(t + 1) * width]);
         }
+        // Where the step keeps its state (for the prefix cache): after this row.
+        let snap_row = rows
+            .clone()
+            .find(|&t| st.snaps_after(step.pos + t - step.at));
+        let mut snap = Vec::new();
         let (conv_state, heads) = st.layers[l].split_at_mut(sh.conv);
         for t in rows.clone() {
             let input = &inputs[t * width..(t + 1) * width];
-            sh.conv(
-                &w.conv,
-                conv_state,
-                input,
-                &mut qkv[t * ch..(t + 1) * ch],
-                cfg.norm_eps,
-            );
+            let out = &mut qkv[t * ch..(t + 1) * ch];
+            sh.conv(&w.conv, conv_state, input, out, cfg.norm_eps);
+            if Some(t) == snap_row {
+                snap.extend_from_slice(conv_state);
+            }
         }
         // Heads side by side, each through the step's tokens in order.
-        let outs: Vec<Vec<f32>> = heads
+        let outs: Vec<(Vec<f32>, Vec<f32>)> = heads
             .par_chunks_exact_mut(vdim * kdim)
             .enumerate()
             .map(|(j, s)| {
                 let kh = sh.key_head(j);
                 let kw = n.k_heads * kdim;
                 let mut out = vec![0f32; step.len * vdim];
+                let mut kept = Vec::new();
                 for (i, t) in rows.clone().enumerate() {
                     let x = &qkv[t * ch..(t + 1) * ch];
                     let q = &x[kh * kdim..(kh + 1) * kdim];
@@ -258,11 +262,20 @@ pub fn forward(
                     let inp = &inputs[t * width..(t + 1) * width];
                     let (g, beta) = (inp[ch + j], inp[ch + nv + j]);
                     head_step(s, q, k, v, g, beta, &mut out[i * vdim..(i + 1) * vdim]);
+                    if Some(t) == snap_row {
+                        kept = s.to_vec();
+                    }
                 }
-                out
+                (out, kept)
             })
             .collect();
-        for (j, out) in outs.iter().enumerate() {
+        if snap_row.is_some() {
+            for (_, kept) in &outs {
+                snap.extend_from_slice(kept);
+            }
+            st.snap[l] = snap;
+        }
+        for (j, (out, _)) in outs.iter().enumerate() {
             for (i, t) in rows.clone().enumerate() {
                 let at = (t * nv + j) * vdim;
                 o[at..at + vdim].copy_from_slice(&out[i * vdim..(i + 1) * vdim]);

@@ -115,7 +115,6 @@ pub struct PagedKv {
     peak: usize,
     seqs: Vec<Option<Sequence>>,
     caching: bool,
-    no_prefix_cache: bool,
 }
 
 impl Default for PagedKv {
@@ -138,14 +137,13 @@ impl PagedKv {
             peak: 0,
             seqs: Vec::new(),
             caching: true,
-            no_prefix_cache: false,
         }
     }
 
     /// Turn the prefix cache on or off (off: nothing is published or looked up, and what was
     /// published is forgotten).
     pub fn set_prefix_cache(&mut self, on: bool) {
-        self.caching = on && !self.no_prefix_cache;
+        self.caching = on;
         if !on {
             for b in 0..self.total {
                 if self.entries[b].is_some() {
@@ -153,13 +151,6 @@ impl PagedKv {
                 }
             }
         }
-    }
-
-    /// Keep the prefix cache off for good: a hybrid model's blocks hold only its attention
-    /// layers' part of a prefix (its recurrent state is not in them).
-    pub fn forbid_prefix_cache(&mut self) {
-        self.no_prefix_cache = true;
-        self.set_prefix_cache(false);
     }
 
     pub fn prefix_cache(&self) -> bool {
@@ -542,6 +533,11 @@ impl PagedKv {
     }
 
     /// Whether block `b` is published (its contents never change while it is).
+    /// The chain key block `b` is published under, if it is.
+    pub fn block_key(&self, b: u32) -> Option<u64> {
+        self.entries.get(b as usize)?.as_ref().map(|e| e.key)
+    }
+
     pub fn is_published(&self, b: u32) -> bool {
         self.entries.get(b as usize).is_some_and(|e| e.is_some())
     }

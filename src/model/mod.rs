@@ -150,6 +150,26 @@ pub trait LanguageModel {
         self.kv_mut().expect(seq, tokens)
     }
 
+    /// Give the new, empty sequence `seq` the cached prefix its `tokens` begin with (see
+    /// [`PagedKv::attach_prefix`]); returns the tokens it now holds. A model whose memory is
+    /// more than its blocks (a hybrid's recurrent state) takes only a prefix it can restore.
+    fn attach_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> usize {
+        let found = self.kv().lookup(tokens);
+        self.attach(seq, found)
+    }
+
+    /// Give the new, empty sequence `seq` the published blocks `found` (what
+    /// [`PagedKv::lookup`] just returned), or the part of them this model can restore.
+    fn attach(&mut self, seq: SeqId, found: Vec<u32>) -> usize {
+        self.kv_mut().attach(seq, found)
+    }
+
+    /// Publish the full blocks of `seq` that hold `tokens`, computed by prefill steps (see
+    /// [`PagedKv::publish`]).
+    fn publish(&mut self, seq: SeqId, tokens: &[u32]) {
+        self.kv_mut().publish(seq, tokens)
+    }
+
     /// Forget `seq`'s tokens from `len` on; its room stays reserved.
     fn truncate(&mut self, seq: SeqId, len: usize) {
         self.kv_mut().truncate(seq, len)

@@ -102,6 +102,9 @@ pub fn short_conv(
             st.record(l, &bx);
             let out = &mut y[t * d..(t + 1) * d];
             conv_step(&w.conv, taps, &mut st.layers[l], &bx, out);
+            if st.snaps_after(step.pos + t - step.at) {
+                st.snap[l] = st.layers[l].clone();
+            }
             for (o, c) in out.iter_mut().zip(c) {
                 *o *= c;
             }

@@ -23,6 +23,17 @@ use anyhow::{bail, Result};
 
 use super::SeqId;
 
+/// One step of a pass as the states see it.
+#[derive(Debug, Clone, Copy)]
+pub struct PassStep {
+    pub seq: SeqId,
+    pub pos: usize,
+    /// A step of several decode tokens: its inputs are logged for a rollback.
+    pub log: bool,
+    /// A prefill step's last block end inside it (the position of that block's last token).
+    pub snap_at: Option<usize>,
+}
+
 /// One sequence's recurrent state.
 #[derive(Debug, Clone, Default)]
 pub struct SeqState {
@@ -34,6 +45,10 @@ pub struct SeqState {
     log: Option<Log>,
     /// Why the state no longer matches the sequence's tokens, after a rollback it could not do.
     lost: Option<String>,
+    /// A prefill step's last block boundary inside it: the position of the token after which
+    /// each recurrent layer copies its state into `snap` (what the prefix cache keeps).
+    pub snap_at: Option<usize>,
+    pub snap: Vec<Vec<f32>>,
 }
 
 #[derive(Debug, Clone)]
@@ -46,6 +61,11 @@ struct Log {
 }
 
 impl SeqState {
+    /// Whether the token at `pos` ends the block whose state the step keeps.
+    pub fn snaps_after(&self, pos: usize) -> bool {
+        self.snap_at == Some(pos)
+    }
+
     /// Record `input`, token `t`'s input to layer `l`'s recurrence, when this step is logged.
     pub fn record(&mut self, l: usize, input: &[f32]) {
         if let Some(log) = &mut self.log {
@@ -54,20 +74,40 @@ impl SeqState {
     }
 }
 
-/// Every live sequence's recurrent state.
+/// Every live sequence's recurrent state, and the states kept at the ends of published
+/// blocks for the prefix cache.
 #[derive(Debug, Default)]
 pub struct States {
     /// Floats of state per layer (0: attention).
     sizes: Vec<usize>,
     seqs: HashMap<SeqId, SeqState>,
+    /// Per sequence, the state its last prefill step kept at a block's end: (tokens, layers).
+    pending: HashMap<SeqId, (usize, Vec<Vec<f32>>)>,
+    /// States at the end of published blocks, by block id.
+    kept: HashMap<u32, Kept>,
+    clock: u64,
 }
+
+/// The state after a published block: valid while the block holds the chain `key`.
+#[derive(Debug)]
+struct Kept {
+    key: u64,
+    len: usize,
+    layers: Vec<Vec<f32>>,
+    used: u64,
+}
+
+/// The most states kept for the prefix cache, and the most bytes they may take: the least
+/// recently used go first.
+pub const KEPT_STATES: usize = 16;
+pub const KEPT_BYTES: usize = 512 << 20;
 
 impl States {
     /// States for a model whose layer `l` keeps `sizes[l]` floats per sequence.
     pub fn new(sizes: Vec<usize>) -> Self {
         Self {
             sizes,
-            seqs: HashMap::new(),
+            ..Default::default()
         }
     }
 
@@ -88,16 +128,29 @@ impl States {
     /// Forget `seq`'s state (the sequence ended).
     pub fn free(&mut self, seq: SeqId) {
         self.seqs.remove(&seq);
+        self.pending.remove(&seq);
+    }
+
+    /// Floats the states kept for the prefix cache take.
+    pub fn kept_floats(&self) -> usize {
+        self.kept
+            .values()
+            .flat_map(|k| &k.layers)
+            .map(Vec::len)
+            .sum()
     }
 
     /// The states of a pass's steps, in step order: (sequence, first position, tokens, whether
     /// to log it). A step at position 0 starts from zeros; any other must start where its
     /// sequence's state ends.
-    pub fn for_pass(
-        &mut self,
-        steps: &[(SeqId, usize, usize, bool)],
-    ) -> Result<Vec<&mut SeqState>> {
-        for &(seq, pos, _, log) in steps {
+    pub fn for_pass(&mut self, steps: &[PassStep]) -> Result<Vec<&mut SeqState>> {
+        for &PassStep {
+            seq,
+            pos,
+            log,
+            snap_at,
+        } in steps
+        {
             if pos == 0 {
                 let fresh = SeqState {
                     layers: self.zeros(),
@@ -125,25 +178,91 @@ impl States {
                 layers: s.layers.clone(),
                 inputs: vec![Vec::new(); s.layers.len()],
             });
+            s.snap_at = snap_at;
+            s.snap = vec![Vec::new(); s.layers.len()];
         }
         let mut out: Vec<&mut SeqState> = Vec::with_capacity(steps.len());
         let mut by_seq: HashMap<SeqId, &mut SeqState> =
             self.seqs.iter_mut().map(|(k, v)| (*k, v)).collect();
-        for &(seq, _, _, _) in steps {
+        for step in steps {
             out.push(
                 by_seq
-                    .remove(&seq)
+                    .remove(&step.seq)
                     .expect("checked above, each sequence once"),
             );
         }
         Ok(out)
     }
 
-    /// After a pass: `seq`'s state now folds in `n` more tokens.
+    /// After a pass: `seq`'s state now folds in `n` more tokens; a state its step kept at a
+    /// block's end waits for the block to be published.
     pub fn advance(&mut self, seq: SeqId, n: usize) {
         if let Some(s) = self.seqs.get_mut(&seq) {
             s.len += n;
+            if let Some(at) = s.snap_at.take() {
+                let layers = std::mem::take(&mut s.snap);
+                let whole = layers.iter().zip(&self.sizes).all(|(l, &n)| l.len() == n);
+                if whole {
+                    self.pending.insert(seq, (at + 1, layers));
+                }
+            }
         }
+    }
+
+    /// `seq`'s blocks were published: keep the state its last prefill kept at the end of
+    /// block `block` (chain `key`, `len` tokens), if that is where it was kept.
+    pub fn keep(&mut self, seq: SeqId, len: usize, block: u32, key: u64) {
+        match self.pending.get(&seq) {
+            Some((at, _)) if *at == len => {}
+            _ => return,
+        }
+        let (_, layers) = self.pending.remove(&seq).expect("just seen");
+        self.clock += 1;
+        let used = self.clock;
+        self.kept.insert(
+            block,
+            Kept {
+                key,
+                len,
+                layers,
+                used,
+            },
+        );
+        let bytes = |k: &Kept| k.layers.iter().map(|l| l.len() * 4).sum::<usize>();
+        while self.kept.len() > KEPT_STATES
+            || self.kept.values().map(bytes).sum::<usize>() > KEPT_BYTES
+        {
+            let oldest = self
+                .kept
+                .iter()
+                .min_by_key(|(_, k)| k.used)
+                .map(|(b, _)| *b);
+            self.kept.remove(&oldest.expect("not empty"));
+        }
+    }
+
+    /// How many of the published blocks `found` (with their current chain keys) a sequence
+    /// can take: up to the last one whose state is kept.
+    pub fn restorable(&self, found: &[(u32, u64)]) -> usize {
+        found
+            .iter()
+            .rposition(|(b, key)| self.kept.get(b).is_some_and(|k| k.key == *key))
+            .map_or(0, |i| i + 1)
+    }
+
+    /// `seq` starts from the state kept at the end of `block`.
+    pub fn restore(&mut self, seq: SeqId, block: u32) {
+        self.clock += 1;
+        let Some(k) = self.kept.get_mut(&block) else {
+            return;
+        };
+        k.used = self.clock;
+        let s = SeqState {
+            layers: k.layers.clone(),
+            len: k.len,
+            ..Default::default()
+        };
+        self.seqs.insert(seq, s);
     }
 
     /// Roll `seq` back to its first `len` tokens. `replay(layer, state, input)` folds one
@@ -193,7 +312,13 @@ mod tests {
     }
 
     fn pass(states: &mut States, seq: SeqId, pos: usize, inputs: &[f32], log: bool) {
-        let mut views = states.for_pass(&[(seq, pos, inputs.len(), log)]).unwrap();
+        let step = PassStep {
+            seq,
+            pos,
+            log,
+            snap_at: None,
+        };
+        let mut views = states.for_pass(&[step]).unwrap();
         let s = &mut views[0];
         for &x in inputs {
             s.record(0, &[x]);
@@ -222,16 +347,22 @@ mod tests {
         let mut st = States::new(vec![1]);
         pass(&mut st, 0, 0, &[1.0, 2.0, 3.0], false);
         st.truncate(0, 1, add);
-        let err = st.for_pass(&[(0, 1, 1, false)]).unwrap_err().to_string();
+        let step = |seq, pos| PassStep {
+            seq,
+            pos,
+            log: false,
+            snap_at: None,
+        };
+        let err = st.for_pass(&[step(0, 1)]).unwrap_err().to_string();
         assert!(err.contains("cannot go back from 3 tokens to 1"), "{err}");
         // A step that does not start where the state ends is refused too.
         pass(&mut st, 1, 0, &[1.0], false);
-        let err = st.for_pass(&[(1, 4, 1, false)]).unwrap_err().to_string();
+        let err = st.for_pass(&[step(1, 4)]).unwrap_err().to_string();
         assert!(
             err.contains("holds 1 tokens but the step starts at 4"),
             "{err}"
         );
-        let err = st.for_pass(&[(9, 16, 1, false)]).unwrap_err().to_string();
+        let err = st.for_pass(&[step(9, 16)]).unwrap_err().to_string();
         assert!(err.contains("without the recurrent state"), "{err}");
         // Starting again from position 0 is always possible.
         pass(&mut st, 0, 0, &[4.0], false);
