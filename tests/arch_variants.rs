@@ -558,6 +558,8 @@ fn experts_choose_with(arch: &str, tag: &str, edit: &[(&str, Option<Value>)]) {
             "ffn_up_exps",
             "ffn_down_exps",
             "exp_probs_b",
+            // Gate and up as one stack (Qwen3.5 MoE's and Qwen3-Next's files).
+            "ffn_gate_up_exps",
         ]
         .iter()
         .enumerate()
@@ -756,6 +758,21 @@ fn phimoe_experts_choose_two_of_eight() {
 
 /// ERNIE 4.5 with experts: softmax routing, the two chosen renormalised, the selection bias
 /// (`exp_probs_b`) where the file has one, beside the shared expert.
+/// LFM2 MoE: short convolutions beside attention, experts chosen by the file's gating with a
+/// selection bias, renormalised.
+#[test]
+fn lfm2moe_experts_choose_two_of_eight() {
+    experts_choose("lfm2moe");
+}
+
+/// Qwen3.5 MoE and Qwen3-Next: DeltaNet beside gated attention, gate and up of each expert in
+/// one stack, softmax routing renormalised beside the gated shared expert.
+#[test]
+fn qwen35moe_and_qwen3next_experts_choose_two_of_eight() {
+    experts_choose("qwen35moe");
+    experts_choose("qwen3next");
+}
+
 #[test]
 fn ernie4_5_moe_experts_choose_two_of_eight() {
     experts_choose("ernie4_5-moe");

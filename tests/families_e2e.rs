@@ -129,6 +129,7 @@ const CASES: &[(&str, &str, Option<&str>)] = &[
     // LFM2's vocabulary (byte-level BPE, pre-tokenizer `lfm2`) is in none of llama.cpp's
     // vocabulary files: Llama 3's stands in, with LFM2.5's template.
     ("lfm2", "llama-bpe", Some("LFM2.5-Instruct.jinja")),
+    ("lfm2moe", "llama-bpe", Some("LFM2-8B-A1B.jinja")),
     ("qwen35", "qwen35", Some("Qwen3.5-4B.jinja")),
     ("qwen35moe", "qwen35", Some("Qwen3.5-4B.jinja")),
     // Qwen3-Next shares Qwen3's vocabulary and chat format.

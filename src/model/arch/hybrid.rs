@@ -15,6 +15,21 @@ use crate::model::config::{
 /// `shortconv.l_cache` taps, the others attention with per-head q/k norms; the final norm is
 /// stored as `token_embd_norm`; an optional window on the attention layers.
 pub fn lfm2(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let window = k.usize_or("attention.sliding_window", 0)?;
+    let mut d = lfm2_layers(k, c)?;
+    if window > 0 {
+        let attn: Vec<bool> = d
+            .layers
+            .iter()
+            .map(|l| l.mixer == Mixer::Attention)
+            .collect();
+        d.set_windows(window, &attn, None);
+    }
+    Ok(d)
+}
+
+/// LFM2's layers (attention or short convolution by `head_count_kv`) and tensors.
+fn lfm2_layers(k: &Keys, c: Common) -> Result<DecoderConfig> {
     let taps = k.usize("shortconv.l_cache")?;
     let tensors = TensorRules {
         qk_norm: Need::Required,
@@ -24,7 +39,6 @@ pub fn lfm2(k: &Keys, c: Common) -> Result<DecoderConfig> {
         ..TensorRules::PLAIN
     };
     let no_attention = c.no_attention.clone();
-    let window = k.usize_or("attention.sliding_window", 0)?;
     let mut d = c.decoder(k, NormKind::Rms, RopePairs::Neox, tensors)?;
     d.attn.qk_norm = QkNorm::Heads { after_rope: false };
     for (plan, none) in d.layers.iter_mut().zip(no_attention) {
@@ -33,14 +47,29 @@ pub fn lfm2(k: &Keys, c: Common) -> Result<DecoderConfig> {
             plan.rope = None;
         }
     }
-    if window > 0 {
-        let attn: Vec<bool> = d
-            .layers
-            .iter()
-            .map(|l| l.mixer == Mixer::Attention)
-            .collect();
-        d.set_windows(window, &attn, None);
-    }
+    Ok(d)
+}
+
+/// LFM2 MoE (LFM2-8B-A1B, 24B-A2B): LFM2's layers without a window (its loader reads none),
+/// experts past `leading_dense_block_count` chosen by `expert_gating_func` with the required
+/// selection bias `exp_probs_b`, their weights renormalised; no scales applied.
+pub fn lfm2moe(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let mut d = lfm2_layers(k, c.clone())?;
+    let gating = c.gating(k)?;
+    let moe = c.moe(
+        k,
+        ExpertWidth::ExpertKey,
+        true,
+        false,
+        Need::Required,
+        SharedExpert::None,
+    )?;
+    d.moe = Some(MoeCfg {
+        gating,
+        selection_bias: Need::Required,
+        dense_lead: k.usize_or("leading_dense_block_count", 0)?,
+        ..c.with_experts(moe)?
+    });
     Ok(d)
 }
 

@@ -92,6 +92,7 @@ pub const ARCHS: &[(&str, Build)] = &[
     ("codeshell", gpt::codeshell),
     ("stablelm", gpt::stablelm),
     ("lfm2", hybrid::lfm2),
+    ("lfm2moe", hybrid::lfm2moe),
     ("qwen35", hybrid::qwen35),
     ("qwen35moe", hybrid::qwen35moe),
     ("qwen3next", hybrid::qwen3next),
