@@ -6,9 +6,10 @@
 //!
 //! Adding an architecture: write its function (the keys its llama.cpp loader reads, its
 //! [`TensorRules`], what its graph does differently), and add a line to [`ARCHS`]. A block gen
-//! has no operation for (ALiBi, learned positions, recurrent layers) is a new field of
-//! [`DecoderConfig`] and a few lines in `super::layer` and the backends. Experts: [`Common::moe`]
-//! says how the family routes them; a file with experts whose architecture does not is refused.
+//! has no operation for (ALiBi, learned positions) is a new field of [`DecoderConfig`] and a
+//! few lines in `super::layer` and the backends; a recurrent layer is a [`Mixer`] (`hybrid`).
+//! Experts: [`Common::moe`] says how the family routes them; a file with experts whose
+//! architecture does not is refused.
 
 mod cohere;
 mod deepseek;
