@@ -131,6 +131,11 @@ const CASES: &[(&str, &str, Option<&str>)] = &[
     ("lfm2", "llama-bpe", Some("LFM2.5-Instruct.jinja")),
     ("lfm2moe", "llama-bpe", Some("LFM2-8B-A1B.jinja")),
     ("qwen35", "qwen35", Some("Qwen3.5-4B.jinja")),
+    (
+        "granitehybrid",
+        "gpt-2",
+        Some("ibm-granite-granite-3.3-2B-Instruct.jinja"),
+    ),
     ("qwen35moe", "qwen35", Some("Qwen3.5-4B.jinja")),
     // Qwen3-Next shares Qwen3's vocabulary and chat format.
     ("qwen3next", "qwen2", Some("Qwen-Qwen3-0.6B.jinja")),

@@ -26,8 +26,10 @@ use gen::format::checkpoint::Checkpoint;
 use gen::model::decoder::Decoder;
 use gen::model::{LanguageModel, SeqStep};
 
-const HYBRIDS: [&str; 4] = [
+const HYBRIDS: [&str; 6] = [
     "lfm2-dense",
+    "lfm2moe-moe",
+    "granitehybrid-dense",
     "qwen35-dense",
     "qwen35moe-moe",
     "qwen3next-moe",
@@ -433,4 +435,33 @@ fn value_heads_read_the_key_head_each_family_gives_them() {
             "{stem}: {e:.2e} / {e_mixed:.2e}"
         );
     }
+}
+
+/// Granite 4.0-H's files say `rope.scaling.finetuned` false: their attention layers take no
+/// rope (the suite's file, without the key, rotates them).
+#[test]
+fn granite_4_h_attention_without_rope() {
+    let dir = suite::dir();
+    let ids = ids(80, 9);
+    let src = unscaled("granitehybrid-dense");
+    let to = src.with_file_name("granitehybrid-nope.gguf");
+    let edit = [(
+        "granitehybrid.rope.scaling.finetuned",
+        Some(gguf_file::Value::Bool(false)),
+    )];
+    suite::rewrite(&src, &to, &edit, Vec::new());
+    let want = llama_logits(&dir, &to, &ids, 256);
+    let (decoded, mixed) = gen_logits(&to, &ids, 40, 256).unwrap();
+    let (e, e_mixed) = (nmse(&want, &decoded), nmse(&want[39..], &mixed));
+    let (roped, _) = gen_logits(&src, &ids, 40, 256).unwrap();
+    let apart = nmse(&want, &roped);
+    eprintln!("granitehybrid without rope: {e:.2e} / {e_mixed:.2e}; with rope {apart:.2e} away");
+    assert!(
+        e <= NMSE_F32 && e_mixed <= NMSE_F32,
+        "{e:.2e} / {e_mixed:.2e}"
+    );
+    assert!(
+        apart > 100.0 * e.max(e_mixed),
+        "rope hardly matters here: {apart:.2e}"
+    );
 }

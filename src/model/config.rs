@@ -230,6 +230,8 @@ pub enum Mixer {
     },
     /// Gated DeltaNet (Qwen3.5, Qwen3-Next): see [`DeltaNet`].
     DeltaNet(DeltaNet),
+    /// Mamba-2 (Granite 4.0-H, Mamba-2): see [`Mamba2`].
+    Mamba2(Mamba2),
 }
 
 impl Mixer {
@@ -239,7 +241,29 @@ impl Mixer {
             Mixer::Attention => 0,
             Mixer::ShortConv { taps } => (taps - 1) * d,
             Mixer::DeltaNet(n) => n.conv_floats() + n.v_heads * n.k_dim * n.v_dim,
+            Mixer::Mamba2(m) => (m.taps - 1) * m.conv_channels() + m.d_inner * m.d_state,
         }
+    }
+}
+
+/// A Mamba-2 layer's shape: `heads` heads of d_inner / heads channels, each with a state of
+/// d_state per channel, B and C shared by the heads of each of `groups` groups, a causal
+/// convolution of `taps` over x, B and C.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mamba2 {
+    pub d_inner: usize,
+    pub heads: usize,
+    pub groups: usize,
+    pub d_state: usize,
+    pub taps: usize,
+    /// `ssm_conv1d.bias` must be there (Mamba-2 itself); elsewhere optional.
+    pub conv_bias_required: bool,
+}
+
+impl Mamba2 {
+    /// The convolved channels: x (d_inner), then B and C (groups · d_state each).
+    pub fn conv_channels(&self) -> usize {
+        self.d_inner + 2 * self.groups * self.d_state
     }
 }
 

@@ -175,6 +175,14 @@ pub fn run(
                 profile.mark(&dev, "short conv");
                 a
             }
+            MixerWeights::Mamba2(mw) => {
+                let Mixer::Mamba2(m) = cfg.layers[l].mixer else {
+                    unreachable!("weights loaded for the layer's plan")
+                };
+                let a = super::mamba2::forward(mw, &m, l, &xn, cfg, plan, states)?;
+                profile.mark(&dev, "mamba2");
+                a
+            }
             MixerWeights::DeltaNet(dn) => {
                 let Mixer::DeltaNet(n) = cfg.layers[l].mixer else {
                     unreachable!("weights loaded for the layer's plan")

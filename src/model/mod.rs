@@ -14,6 +14,7 @@ pub mod delta_net;
 pub mod device;
 pub mod kv_cache;
 pub mod layer;
+pub mod mamba2;
 pub mod moe;
 pub mod plan;
 pub mod profile;

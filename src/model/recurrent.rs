@@ -125,6 +125,7 @@ pub fn replay(mixer: &Mixer, w: &MixerWeights, eps: f32, state: &mut [f32], inpu
         (Mixer::DeltaNet(n), MixerWeights::DeltaNet(dn)) => {
             super::delta_net::replay(n, dn, eps, state, input);
         }
+        (Mixer::Mamba2(m), MixerWeights::Mamba2(mw)) => super::mamba2::replay(m, mw, state, input),
         _ => {}
     }
 }

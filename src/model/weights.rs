@@ -134,6 +134,7 @@ pub enum MixerWeights {
     Attention(Box<AttnWeights>),
     ShortConv(Box<ShortConvWeights>),
     DeltaNet(Box<DeltaNetWeights>),
+    Mamba2(Box<Mamba2Weights>),
 }
 
 impl MixerWeights {
@@ -151,6 +152,7 @@ impl MixerWeights {
                 v.push(&n.out);
                 v
             }
+            MixerWeights::Mamba2(m) => vec![&m.in_proj, &m.out],
         }
     }
 
@@ -171,6 +173,10 @@ impl MixerWeights {
                 let mut v = n.proj.linears_mut();
                 v.push(&mut n.out);
                 v
+            }
+            MixerWeights::Mamba2(m) => {
+                let m = &mut **m;
+                vec![&mut m.in_proj, &mut m.out]
             }
         }
     }
@@ -196,6 +202,24 @@ pub struct ShortConvWeights {
     /// Per channel, its `taps` weights, oldest token first: (d, taps), on the host.
     pub conv: Vec<f32>,
     pub out_proj: QLinear, // (d, d)
+}
+
+/// A Mamba-2 block.
+pub struct Mamba2Weights {
+    /// z, xBC and dt: (2·d_inner + 2·groups·d_state + heads, d).
+    pub in_proj: QLinear,
+    pub in_post: Affine,
+    /// Per channel of xBC, its `taps` weights oldest first, and its bias: host.
+    pub conv: Vec<f32>,
+    pub conv_bias: Option<Vec<f32>>,
+    /// Per head: dt's bias, A (-exp(A_log) as stored) and D.
+    pub dt_bias: Vec<f32>,
+    pub a: Vec<f32>,
+    pub d: Vec<f32>,
+    /// The grouped norm's weights (d_inner), host.
+    pub norm: Vec<f32>,
+    pub out: QLinear, // (d, d_inner)
+    pub out_post: Affine,
 }
 
 /// A Gated DeltaNet block (Qwen3.5's linear attention).
@@ -709,6 +733,7 @@ fn load_layer(r: &Reader<'_>, cfg: &DecoderConfig, i: usize, view: usize) -> Res
         Mixer::DeltaNet(n) => {
             MixerWeights::DeltaNet(Box::new(super::delta_net::load(r, cfg, &p, n)?))
         }
+        Mixer::Mamba2(m) => MixerWeights::Mamba2(Box::new(super::mamba2::load(r, cfg, &p, m)?)),
     };
     // Experts from layer `dense_lead` on (DeepSeek-style leading dense layers before).
     let ffn = match &cfg.moe {

@@ -7,8 +7,8 @@ use anyhow::{bail, Result};
 
 use super::{text_mrope, Common, ExpertWidth};
 use crate::model::config::{
-    DecoderConfig, DeltaNet, Keys, Mixer, MoeCfg, Need, NormKind, Output, QkNorm, RopePairs,
-    SharedExpert, TensorRules,
+    DecoderConfig, DeltaNet, Keys, Mamba2, Mixer, MoeCfg, Need, NormKind, Output, QkNorm,
+    RopePairs, SharedExpert, TensorRules,
 };
 
 /// LFM2 / LFM2.5 (350M to 2.6B): layers whose `head_count_kv` is 0 are short convolutions of
@@ -192,5 +192,93 @@ pub fn qwen35moe(k: &Keys, c: Common) -> Result<DecoderConfig> {
 pub fn qwen3next(k: &Keys, c: Common) -> Result<DecoderConfig> {
     let mut d = qwen_hybrid(k, c.clone(), true)?;
     qwen_experts(k, &c, &mut d)?;
+    Ok(d)
+}
+
+/// The Mamba-2 layers' shape from the `ssm.*` keys (`time_step_rank` is the head count).
+fn mamba2_shape(k: &Keys, c: &Common, conv_bias_required: bool) -> Result<Mamba2> {
+    let m = Mamba2 {
+        d_inner: k.usize("ssm.inner_size")?,
+        heads: k.usize("ssm.time_step_rank")?,
+        groups: k.usize("ssm.group_count")?,
+        d_state: k.usize("ssm.state_size")?,
+        taps: k.usize("ssm.conv_kernel")?,
+        conv_bias_required,
+    };
+    let fits = m.heads > 0
+        && m.groups > 0
+        && m.d_state > 0
+        && m.taps >= 2
+        && m.d_inner.is_multiple_of(m.heads)
+        && m.heads.is_multiple_of(m.groups);
+    if !fits {
+        bail!(
+            "{}: ssm.inner_size {}, ssm.time_step_rank {}, ssm.group_count {}, ssm.state_size {}, \
+             ssm.conv_kernel {}: expected heads dividing the inner size, groups dividing the heads, \
+             2 taps or more",
+            c.arch,
+            m.d_inner,
+            m.heads,
+            m.groups,
+            m.d_state,
+            m.taps
+        );
+    }
+    Ok(m)
+}
+
+/// Granite 4.0-H (and Bamba): layers whose `head_count_kv` is 0 are Mamba-2, the others
+/// attention (rope only where `rope.scaling.finetuned`, default true: Granite 4.0-H's files
+/// say false); every layer has an FFN (dense, or experts beside an optional shared one);
+/// Granite's embedding, residual, attention and logit scales, each where the file has it.
+pub fn granitehybrid(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let m = mamba2_shape(k, &c, false)?;
+    if m.d_inner != 2 * c.d_model {
+        bail!(
+            "{}.ssm.inner_size {} is not twice the embedding width {} (llama.cpp's loader asserts it)",
+            c.arch,
+            m.d_inner,
+            c.d_model
+        );
+    }
+    let tensors = TensorRules {
+        ffn_scales: false,
+        ..TensorRules::LLAMA
+    };
+    let no_attention = c.no_attention.clone();
+    let mut d = c.decoder(k, NormKind::Rms, RopePairs::Norm, tensors)?;
+    let rope = k.bool_or("rope.scaling.finetuned", true)?;
+    for (plan, none) in d.layers.iter_mut().zip(no_attention) {
+        if none {
+            plan.mixer = Mixer::Mamba2(m);
+        }
+        if none || !rope {
+            plan.rope = None;
+        }
+    }
+    let shared = match k.usize_or("expert_shared_feed_forward_length", 0)? {
+        0 => SharedExpert::None,
+        ff => SharedExpert::Plain { ff },
+    };
+    d.moe = c.moe(
+        k,
+        ExpertWidth::FeedForward,
+        true,
+        false,
+        Need::Optional,
+        shared,
+    )?;
+    if let Some(s) = k.f32_opt("logit_scale")?.filter(|&s| s != 0.0) {
+        d.logit_scale = Some(1.0 / s);
+    }
+    if let Some(s) = k.f32_opt("residual_scale")?.filter(|&s| s != 0.0) {
+        d.residual_scale = Some(s);
+    }
+    if let Some(s) = k.f32_opt("embedding_scale")?.filter(|&s| s != 0.0) {
+        d.embed_scale = Some(s);
+    }
+    if let Some(s) = k.f32_opt("attention.scale")?.filter(|&s| s != 0.0) {
+        d.attn.scale = s;
+    }
     Ok(d)
 }

@@ -97,6 +97,7 @@ pub const ARCHS: &[(&str, Build)] = &[
     ("qwen35", hybrid::qwen35),
     ("qwen35moe", hybrid::qwen35moe),
     ("qwen3next", hybrid::qwen3next),
+    ("granitehybrid", hybrid::granitehybrid),
 ];
 
 /// The names of [`ARCHS`], for messages.
