@@ -131,6 +131,10 @@ const CASES: &[(&str, &str, Option<&str>)] = &[
     ("lfm2", "llama-bpe", Some("LFM2.5-Instruct.jinja")),
     ("lfm2moe", "llama-bpe", Some("LFM2-8B-A1B.jinja")),
     ("qwen35", "qwen35", Some("Qwen3.5-4B.jinja")),
+    // Nemotron-H's vocabulary (byte-level BPE) is in none of llama.cpp's vocabulary files:
+    // GPT-2's stands in.
+    ("nemotron_h", "gpt-2", None),
+    ("nemotron_h_moe", "gpt-2", None),
     (
         "granitehybrid",
         "gpt-2",

@@ -26,8 +26,9 @@ use gen::format::checkpoint::Checkpoint;
 use gen::model::decoder::Decoder;
 use gen::model::{LanguageModel, SeqStep};
 
-const HYBRIDS: [&str; 6] = [
+const HYBRIDS: [&str; 7] = [
     "lfm2-dense",
+    "nemotron_h-dense",
     "lfm2moe-moe",
     "granitehybrid-dense",
     "qwen35-dense",

@@ -215,6 +215,8 @@ pub struct LayerPlan {
     /// Index into [`DecoderConfig::ropes`]; None: no rotary embedding on this layer.
     pub rope: Option<usize>,
     pub mixer: Mixer,
+    /// Whether the layer has an FFN after its mixer (Nemotron-H's layers have one or the other).
+    pub ffn: bool,
 }
 
 /// What mixes a layer's tokens: attention over the paged KV cache, or a recurrent block whose
@@ -222,6 +224,8 @@ pub struct LayerPlan {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mixer {
     Attention,
+    /// None: the layer is its FFN alone, on the layer's one norm (Nemotron-H's MLP layers).
+    None,
     /// LFM2's gated short convolution: `shortconv.in_proj` gives b, c and x (d each), the
     /// channels of b·x are convolved causally over the last `taps` tokens (`shortconv.conv`,
     /// (d, taps)), times c, then `shortconv.out_proj`. State: the last taps - 1 values of b·x.
@@ -238,7 +242,7 @@ impl Mixer {
     /// Floats of state one sequence keeps for a layer of this kind (d: the model's width).
     pub fn state_floats(&self, d: usize) -> usize {
         match *self {
-            Mixer::Attention => 0,
+            Mixer::Attention | Mixer::None => 0,
             Mixer::ShortConv { taps } => (taps - 1) * d,
             Mixer::DeltaNet(n) => n.conv_floats() + n.v_heads * n.k_dim * n.v_dim,
             Mixer::Mamba2(m) => (m.taps - 1) * m.conv_channels() + m.d_inner * m.d_state,
@@ -412,7 +416,9 @@ impl DecoderConfig {
 
     /// Whether any layer keeps a recurrent state per sequence (a hybrid model).
     pub fn recurrent(&self) -> bool {
-        self.layers.iter().any(|l| l.mixer != Mixer::Attention)
+        self.layers
+            .iter()
+            .any(|l| l.mixer.state_floats(self.d_model) > 0)
     }
 
     /// The layers with attention (and so with keys and values in the cache).

@@ -156,62 +156,46 @@ pub fn run(
             Some(xn) => xn,
             None => maybe_norm(&x, layer.attn_norm.as_ref(), cfg)?,
         };
-        let mut a = match &layer.mixer {
-            MixerWeights::Attention(at) => attention(
-                ops,
-                l,
-                layer.view,
-                at,
-                &xn,
-                cfg,
-                temperature.as_ref(),
-                profile,
-            )?,
-            MixerWeights::ShortConv(sc) => {
-                let Mixer::ShortConv { taps } = cfg.layers[l].mixer else {
-                    unreachable!("weights loaded for the layer's plan")
-                };
-                let a = super::recurrent::short_conv(sc, taps, l, &xn, plan, states)?;
-                profile.mark(&dev, "short conv");
-                a
-            }
-            MixerWeights::Mamba2(mw) => {
-                let Mixer::Mamba2(m) = cfg.layers[l].mixer else {
-                    unreachable!("weights loaded for the layer's plan")
-                };
-                let a = super::mamba2::forward(mw, &m, l, &xn, cfg, plan, states)?;
-                profile.mark(&dev, "mamba2");
-                a
-            }
-            MixerWeights::DeltaNet(dn) => {
-                let Mixer::DeltaNet(n) = cfg.layers[l].mixer else {
-                    unreachable!("weights loaded for the layer's plan")
-                };
-                let a = super::delta_net::forward(dn, &n, l, &xn, cfg, plan, states)?;
-                profile.mark(&dev, "delta net");
-                a
+        let mixed = mix(
+            ops,
+            l,
+            layer,
+            &xn,
+            cfg,
+            temperature.as_ref(),
+            plan,
+            states,
+            profile,
+        )?;
+        let f = match mixed {
+            // A layer without a mixer is its FFN alone, on the layer's one norm.
+            None => residual(ffn(ops, layer, &xn, cfg, profile)?, cfg)?,
+            Some(mut a) => {
+                if let Some(n) = &layer.post_attn_norm {
+                    a = norm(&a, n, cfg)?;
+                }
+                let a = residual(a, cfg)?;
+                if matches!(layer.ffn, Ffn::None) {
+                    // A layer without an FFN: its mixer's output is what the residual adds.
+                    a
+                } else if side_by_side(layer, cfg) {
+                    // Attention and the FFN read one normalised input (or each its own norm
+                    // of x).
+                    let fin = match &layer.ffn_norm {
+                        Some(n) => norm(&x, n, cfg)?,
+                        None => xn,
+                    };
+                    profile.mark(&dev, "attn out, norm");
+                    x = (x + a)?;
+                    residual(ffn(ops, layer, &fin, cfg, profile)?, cfg)?
+                } else {
+                    let fin;
+                    (x, fin) = add_then_norm(ops, &x, &a, layer.ffn_norm.as_ref(), cfg)?;
+                    profile.mark(&dev, "attn out, add, norm");
+                    residual(ffn(ops, layer, &fin, cfg, profile)?, cfg)?
+                }
             }
         };
-        if let Some(n) = &layer.post_attn_norm {
-            a = norm(&a, n, cfg)?;
-        }
-        let a = residual(a, cfg)?;
-        let f = if side_by_side(layer, cfg) {
-            // Attention and the FFN read one normalised input (or each its own norm of x).
-            let fin = match &layer.ffn_norm {
-                Some(n) => norm(&x, n, cfg)?,
-                None => xn,
-            };
-            profile.mark(&dev, "attn out, norm");
-            x = (x + a)?;
-            ffn(ops, layer, &fin, cfg, profile)?
-        } else {
-            let fin;
-            (x, fin) = add_then_norm(ops, &x, &a, layer.ffn_norm.as_ref(), cfg)?;
-            profile.mark(&dev, "attn out, add, norm");
-            ffn(ops, layer, &fin, cfg, profile)?
-        };
-        let f = residual(f, cfg)?;
         let next = w.layers.get(l + 1).and_then(|n| n.attn_norm.as_ref());
         match next {
             Some(n) if fusable(n, cfg) => {
@@ -227,6 +211,53 @@ pub fn run(
         Some(rows) => x.index_select(rows, 0)?,
         None => x,
     })
+}
+
+/// Layer `l`'s token mixer over xn (N, d) normalised: attention, or a recurrence through each
+/// step's state. Returns (N, d), or None for a layer without a mixer.
+#[allow(clippy::too_many_arguments)]
+fn mix(
+    ops: &mut impl LayerOps,
+    l: usize,
+    layer: &Layer,
+    xn: &Tensor,
+    cfg: &DecoderConfig,
+    temperature: Option<&Tensor>,
+    plan: &PassPlan<'_>,
+    states: &mut [&mut SeqState],
+    profile: &mut Profile,
+) -> Result<Option<Tensor>> {
+    let dev = ops.device().clone();
+    Ok(Some(match &layer.mixer {
+        MixerWeights::None => return Ok(None),
+        MixerWeights::Attention(at) => {
+            attention(ops, l, layer.view, at, xn, cfg, temperature, profile)?
+        }
+        MixerWeights::ShortConv(sc) => {
+            let Mixer::ShortConv { taps } = cfg.layers[l].mixer else {
+                unreachable!("weights loaded for the layer's plan")
+            };
+            let a = super::recurrent::short_conv(sc, taps, l, xn, plan, states)?;
+            profile.mark(&dev, "short conv");
+            a
+        }
+        MixerWeights::Mamba2(mw) => {
+            let Mixer::Mamba2(m) = cfg.layers[l].mixer else {
+                unreachable!("weights loaded for the layer's plan")
+            };
+            let a = super::mamba2::forward(mw, &m, l, xn, cfg, plan, states)?;
+            profile.mark(&dev, "mamba2");
+            a
+        }
+        MixerWeights::DeltaNet(dn) => {
+            let Mixer::DeltaNet(n) = cfg.layers[l].mixer else {
+                unreachable!("weights loaded for the layer's plan")
+            };
+            let a = super::delta_net::forward(dn, &n, l, xn, cfg, plan, states)?;
+            profile.mark(&dev, "delta net");
+            a
+        }
+    }))
 }
 
 /// Whether attention and the FFN run side by side in this layer: where the architecture says
@@ -365,6 +396,7 @@ fn ffn(
     profile: &mut Profile,
 ) -> Result<Tensor> {
     let o = match &layer.ffn {
+        Ffn::None => unreachable!("a layer without an FFN does not run one"),
         Ffn::Dense(m) => mlp(ops, m, x, cfg.activation, profile)?,
         Ffn::Moe(m) => experts(ops, m, x, cfg, profile)?,
     };

@@ -80,6 +80,8 @@ impl Mlp {
 
 /// A layer's FFN: one dense FFN, or a mixture of experts ([`super::config::MoeCfg`]).
 pub enum Ffn {
+    /// A layer without an FFN (its mixer alone).
+    None,
     Dense(Mlp),
     Moe(Box<Moe>),
 }
@@ -88,6 +90,7 @@ impl Ffn {
     /// Every dense FFN in it: itself, or each expert and the shared one.
     pub fn mlps(&self) -> Vec<&Mlp> {
         match self {
+            Ffn::None => Vec::new(),
             Ffn::Dense(m) => vec![m],
             Ffn::Moe(m) => m.experts.iter().chain(&m.shared).collect(),
         }
@@ -95,6 +98,7 @@ impl Ffn {
 
     pub fn mlps_mut(&mut self) -> Vec<&mut Mlp> {
         match self {
+            Ffn::None => Vec::new(),
             Ffn::Dense(m) => vec![m],
             Ffn::Moe(m) => m.experts.iter_mut().chain(m.shared.as_mut()).collect(),
         }
@@ -131,6 +135,8 @@ pub struct Layer {
 
 /// A layer's token mixer ([`super::config::Mixer`]).
 pub enum MixerWeights {
+    /// A layer without a mixer (its FFN alone).
+    None,
     Attention(Box<AttnWeights>),
     ShortConv(Box<ShortConvWeights>),
     DeltaNet(Box<DeltaNetWeights>),
@@ -141,6 +147,7 @@ impl MixerWeights {
     /// Its matrices.
     pub fn linears(&self) -> Vec<&QLinear> {
         match self {
+            MixerWeights::None => Vec::new(),
             MixerWeights::Attention(a) => {
                 let mut v = a.qkv.linears();
                 v.push(&a.wo);
@@ -158,6 +165,7 @@ impl MixerWeights {
 
     pub fn linears_mut(&mut self) -> Vec<&mut QLinear> {
         match self {
+            MixerWeights::None => Vec::new(),
             MixerWeights::Attention(a) => {
                 let a = &mut **a;
                 let mut v = a.qkv.linears_mut();
@@ -726,6 +734,7 @@ fn load_layer(r: &Reader<'_>, cfg: &DecoderConfig, i: usize, view: usize) -> Res
     let name = |n: &str| format!("{p}.{n}");
     let d = cfg.d_model;
     let mixer = match cfg.layers[i].mixer {
+        Mixer::None => MixerWeights::None,
         Mixer::Attention => MixerWeights::Attention(Box::new(load_attention(r, cfg, &p)?)),
         Mixer::ShortConv { taps } => MixerWeights::ShortConv(Box::new(
             super::recurrent::load_short_conv(r, cfg, &p, taps)?,
@@ -737,6 +746,7 @@ fn load_layer(r: &Reader<'_>, cfg: &DecoderConfig, i: usize, view: usize) -> Res
     };
     // Experts from layer `dense_lead` on (DeepSeek-style leading dense layers before).
     let ffn = match &cfg.moe {
+        _ if !cfg.layers[i].ffn => Ffn::None,
         Some(m) if i >= m.dense_lead => Ffn::Moe(Box::new(load_moe(r, cfg, m, &p)?)),
         _ => Ffn::Dense(load_mlp(r, cfg, &p)?),
     };

@@ -7,8 +7,8 @@ use anyhow::{bail, Result};
 
 use super::{text_mrope, Common, ExpertWidth};
 use crate::model::config::{
-    DecoderConfig, DeltaNet, Keys, Mamba2, Mixer, MoeCfg, Need, NormKind, Output, QkNorm,
-    RopePairs, SharedExpert, TensorRules,
+    Activation, DecoderConfig, DeltaNet, Keys, Mamba2, Mixer, MoeCfg, Need, NormKind, NormRule,
+    Output, QkNorm, RopePairs, SharedExpert, TensorRules,
 };
 
 /// LFM2 / LFM2.5 (350M to 2.6B): layers whose `head_count_kv` is 0 are short convolutions of
@@ -279,6 +279,47 @@ pub fn granitehybrid(k: &Keys, c: Common) -> Result<DecoderConfig> {
     }
     if let Some(s) = k.f32_opt("attention.scale")?.filter(|&s| s != 0.0) {
         d.attn.scale = s;
+    }
+    Ok(d)
+}
+
+/// Nemotron-H (Nemotron Nano 2, Nemotron-H 8B-56B): each layer is one block on its one norm
+/// (`attn_norm`): Mamba-2 where `head_count_kv` and `feed_forward_length` are both 0,
+/// attention without rope where only `feed_forward_length` is, else an FFN of relu(up)²
+/// without a gate. Norms are RMS with `layer_norm_rms_epsilon`, else `layer_norm_epsilon`.
+pub fn nemotron_h(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let m = mamba2_shape(k, &c, false)?;
+    let all = c.n_layer + c.nextn;
+    let ff = match k.layer_counts("feed_forward_length", all)? {
+        Some(v) => v,
+        None => vec![k.usize_or("feed_forward_length", 0)?; all],
+    };
+    let kv = k
+        .layer_counts("attention.head_count_kv", all)?
+        .unwrap_or_else(|| vec![c.n_kv_head; all]);
+    let eps = match k.f32_opt("attention.layer_norm_rms_epsilon")? {
+        Some(e) => e,
+        None => k.f32("attention.layer_norm_epsilon")?,
+    };
+    let tensors = TensorRules {
+        ffn_norm: NormRule::None,
+        ffn_gate: Need::Absent,
+        ffn_bias: Need::Optional,
+        ffn_scales: true,
+        wo_bias: Need::Optional,
+        ..TensorRules::PLAIN
+    };
+    let mut d = c.decoder(k, NormKind::Layer, RopePairs::Neox, tensors)?;
+    (d.norm, d.norm_eps) = (NormKind::Rms, eps);
+    d.gated = false;
+    d.activation = Activation::ReluSquared;
+    for (l, plan) in d.layers.iter_mut().enumerate() {
+        plan.rope = None;
+        match (kv[l], ff[l]) {
+            (0, 0) => (plan.mixer, plan.ffn) = (Mixer::Mamba2(m), false),
+            (_, 0) => plan.ffn = false,
+            _ => plan.mixer = Mixer::None,
+        }
     }
     Ok(d)
 }

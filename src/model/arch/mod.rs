@@ -98,6 +98,10 @@ pub const ARCHS: &[(&str, Build)] = &[
     ("qwen35moe", hybrid::qwen35moe),
     ("qwen3next", hybrid::qwen3next),
     ("granitehybrid", hybrid::granitehybrid),
+    ("nemotron_h", hybrid::nemotron_h),
+    // Nemotron 3's architecture name: its files without experts are Nemotron-H's layers (its
+    // experts, relu² ones chosen by biased sigmoids through latent projections, are refused).
+    ("nemotron_h_moe", hybrid::nemotron_h),
 ];
 
 /// The names of [`ARCHS`], for messages.
@@ -424,6 +428,7 @@ impl Common {
                     window: None,
                     rope: Some(0),
                     mixer: Mixer::Attention,
+                    ffn: true,
                 };
                 self.n_layer
             ],
