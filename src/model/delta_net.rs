@@ -16,73 +16,14 @@
 //! The state a sequence keeps: the convolution's last taps - 1 inputs (token-major), then each
 //! value head's S. What a token logs for a rollback: its `mixed`, g and beta.
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use candle_core::{Device, Tensor};
-use rayon::prelude::*;
 
 use super::config::{DecoderConfig, DeltaNet};
 use super::plan::PassPlan;
+use super::scan::{heads_through, silu, softplus};
 use super::state::SeqState;
-use super::weights::{Affine, DeltaNetWeights, Reader};
-
-/// Layer `p`'s DeltaNet block.
-pub(super) fn load(
-    r: &Reader<'_>,
-    cfg: &DecoderConfig,
-    p: &str,
-    n: DeltaNet,
-) -> Result<DeltaNetWeights> {
-    let d = cfg.d_model;
-    let name = |s: &str| format!("{p}.{s}");
-    let (ch, vd) = (n.conv_channels(), n.v_heads * n.v_dim);
-    let scaled = !n.grouped; // Qwen3-Next's graph passes no scale to these products
-    let mut parts = Vec::new();
-    let mut post = Vec::new();
-    let mut part = |t: &str, rows: usize, used: bool| -> Result<()> {
-        parts.push(r.matrix(&name(&format!("{t}.weight")), Some(rows), d)?.0);
-        post.push(Affine {
-            scale: r.scale(&name(t), used)?,
-            ..Default::default()
-        });
-        Ok(())
-    };
-    if !r.has(&name("attn_qkv.weight")) {
-        bail!(
-            "{} is missing: gen reads a DeltaNet layer's q, k and v from attn_qkv (a file with \
-             only the older ssm_in layout is not supported)",
-            name("attn_qkv.weight")
-        );
-    }
-    part("attn_qkv", ch, scaled)?;
-    part("attn_gate", vd, scaled)?;
-    if n.grouped {
-        part("ssm_ba", 2 * n.v_heads, true)?;
-        // Read by llama.cpp's loader, unused where attn_qkv is there.
-        if r.has(&name("ssm_in.weight")) {
-            r.matrix(&name("ssm_in.weight"), None, d)?;
-            r.scale(&name("ssm_in"), false)?;
-        }
-    } else {
-        part("ssm_beta", n.v_heads, true)?;
-        part("ssm_alpha", n.v_heads, true)?;
-    }
-    let conv = super::recurrent::host_table(r, &name("ssm_conv1d.weight"), ch, n.taps)?;
-    let (out, _) = r.matrix(&name("ssm_out.weight"), Some(d), vd)?;
-    let out_post = Affine {
-        scale: r.scale(&name("ssm_out"), scaled)?,
-        ..Default::default()
-    };
-    Ok(DeltaNetWeights {
-        proj: super::qlinear::Projections::new(parts),
-        proj_post: post,
-        conv,
-        dt_bias: r.host_vector(&name("ssm_dt.bias"), n.v_heads)?,
-        a: r.host_vector(&name("ssm_a"), n.v_heads)?,
-        norm: r.host_vector(&name("ssm_norm.weight"), n.v_dim)?,
-        out,
-        out_post,
-    })
-}
+use super::weights::DeltaNetWeights;
 
 /// 8-lane sums (vectorised by the compiler), reduced in one fixed order.
 #[inline]
@@ -100,19 +41,6 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         s += x * y;
     }
     s
-}
-
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
-
-/// ggml's softplus: linear above 20.
-fn softplus(x: f32) -> f32 {
-    if x > 20.0 {
-        x
-    } else {
-        (1.0 + x.exp()).ln()
-    }
 }
 
 /// x / sqrt(Σx² + eps), in place.
@@ -169,7 +97,7 @@ impl Shape {
     /// scaled) and v, each head after the other, into `qkv`; the conv state moves on.
     fn conv(&self, w: &[f32], conv_state: &mut [f32], input: &[f32], qkv: &mut [f32], eps: f32) {
         let n = &self.n;
-        super::recurrent::conv_step(w, n.taps, conv_state, &input[..self.ch], qkv);
+        super::scan::conv_step(w, n.taps, conv_state, &input[..self.ch], qkv);
         for x in qkv.iter_mut() {
             *x = silu(*x);
         }
@@ -200,7 +128,7 @@ pub fn forward(
     let (ch, nv, vdim, kdim) = (sh.ch, n.v_heads, n.v_dim, n.k_dim);
     let mut parts = Vec::new();
     for (p, post) in w.proj.forward(xn)?.into_iter().zip(&w.proj_post) {
-        parts.push(super::recurrent::host_rows(&post.apply(p)?)?);
+        parts.push(super::scan::host_rows(&post.apply(p)?)?);
     }
     let (mixed, z) = (&parts[0], &parts[1]);
     // Per token: the logged input [mixed | g | beta].
@@ -246,40 +174,27 @@ pub fn forward(
             }
         }
         // Heads side by side, each through the step's tokens in order.
-        let outs: Vec<(Vec<f32>, Vec<f32>)> = heads
-            .par_chunks_exact_mut(vdim * kdim)
-            .enumerate()
-            .map(|(j, s)| {
+        let kw = n.k_heads * kdim;
+        heads_through(
+            heads,
+            vdim * kdim,
+            rows,
+            vdim,
+            snap_row,
+            &mut o,
+            &mut snap,
+            |j, s, t, out| {
                 let kh = sh.key_head(j);
-                let kw = n.k_heads * kdim;
-                let mut out = vec![0f32; step.len * vdim];
-                let mut kept = Vec::new();
-                for (i, t) in rows.clone().enumerate() {
-                    let x = &qkv[t * ch..(t + 1) * ch];
-                    let q = &x[kh * kdim..(kh + 1) * kdim];
-                    let k = &x[kw + kh * kdim..kw + (kh + 1) * kdim];
-                    let v = &x[2 * kw + j * vdim..2 * kw + (j + 1) * vdim];
-                    let inp = &inputs[t * width..(t + 1) * width];
-                    let (g, beta) = (inp[ch + j], inp[ch + nv + j]);
-                    head_step(s, q, k, v, g, beta, &mut out[i * vdim..(i + 1) * vdim]);
-                    if Some(t) == snap_row {
-                        kept = s.to_vec();
-                    }
-                }
-                (out, kept)
-            })
-            .collect();
+                let x = &qkv[t * ch..(t + 1) * ch];
+                let q = &x[kh * kdim..(kh + 1) * kdim];
+                let k = &x[kw + kh * kdim..kw + (kh + 1) * kdim];
+                let v = &x[2 * kw + j * vdim..2 * kw + (j + 1) * vdim];
+                let inp = &inputs[t * width..(t + 1) * width];
+                head_step(s, q, k, v, inp[ch + j], inp[ch + nv + j], out);
+            },
+        );
         if snap_row.is_some() {
-            for (_, kept) in &outs {
-                snap.extend_from_slice(kept);
-            }
             st.snap[l] = snap;
-        }
-        for (j, (out, _)) in outs.iter().enumerate() {
-            for (i, t) in rows.clone().enumerate() {
-                let at = (t * nv + j) * vdim;
-                o[at..at + vdim].copy_from_slice(&out[i * vdim..(i + 1) * vdim]);
-            }
         }
     }
     // The gated norm: each head's output RMS-normalised, times the weights and SiLU(z).

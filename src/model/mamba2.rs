@@ -14,64 +14,12 @@
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
-use rayon::prelude::*;
 
 use super::config::{DecoderConfig, Mamba2};
 use super::plan::PassPlan;
-use super::recurrent::{conv_step, host_rows, host_table};
+use super::scan::{conv_step, heads_through, host_rows, silu, softplus};
 use super::state::SeqState;
-use super::weights::{Affine, Mamba2Weights, Reader};
-
-/// Layer `p`'s Mamba-2 block (`conv_bias`: whether the file must have the convolution's bias;
-/// without one it adds nothing).
-pub(super) fn load(
-    r: &Reader<'_>,
-    cfg: &DecoderConfig,
-    p: &str,
-    m: Mamba2,
-) -> Result<Mamba2Weights> {
-    let d = cfg.d_model;
-    let name = |s: &str| format!("{p}.{s}");
-    let ch = m.conv_channels();
-    let rows = 2 * m.d_inner + 2 * m.groups * m.d_state + m.heads;
-    let (in_proj, _) = r.matrix(&name("ssm_in.weight"), Some(rows), d)?;
-    let (out, _) = r.matrix(&name("ssm_out.weight"), Some(d), m.d_inner)?;
-    let conv_bias = match m.conv_bias_required || r.has(&name("ssm_conv1d.bias")) {
-        true => Some(r.host_vector(&name("ssm_conv1d.bias"), ch)?),
-        false => None,
-    };
-    Ok(Mamba2Weights {
-        in_proj,
-        in_post: Affine {
-            scale: r.scale(&name("ssm_in"), true)?,
-            ..Default::default()
-        },
-        conv: host_table(r, &name("ssm_conv1d.weight"), ch, m.taps)?,
-        conv_bias,
-        dt_bias: r.host_vector(&name("ssm_dt.bias"), m.heads)?,
-        a: r.host_vector(&name("ssm_a"), m.heads)?,
-        d: r.host_vector(&name("ssm_d"), m.heads)?,
-        norm: host_table(r, &name("ssm_norm.weight"), m.groups, m.d_inner / m.groups)?,
-        out,
-        out_post: Affine {
-            scale: r.scale(&name("ssm_out"), true)?,
-            ..Default::default()
-        },
-    })
-}
-
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
-
-/// ggml's softplus: linear above 20.
-fn softplus(x: f32) -> f32 {
-    if x > 20.0 {
-        x
-    } else {
-        (1.0 + x.exp()).ln()
-    }
-}
+use super::weights::Mamba2Weights;
 
 /// A token's logged input [xBC | dt] through the convolution: x, B and C (after the bias and
 /// SiLU) into `xbc`; the conv state moves on.
@@ -151,6 +99,9 @@ pub fn forward(
         let snap_row = rows
             .clone()
             .find(|&t| st.snaps_after(step.pos + t - step.at));
+        for t in rows.clone() {
+            st.record(l, &inputs[t * (ch + nh)..(t + 1) * (ch + nh)]);
+        }
         let mut snap = Vec::new();
         let (conv_state, heads) = st.layers[l].split_at_mut(conv_floats);
         for t in rows.clone() {
@@ -160,37 +111,21 @@ pub fn forward(
                 snap.extend_from_slice(conv_state);
             }
         }
-        let outs: Vec<(Vec<f32>, Vec<f32>)> = heads
-            .par_chunks_exact_mut(hd * m.d_state)
-            .enumerate()
-            .map(|(h, s)| {
-                let mut out = vec![0f32; step.len * hd];
-                let mut kept = Vec::new();
-                for (i, t) in rows.clone().enumerate() {
-                    let dt = inputs[t * (ch + nh) + ch + h];
-                    let x = &xbc[t * ch..(t + 1) * ch];
-                    head_step(m, w, h, s, x, dt, &mut out[i * hd..(i + 1) * hd]);
-                    if Some(t) == snap_row {
-                        kept = s.to_vec();
-                    }
-                }
-                (out, kept)
-            })
-            .collect();
+        heads_through(
+            heads,
+            hd * m.d_state,
+            rows,
+            hd,
+            snap_row,
+            &mut y,
+            &mut snap,
+            |h, s, t, out| {
+                let dt = inputs[t * (ch + nh) + ch + h];
+                head_step(m, w, h, s, &xbc[t * ch..(t + 1) * ch], dt, out);
+            },
+        );
         if snap_row.is_some() {
-            for (_, kept) in &outs {
-                snap.extend_from_slice(kept);
-            }
             st.snap[l] = snap;
-        }
-        for t in rows.clone() {
-            st.record(l, &inputs[t * (ch + nh)..(t + 1) * (ch + nh)]);
-        }
-        for (h, (out, _)) in outs.iter().enumerate() {
-            for (i, t) in rows.clone().enumerate() {
-                let at = t * di + h * hd;
-                y[at..at + hd].copy_from_slice(&out[i * hd..(i + 1) * hd]);
-            }
         }
     }
     // Gated by SiLU(z), then RMS-normalised per group.

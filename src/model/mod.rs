@@ -21,6 +21,7 @@ pub mod profile;
 pub mod qlinear;
 pub mod recurrent;
 pub mod rope;
+pub mod scan;
 pub mod state;
 pub mod weights;
 

@@ -10,73 +10,13 @@
 //! head k_dim·v_dim multiply-adds four times a token, a few percent of a layer's products.)
 
 use anyhow::{bail, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::Tensor;
 
 use super::config::{DecoderConfig, Mixer};
 use super::plan::PassPlan;
+use super::scan::{conv_step, host_rows};
 use super::state::SeqState;
-use super::weights::{MixerWeights, Reader, ShortConvWeights};
-
-/// Layer `p`'s short convolution block (`taps`: the convolution's length, `shortconv.l_cache`).
-pub(super) fn load_short_conv(
-    r: &Reader<'_>,
-    cfg: &DecoderConfig,
-    p: &str,
-    taps: usize,
-) -> Result<ShortConvWeights> {
-    let d = cfg.d_model;
-    let (in_proj, _) = r.matrix(&format!("{p}.shortconv.in_proj.weight"), Some(3 * d), d)?;
-    let (out_proj, _) = r.matrix(&format!("{p}.shortconv.out_proj.weight"), Some(d), d)?;
-    // llama.cpp's graph passes these products no scale: read and ignored, as it does.
-    r.scale(&format!("{p}.shortconv.in_proj"), false)?;
-    r.scale(&format!("{p}.shortconv.out_proj"), false)?;
-    let conv = host_table(r, &format!("{p}.shortconv.conv.weight"), d, taps)?;
-    Ok(ShortConvWeights {
-        in_proj,
-        conv,
-        out_proj,
-    })
-}
-
-/// A (rows, cols) tensor's values on the host, row by row.
-pub(super) fn host_table(r: &Reader<'_>, n: &str, rows: usize, cols: usize) -> Result<Vec<f32>> {
-    let t = r
-        .table_if(n, rows, cols, super::config::Need::Required)?
-        .expect("a required tensor");
-    Ok(t.to_dtype(DType::F32)?
-        .to_device(&Device::Cpu)?
-        .flatten_all()?
-        .to_vec1()?)
-}
-
-/// One token through a causal convolution: `out[c]` = the sum over the last `taps` inputs of
-/// channel c (the `taps - 1` in `state`, oldest first, then `input`) times their weights
-/// (`w`: per channel, its taps oldest first), summed oldest first as ggml's `ssm_conv` sums;
-/// then `input` joins the state and its oldest row leaves.
-pub(super) fn conv_step(w: &[f32], taps: usize, state: &mut [f32], input: &[f32], out: &mut [f32]) {
-    let ch = input.len();
-    for c in 0..ch {
-        let wc = &w[c * taps..(c + 1) * taps];
-        let mut sum = 0f32;
-        for (i, &wi) in wc[..taps - 1].iter().enumerate() {
-            sum += state[i * ch + c] * wi;
-        }
-        out[c] = sum + input[c] * wc[taps - 1];
-    }
-    if taps > 1 {
-        state.copy_within(ch.., 0);
-        let last = state.len() - ch;
-        state[last..].copy_from_slice(input);
-    }
-}
-
-/// The rows of a (N, w) tensor on the host.
-pub(super) fn host_rows(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.to_dtype(DType::F32)?
-        .to_device(&Device::Cpu)?
-        .flatten_all()?
-        .to_vec1()?)
-}
+use super::weights::{MixerWeights, ShortConvWeights};
 
 /// Layer `l`'s short convolution over a pass: xn (N, d) normalised. Each step's tokens in
 /// order through its sequence's state. Returns (N, d).
@@ -143,25 +83,4 @@ pub fn check(cfg: &DecoderConfig) -> Result<()> {
         }
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Three taps over two channels, token by token, against the sums written out.
-    #[test]
-    fn a_causal_convolution_sees_its_last_taps_oldest_first() {
-        let w = [1.0, 10.0, 100.0, 2.0, 20.0, 200.0];
-        let mut state = vec![0f32; 4];
-        let mut out = [0f32; 2];
-        let xs = [[1.0, 1.0], [2.0, 3.0], [4.0, 5.0]];
-        conv_step(&w, 3, &mut state, &xs[0], &mut out);
-        assert_eq!(out, [100.0, 200.0]);
-        conv_step(&w, 3, &mut state, &xs[1], &mut out);
-        assert_eq!(out, [10.0 + 200.0, 20.0 + 600.0]);
-        conv_step(&w, 3, &mut state, &xs[2], &mut out);
-        assert_eq!(out, [1.0 + 20.0 + 400.0, 2.0 + 60.0 + 1000.0]);
-        assert_eq!(state, [2.0, 3.0, 4.0, 5.0]);
-    }
 }

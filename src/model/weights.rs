@@ -12,7 +12,8 @@ use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 
 use super::config::{
-    DecoderConfig, Mixer, MoeCfg, Need, NormRule, Output, QkNorm, RopeFactors, SharedExpert,
+    DecoderConfig, DeltaNet, Mamba2, Mixer, MoeCfg, Need, NormRule, Output, QkNorm, RopeFactors,
+    SharedExpert,
 };
 use super::cpu::matmul::{CpuQWeight, Kernel};
 use super::cpu::tile_cache::{self, TileCache};
@@ -280,7 +281,7 @@ pub enum Embedding {
 
 /// Reads a checkpoint's tensors onto one device, quantized weights kept as `kind` says, and
 /// remembers which it read.
-pub(super) struct Reader<'a> {
+struct Reader<'a> {
     ckpt: &'a Checkpoint,
     device: &'a Device,
     kind: DeviceWeights,
@@ -292,18 +293,18 @@ pub(super) struct Reader<'a> {
 }
 
 impl Reader<'_> {
-    pub(super) fn has(&self, n: &str) -> bool {
+    fn has(&self, n: &str) -> bool {
         self.ckpt.has_tensor(n)
     }
 
-    pub(super) fn tensor(&self, n: &str) -> Result<QTensor> {
+    fn tensor(&self, n: &str) -> Result<QTensor> {
         self.read.borrow_mut().insert(n.to_string());
         self.timed(|| self.ckpt.tensor(n, self.device))
             .with_context(|| format!("reading tensor {n}"))
     }
 
     /// `f`, a read from the file, with its time added to `reading`.
-    pub(super) fn timed<T>(&self, f: impl FnOnce() -> T) -> T {
+    fn timed<T>(&self, f: impl FnOnce() -> T) -> T {
         let t0 = std::time::Instant::now();
         let out = f();
         self.reading.set(self.reading.get() + t0.elapsed());
@@ -311,7 +312,7 @@ impl Reader<'_> {
     }
 
     /// A norm's weight or a bias: `len` values, widened.
-    pub(super) fn vector(&self, n: &str, len: usize) -> Result<Tensor> {
+    fn vector(&self, n: &str, len: usize) -> Result<Tensor> {
         let t = self.tensor(n)?.dequantize(self.device)?;
         if t.elem_count() != len || t.dims().iter().filter(|&&d| d != 1).count() > 1 {
             bail!("{n} has shape {:?}, expected [{len}]", t.dims());
@@ -320,20 +321,25 @@ impl Reader<'_> {
     }
 
     /// [`Self::vector`]'s values as f32 on the host (sinks, a router's bias).
-    pub(super) fn host_vector(&self, n: &str, len: usize) -> Result<Vec<f32>> {
+    fn host_vector(&self, n: &str, len: usize) -> Result<Vec<f32>> {
         let v = self.vector(n, len)?.to_dtype(candle_core::DType::F32)?;
         Ok(v.to_device(&Device::Cpu)?.to_vec1()?)
     }
 
+    /// A (rows, cols) tensor's values on the host, row by row (a convolution's taps).
+    fn host_table(&self, n: &str, rows: usize, cols: usize) -> Result<Vec<f32>> {
+        let t = self
+            .table_if(n, rows, cols, Need::Required)?
+            .expect("a required tensor");
+        Ok(t.to_dtype(candle_core::DType::F32)?
+            .to_device(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1()?)
+    }
+
     /// A small (rows, cols) table of values (per-head norm weights) that `need` says may,
     /// must or must not be there.
-    pub(super) fn table_if(
-        &self,
-        n: &str,
-        rows: usize,
-        cols: usize,
-        need: Need,
-    ) -> Result<Option<Tensor>> {
+    fn table_if(&self, n: &str, rows: usize, cols: usize, need: Need) -> Result<Option<Tensor>> {
         let present = match need {
             Need::Absent => false,
             Need::Optional => self.has(n),
@@ -351,7 +357,7 @@ impl Reader<'_> {
     }
 
     /// A vector that `need` says may, must or must not be there (Ignored: read, not used).
-    pub(super) fn vector_if(&self, n: &str, len: usize, need: Need) -> Result<Option<Tensor>> {
+    fn vector_if(&self, n: &str, len: usize, need: Need) -> Result<Option<Tensor>> {
         match need {
             Need::Absent => Ok(None),
             Need::Required => self.vector(n, len).map(Some),
@@ -364,7 +370,7 @@ impl Reader<'_> {
     }
 
     /// The values of a small tensor (rope factors), on the host.
-    pub(super) fn values(&self, n: &str, len: usize) -> Result<Option<Vec<f32>>> {
+    fn values(&self, n: &str, len: usize) -> Result<Option<Vec<f32>>> {
         if !self.has(n) {
             return Ok(None);
         }
@@ -379,7 +385,7 @@ impl Reader<'_> {
     /// A per-tensor scale (`blk.N.attn_q.scale` for `blk.N.attn_q.weight`: one value), when
     /// the file has one; `used` false: read and ignored, as llama.cpp does for the FFN of most
     /// families.
-    pub(super) fn scale(&self, base: &str, used: bool) -> Result<Option<f32>> {
+    fn scale(&self, base: &str, used: bool) -> Result<Option<f32>> {
         let n = format!("{base}.scale");
         if !self.has(&n) {
             return Ok(None);
@@ -389,12 +395,7 @@ impl Reader<'_> {
     }
 
     /// The matrix `n` of `rows` (any, if None) by `cols`, and its row count.
-    pub(super) fn matrix(
-        &self,
-        n: &str,
-        rows: Option<usize>,
-        cols: usize,
-    ) -> Result<(QLinear, usize)> {
+    fn matrix(&self, n: &str, rows: Option<usize>, cols: usize) -> Result<(QLinear, usize)> {
         // On the CPU, gen's kernels repack the file's blocks straight from the mapped file
         // (a type candle cannot read, IQ4_NL or IQ4_XS, must take this way); a type they do
         // not run goes through candle below.
@@ -442,7 +443,7 @@ impl Reader<'_> {
     /// Expert `e`'s matrix (`rows` by `cols`) of the stacked expert tensor `n`, which must
     /// hold `experts` of them; repacked from the mapped file as [`Self::matrix`] does, its
     /// tile-cache part named `n#e`.
-    pub(super) fn expert(
+    fn expert(
         &self,
         n: &str,
         e: usize,
@@ -479,7 +480,7 @@ impl Reader<'_> {
     }
 
     /// A norm as `rule` says: None where the architecture has no norm there.
-    pub(super) fn norm(&self, prefix: &str, len: usize, rule: NormRule) -> Result<Option<Norm>> {
+    fn norm(&self, prefix: &str, len: usize, rule: NormRule) -> Result<Option<Norm>> {
         match rule {
             NormRule::None => Ok(None),
             NormRule::Plain => Ok(Some(Norm {
@@ -736,13 +737,11 @@ fn load_layer(r: &Reader<'_>, cfg: &DecoderConfig, i: usize, view: usize) -> Res
     let mixer = match cfg.layers[i].mixer {
         Mixer::None => MixerWeights::None,
         Mixer::Attention => MixerWeights::Attention(Box::new(load_attention(r, cfg, &p)?)),
-        Mixer::ShortConv { taps } => MixerWeights::ShortConv(Box::new(
-            super::recurrent::load_short_conv(r, cfg, &p, taps)?,
-        )),
-        Mixer::DeltaNet(n) => {
-            MixerWeights::DeltaNet(Box::new(super::delta_net::load(r, cfg, &p, n)?))
+        Mixer::ShortConv { taps } => {
+            MixerWeights::ShortConv(Box::new(load_short_conv(r, cfg, &p, taps)?))
         }
-        Mixer::Mamba2(m) => MixerWeights::Mamba2(Box::new(super::mamba2::load(r, cfg, &p, m)?)),
+        Mixer::DeltaNet(n) => MixerWeights::DeltaNet(Box::new(load_delta_net(r, cfg, &p, n)?)),
+        Mixer::Mamba2(m) => MixerWeights::Mamba2(Box::new(load_mamba2(r, cfg, &p, m)?)),
     };
     // Experts from layer `dense_lead` on (DeepSeek-style leading dense layers before).
     let ffn = match &cfg.moe {
@@ -864,6 +863,119 @@ fn load_attention(r: &Reader<'_>, cfg: &DecoderConfig, p: &str) -> Result<AttnWe
         wo,
         wo_post,
         sinks,
+    })
+}
+
+/// Layer `p`'s short convolution block (`taps`: the convolution's length, `shortconv.l_cache`).
+fn load_short_conv(
+    r: &Reader<'_>,
+    cfg: &DecoderConfig,
+    p: &str,
+    taps: usize,
+) -> Result<ShortConvWeights> {
+    let d = cfg.d_model;
+    let (in_proj, _) = r.matrix(&format!("{p}.shortconv.in_proj.weight"), Some(3 * d), d)?;
+    let (out_proj, _) = r.matrix(&format!("{p}.shortconv.out_proj.weight"), Some(d), d)?;
+    // llama.cpp's graph passes these products no scale: read and ignored, as it does.
+    r.scale(&format!("{p}.shortconv.in_proj"), false)?;
+    r.scale(&format!("{p}.shortconv.out_proj"), false)?;
+    let conv = r.host_table(&format!("{p}.shortconv.conv.weight"), d, taps)?;
+    Ok(ShortConvWeights {
+        in_proj,
+        conv,
+        out_proj,
+    })
+}
+
+/// Layer `p`'s DeltaNet block.
+fn load_delta_net(
+    r: &Reader<'_>,
+    cfg: &DecoderConfig,
+    p: &str,
+    n: DeltaNet,
+) -> Result<DeltaNetWeights> {
+    let d = cfg.d_model;
+    let name = |s: &str| format!("{p}.{s}");
+    let (ch, vd) = (n.conv_channels(), n.v_heads * n.v_dim);
+    let scaled = !n.grouped; // Qwen3-Next's graph passes no scale to these products
+    let mut parts = Vec::new();
+    let mut post = Vec::new();
+    let mut part = |t: &str, rows: usize, used: bool| -> Result<()> {
+        parts.push(r.matrix(&name(&format!("{t}.weight")), Some(rows), d)?.0);
+        post.push(Affine {
+            scale: r.scale(&name(t), used)?,
+            ..Default::default()
+        });
+        Ok(())
+    };
+    if !r.has(&name("attn_qkv.weight")) {
+        bail!(
+            "{} is missing: gen reads a DeltaNet layer's q, k and v from attn_qkv (a file with \
+             only the older ssm_in layout is not supported)",
+            name("attn_qkv.weight")
+        );
+    }
+    part("attn_qkv", ch, scaled)?;
+    part("attn_gate", vd, scaled)?;
+    if n.grouped {
+        part("ssm_ba", 2 * n.v_heads, true)?;
+        // Read by llama.cpp's loader, unused where attn_qkv is there.
+        if r.has(&name("ssm_in.weight")) {
+            r.matrix(&name("ssm_in.weight"), None, d)?;
+            r.scale(&name("ssm_in"), false)?;
+        }
+    } else {
+        part("ssm_beta", n.v_heads, true)?;
+        part("ssm_alpha", n.v_heads, true)?;
+    }
+    let conv = r.host_table(&name("ssm_conv1d.weight"), ch, n.taps)?;
+    let (out, _) = r.matrix(&name("ssm_out.weight"), Some(d), vd)?;
+    let out_post = Affine {
+        scale: r.scale(&name("ssm_out"), scaled)?,
+        ..Default::default()
+    };
+    Ok(DeltaNetWeights {
+        proj: Projections::new(parts),
+        proj_post: post,
+        conv,
+        dt_bias: r.host_vector(&name("ssm_dt.bias"), n.v_heads)?,
+        a: r.host_vector(&name("ssm_a"), n.v_heads)?,
+        norm: r.host_vector(&name("ssm_norm.weight"), n.v_dim)?,
+        out,
+        out_post,
+    })
+}
+
+/// Layer `p`'s Mamba-2 block (`conv_bias`: whether the file must have the convolution's bias;
+/// without one it adds nothing).
+fn load_mamba2(r: &Reader<'_>, cfg: &DecoderConfig, p: &str, m: Mamba2) -> Result<Mamba2Weights> {
+    let d = cfg.d_model;
+    let name = |s: &str| format!("{p}.{s}");
+    let ch = m.conv_channels();
+    let rows = 2 * m.d_inner + 2 * m.groups * m.d_state + m.heads;
+    let (in_proj, _) = r.matrix(&name("ssm_in.weight"), Some(rows), d)?;
+    let (out, _) = r.matrix(&name("ssm_out.weight"), Some(d), m.d_inner)?;
+    let conv_bias = match m.conv_bias_required || r.has(&name("ssm_conv1d.bias")) {
+        true => Some(r.host_vector(&name("ssm_conv1d.bias"), ch)?),
+        false => None,
+    };
+    Ok(Mamba2Weights {
+        in_proj,
+        in_post: Affine {
+            scale: r.scale(&name("ssm_in"), true)?,
+            ..Default::default()
+        },
+        conv: r.host_table(&name("ssm_conv1d.weight"), ch, m.taps)?,
+        conv_bias,
+        dt_bias: r.host_vector(&name("ssm_dt.bias"), m.heads)?,
+        a: r.host_vector(&name("ssm_a"), m.heads)?,
+        d: r.host_vector(&name("ssm_d"), m.heads)?,
+        norm: r.host_table(&name("ssm_norm.weight"), m.groups, m.d_inner / m.groups)?,
+        out,
+        out_post: Affine {
+            scale: r.scale(&name("ssm_out"), true)?,
+            ..Default::default()
+        },
     })
 }
 

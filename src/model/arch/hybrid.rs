@@ -271,15 +271,7 @@ pub fn granitehybrid(k: &Keys, c: Common) -> Result<DecoderConfig> {
     if let Some(s) = k.f32_opt("logit_scale")?.filter(|&s| s != 0.0) {
         d.logit_scale = Some(1.0 / s);
     }
-    if let Some(s) = k.f32_opt("residual_scale")?.filter(|&s| s != 0.0) {
-        d.residual_scale = Some(s);
-    }
-    if let Some(s) = k.f32_opt("embedding_scale")?.filter(|&s| s != 0.0) {
-        d.embed_scale = Some(s);
-    }
-    if let Some(s) = k.f32_opt("attention.scale")?.filter(|&s| s != 0.0) {
-        d.attn.scale = s;
-    }
+    super::llama::granite_scales(k, &mut d)?;
     Ok(d)
 }
 

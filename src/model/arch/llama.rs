@@ -102,6 +102,12 @@ fn granite_scaled(k: &Keys, c: &Common) -> Result<DecoderConfig> {
     let logit_scale = k.f32("logit_scale")?;
     let mut d = granite_like(k, c, logit_scale)?;
     d.moe = granite_experts(k, c, true)?;
+    granite_scales(k, &mut d)?;
+    Ok(d)
+}
+
+/// Granite's residual, embedding and attention scales, each where the file has one (0: none).
+pub(super) fn granite_scales(k: &Keys, d: &mut DecoderConfig) -> Result<()> {
     if let Some(s) = k.f32_opt("residual_scale")?.filter(|&s| s != 0.0) {
         d.residual_scale = Some(s);
     }
@@ -111,7 +117,7 @@ fn granite_scaled(k: &Keys, c: &Common) -> Result<DecoderConfig> {
     if let Some(s) = k.f32_opt("attention.scale")?.filter(|&s| s != 0.0) {
         d.attn.scale = s;
     }
-    Ok(d)
+    Ok(())
 }
 
 /// MiniCPM: Granite's graph with MiniCPM's defaults for its scales.
