@@ -260,8 +260,6 @@ pub struct Mamba2 {
     pub groups: usize,
     pub d_state: usize,
     pub taps: usize,
-    /// `ssm_conv1d.bias` must be there (Mamba-2 itself); elsewhere optional.
-    pub conv_bias_required: bool,
 }
 
 impl Mamba2 {

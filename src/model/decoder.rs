@@ -20,8 +20,7 @@ use candle_core::{Device, Tensor};
 use super::config::DecoderConfig;
 use super::cpu::CpuBackend;
 use super::device::DeviceBackend;
-use super::kv_cache::PagedKv;
-use super::kv_cache::BLOCK_SIZE;
+use super::kv_cache::{PagedKv, BLOCK_SIZE};
 use super::plan::PassPlan;
 use super::profile::Profile;
 use super::qlinear::DeviceWeights;
@@ -133,7 +132,6 @@ impl Decoder {
                 .map(|l| l.mixer.state_floats(cfg.d_model))
                 .collect(),
         );
-        let kv = PagedKv::new(0);
         let info = ModelInfo {
             arch: cfg.arch.clone(),
             name: ckpt.name.clone(),
@@ -144,7 +142,7 @@ impl Decoder {
             info,
             cfg,
             weights,
-            kv,
+            kv: PagedKv::new(0),
             states,
             backend,
             profile: Profile::from_env(),
@@ -162,26 +160,9 @@ impl Decoder {
         self.profile.start(n == batch.len());
         let plan = PassPlan::new(&self.kv, batch, &self.weights.windows);
         let (w, cfg, profile) = (&self.weights, &self.cfg, &mut self.profile);
-        // Each step's recurrent state (none without recurrent layers); a step of several
-        // decode tokens logs its inputs, so that rejected ones can be rolled back.
-        // A prompt chunk keeps the state at the last block end inside it, for the prefix
-        // cache (kept when that block is published).
-        let steps: Vec<PassStep> = batch
-            .iter()
-            .map(|s| {
-                let end = s.pos + s.tokens.len();
-                let block_end = end / BLOCK_SIZE * BLOCK_SIZE;
-                PassStep {
-                    seq: s.seq,
-                    pos: s.pos,
-                    log: s.kind == StepKind::Decode && s.tokens.len() > 1,
-                    snap_at: (s.kind == StepKind::Prefill && block_end > s.pos)
-                        .then(|| block_end - 1),
-                }
-            })
-            .collect();
+        // Each step's recurrent state (none without recurrent layers).
         let mut states = match self.states.any() {
-            true => self.states.for_pass(&steps)?,
+            true => self.states.for_pass(&pass_steps(batch))?,
             false => Vec::new(),
         };
         let last = match &mut self.backend {
@@ -197,6 +178,24 @@ impl Decoder {
         profile.mark(last.device(), "norm, logits");
         Ok(logits)
     }
+}
+
+/// A pass's steps as the recurrent states see them: a step of several decode tokens logs its
+/// inputs, so that rejected ones can be rolled back; a prompt chunk keeps the state at the last
+/// block end inside it, for the prefix cache (kept when that block is published).
+fn pass_steps(batch: &[SeqStep<'_>]) -> Vec<PassStep> {
+    batch
+        .iter()
+        .map(|s| {
+            let block_end = (s.pos + s.tokens.len()) / BLOCK_SIZE * BLOCK_SIZE;
+            PassStep {
+                seq: s.seq,
+                pos: s.pos,
+                log: s.kind == StepKind::Decode && s.tokens.len() > 1,
+                snap_at: (s.kind == StepKind::Prefill && block_end > s.pos).then(|| block_end - 1),
+            }
+        })
+        .collect()
 }
 
 impl LanguageModel for Decoder {

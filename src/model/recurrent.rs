@@ -1,6 +1,7 @@
 //! Recurrent token mixers, the layers of hybrid models that keep a state per sequence instead
-//! of keys and values ([`super::state`]): LFM2's gated short convolution and Qwen3.5's Gated
-//! DeltaNet. Their products run on the backend like any other; the recurrences themselves run
+//! of keys and values ([`super::state`]): LFM2's gated short convolution here, Gated DeltaNet
+//! ([`super::delta_net`]) and Mamba-2 ([`super::mamba2`]) in their own files, and the rollback
+//! that replays any of them. Their products run on the backend like any other; the recurrences run
 //! on the host in f32, token by token in each sequence's order, for prompts and replies alike.
 //! So a token's state and output are the same bits however its tokens were batched, chunked or
 //! checked, and a rollback replays exactly what the pass computed ([`replay`]).
@@ -9,10 +10,10 @@
 //! another order, so not the same bits as a reply token by token. The recurrence costs a
 //! head k_dim·v_dim multiply-adds four times a token, a few percent of a layer's products.)
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use candle_core::Tensor;
 
-use super::config::{DecoderConfig, Mixer};
+use super::config::Mixer;
 use super::plan::PassPlan;
 use super::scan::{conv_step, host_rows};
 use super::state::SeqState;
@@ -68,19 +69,4 @@ pub fn replay(mixer: &Mixer, w: &MixerWeights, eps: f32, state: &mut [f32], inpu
         (Mixer::Mamba2(m), MixerWeights::Mamba2(mw)) => super::mamba2::replay(m, mw, state, input),
         _ => {}
     }
-}
-
-/// Refuse what the recurrent layers of `cfg` cannot be: attention-only options, for one.
-pub fn check(cfg: &DecoderConfig) -> Result<()> {
-    for (l, plan) in cfg.layers.iter().enumerate() {
-        if let Mixer::ShortConv { taps } = plan.mixer {
-            if taps < 2 {
-                bail!(
-                    "{}: layer {l}'s short convolution has {taps} taps, expected 2 or more",
-                    cfg.arch
-                );
-            }
-        }
-    }
-    Ok(())
 }

@@ -14,6 +14,10 @@
 //!   would hold. A rollback the log cannot serve marks the sequence lost: its next step is
 //!   refused with the reason.
 //!
+//! - a prompt chunk copies its state at the last block end inside it; once that block is
+//!   published, the copy is kept beside it (at most [`KEPT_STATES`] copies or [`KEPT_BYTES`]),
+//!   and a sequence that takes the cached blocks starts from it ([`States::restore`]).
+//!
 //! Memory: per sequence, each recurrent layer's state ([`super::config::Mixer::state_floats`]
 //! floats), plus during a logged step one more copy and the tokens' inputs.
 
@@ -116,11 +120,6 @@ impl States {
         self.sizes.iter().any(|&s| s > 0)
     }
 
-    /// Floats one sequence's state takes, all layers together.
-    pub fn floats_per_sequence(&self) -> usize {
-        self.sizes.iter().sum()
-    }
-
     fn zeros(&self) -> Vec<Vec<f32>> {
         self.sizes.iter().map(|&n| vec![0f32; n]).collect()
     }
@@ -131,18 +130,8 @@ impl States {
         self.pending.remove(&seq);
     }
 
-    /// Floats the states kept for the prefix cache take.
-    pub fn kept_floats(&self) -> usize {
-        self.kept
-            .values()
-            .flat_map(|k| &k.layers)
-            .map(Vec::len)
-            .sum()
-    }
-
-    /// The states of a pass's steps, in step order: (sequence, first position, tokens, whether
-    /// to log it). A step at position 0 starts from zeros; any other must start where its
-    /// sequence's state ends.
+    /// The states of a pass's steps, in step order. A step at position 0 starts from zeros; any
+    /// other must start where its sequence's state ends.
     pub fn for_pass(&mut self, steps: &[PassStep]) -> Result<Vec<&mut SeqState>> {
         for &PassStep {
             seq,
@@ -179,7 +168,10 @@ impl States {
                 inputs: vec![Vec::new(); s.layers.len()],
             });
             s.snap_at = snap_at;
-            s.snap = vec![Vec::new(); s.layers.len()];
+            s.snap = match snap_at {
+                Some(_) => vec![Vec::new(); s.layers.len()],
+                None => Vec::new(),
+            };
         }
         let mut out: Vec<&mut SeqState> = Vec::with_capacity(steps.len());
         let mut by_seq: HashMap<SeqId, &mut SeqState> =

@@ -946,8 +946,7 @@ fn load_delta_net(
     })
 }
 
-/// Layer `p`'s Mamba-2 block (`conv_bias`: whether the file must have the convolution's bias;
-/// without one it adds nothing).
+/// Layer `p`'s Mamba-2 block.
 fn load_mamba2(r: &Reader<'_>, cfg: &DecoderConfig, p: &str, m: Mamba2) -> Result<Mamba2Weights> {
     let d = cfg.d_model;
     let name = |s: &str| format!("{p}.{s}");
@@ -955,7 +954,8 @@ fn load_mamba2(r: &Reader<'_>, cfg: &DecoderConfig, p: &str, m: Mamba2) -> Resul
     let rows = 2 * m.d_inner + 2 * m.groups * m.d_state + m.heads;
     let (in_proj, _) = r.matrix(&name("ssm_in.weight"), Some(rows), d)?;
     let (out, _) = r.matrix(&name("ssm_out.weight"), Some(d), m.d_inner)?;
-    let conv_bias = match m.conv_bias_required || r.has(&name("ssm_conv1d.bias")) {
+    // Optional for the families gen runs (llama.cpp then adds nothing).
+    let conv_bias = match r.has(&name("ssm_conv1d.bias")) {
         true => Some(r.host_vector(&name("ssm_conv1d.bias"), ch)?),
         false => None,
     };

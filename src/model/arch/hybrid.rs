@@ -31,6 +31,12 @@ pub fn lfm2(k: &Keys, c: Common) -> Result<DecoderConfig> {
 /// LFM2's layers (attention or short convolution by `head_count_kv`) and tensors.
 fn lfm2_layers(k: &Keys, c: Common) -> Result<DecoderConfig> {
     let taps = k.usize("shortconv.l_cache")?;
+    if taps < 2 {
+        bail!(
+            "{}.shortconv.l_cache is {taps}: expected 2 or more (llama.cpp's graph asserts it)",
+            c.arch
+        );
+    }
     let tensors = TensorRules {
         qk_norm: Need::Required,
         output_norm_name: "token_embd_norm",
@@ -196,14 +202,13 @@ pub fn qwen3next(k: &Keys, c: Common) -> Result<DecoderConfig> {
 }
 
 /// The Mamba-2 layers' shape from the `ssm.*` keys (`time_step_rank` is the head count).
-fn mamba2_shape(k: &Keys, c: &Common, conv_bias_required: bool) -> Result<Mamba2> {
+fn mamba2_shape(k: &Keys, c: &Common) -> Result<Mamba2> {
     let m = Mamba2 {
         d_inner: k.usize("ssm.inner_size")?,
         heads: k.usize("ssm.time_step_rank")?,
         groups: k.usize("ssm.group_count")?,
         d_state: k.usize("ssm.state_size")?,
         taps: k.usize("ssm.conv_kernel")?,
-        conv_bias_required,
     };
     let fits = m.heads > 0
         && m.groups > 0
@@ -232,7 +237,7 @@ fn mamba2_shape(k: &Keys, c: &Common, conv_bias_required: bool) -> Result<Mamba2
 /// say false); every layer has an FFN (dense, or experts beside an optional shared one);
 /// Granite's embedding, residual, attention and logit scales, each where the file has it.
 pub fn granitehybrid(k: &Keys, c: Common) -> Result<DecoderConfig> {
-    let m = mamba2_shape(k, &c, false)?;
+    let m = mamba2_shape(k, &c)?;
     if m.d_inner != 2 * c.d_model {
         bail!(
             "{}.ssm.inner_size {} is not twice the embedding width {} (llama.cpp's loader asserts it)",
@@ -280,7 +285,7 @@ pub fn granitehybrid(k: &Keys, c: Common) -> Result<DecoderConfig> {
 /// attention without rope where only `feed_forward_length` is, else an FFN of relu(up)²
 /// without a gate. Norms are RMS with `layer_norm_rms_epsilon`, else `layer_norm_epsilon`.
 pub fn nemotron_h(k: &Keys, c: Common) -> Result<DecoderConfig> {
-    let m = mamba2_shape(k, &c, false)?;
+    let m = mamba2_shape(k, &c)?;
     let all = c.n_layer + c.nextn;
     let ff = match k.layer_counts("feed_forward_length", all)? {
         Some(v) => v,

@@ -136,7 +136,6 @@ pub fn from_gguf(
         );
     }
     cfg.check()?;
-    super::recurrent::check(&cfg)?;
     cfg.set_context_window(cfg.context_len);
     Ok(cfg)
 }

@@ -1151,6 +1151,24 @@ mod tests {
             .collect()
     }
 
+    /// One query per (len, from) span, each with its q, over one block table.
+    fn queries<'a>(
+        spans: &[(usize, usize)],
+        qs: &'a [Vec<f32>],
+        blocks: &'a [u32],
+    ) -> Vec<PagedQuery<'a>> {
+        spans
+            .iter()
+            .zip(qs)
+            .map(|(&(len, from), q)| PagedQuery {
+                q,
+                blocks,
+                len,
+                from,
+            })
+            .collect()
+    }
+
     /// Lay a contiguous (kv, L, hd) cache out in scattered blocks of `block` rows, in f16.
     fn paged(
         cache: &[f32],
@@ -1309,16 +1327,7 @@ mod tests {
                 let qs: Vec<Vec<f32>> = (0..spans.len())
                     .map(|i| data(h * hd, 11 + i as u32))
                     .collect();
-                let steps: Vec<PagedQuery<'_>> = spans
-                    .iter()
-                    .zip(&qs)
-                    .map(|(&(len, from), q)| PagedQuery {
-                        q,
-                        blocks: &blocks,
-                        len,
-                        from,
-                    })
-                    .collect();
+                let steps = queries(&spans, &qs, &blocks);
                 // Rows from..to of each kv head, as a contiguous cache.
                 let span = |c: &[f32], from: usize, to: usize| -> Vec<f32> {
                     (0..kv)
@@ -1363,16 +1372,7 @@ mod tests {
         let qs: Vec<Vec<f32>> = (0..spans.len())
             .map(|i| data(h * hd, 11 + i as u32))
             .collect();
-        let steps: Vec<PagedQuery<'_>> = spans
-            .iter()
-            .zip(&qs)
-            .map(|(&(len, from), q)| PagedQuery {
-                q,
-                blocks: &blocks,
-                len,
-                from,
-            })
-            .collect();
+        let steps = queries(&spans, &qs, &blocks);
         for avx2 in [false, avx2_available()] {
             let args = (block, h, kv, hd, Scoring::from(0.1));
             let all = decode_with(&steps, &kp, &vp, args, avx2);
