@@ -117,10 +117,26 @@ fn paths_are_measured_once_kept_and_give_the_same_text() {
     let (_, forced) = run(cache, Some("avx2"));
     assert!(!forced.contains("measured"), "{forced}");
     assert_eq!(std::fs::read_to_string(&files[0]).unwrap(), kept);
-    // A damaged file is said, measured again and replaced.
-    std::fs::write(&files[0], "gen kernel choices v5\nQ4_1 one warp-drive\n").unwrap();
-    let (third, err3) = run(cache, None);
-    assert!(err3.contains("unreadable"), "{err3}");
+    // A damaged file is said, measured again and replaced. A measurement made on a busy CPU
+    // keeps nothing (the damaged file stays, and is said again next run): try again, as above.
+    let mut tries = 0;
+    let (third, err3) = loop {
+        tries += 1;
+        std::fs::write(&files[0], "gen kernel choices v5\nQ4_1 one warp-drive\n").unwrap();
+        let (third, err3) = run(cache, None);
+        assert!(err3.contains("unreadable"), "{err3}");
+        if !err3.contains("the CPU was busy") {
+            break (third, err3);
+        }
+        assert!(tries < 8, "8 measurements, each on a busy CPU: {err3}");
+        assert!(
+            std::fs::read_to_string(&files[0])
+                .unwrap()
+                .contains("warp-drive"),
+            "a busy measurement replaced the file"
+        );
+        std::thread::sleep(std::time::Duration::from_secs(2 * tries));
+    };
     assert!(err3.contains("measured this CPU's kernel paths"), "{err3}");
     let again = std::fs::read_to_string(&files[0]).unwrap();
     assert_eq!(
