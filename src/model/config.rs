@@ -106,6 +106,8 @@ pub enum RopeFactors {
     None,
     /// `rope_freqs.weight` (Llama 3), used when present.
     Freqs,
+    /// `rope_freqs.weight`, which must be there (Gemma 4's global layers' partial rotation).
+    FreqsRequired,
     /// `rope_freqs.weight` accepted but not used (Refact).
     FreqsIgnored,
     /// `rope_factors_long.weight` / `rope_factors_short.weight` (long-rope: Phi-3.5/4).
@@ -131,6 +133,10 @@ pub struct TensorRules {
     pub qkv_bias: Need,
     /// q, k and v only as one `attn_qkv` matrix (the family's loader creates no others).
     pub fused_qkv: bool,
+    /// `attn_v`: Required, or Optional where v is k as projected when absent (Gemma 4).
+    pub values: Need,
+    /// `layer_output_scale`: one factor on a layer's output (Gemma 4), where it may be.
+    pub layer_out_scale: Need,
     /// `attn_q_norm` / `attn_k_norm`, read as [`Attn::qk_norm`] says.
     pub qk_norm: Need,
     pub wo_bias: Need,
@@ -163,6 +169,8 @@ impl TensorRules {
         output_norm: NormRule::Weighted { bias: Need::Absent },
         qkv_bias: Need::Optional,
         fused_qkv: false,
+        values: Need::Required,
+        layer_out_scale: Need::Absent,
         qk_norm: Need::Absent,
         wo_bias: Need::Optional,
         ffn_gate: Need::Required,
@@ -204,6 +212,8 @@ pub struct Attn {
     /// The q projection holds, per head, its query and then a gate: attention's output is
     /// times sigmoid(gate) before the output projection (Qwen3.5, Qwen3-Next).
     pub gated_output: bool,
+    /// v is RMS-normed per head, without weights, before the cache (Gemma 4).
+    pub v_norm: bool,
 }
 
 /// One layer's plan: what mixes its tokens, and for attention the window its queries see and
@@ -217,6 +227,21 @@ pub struct LayerPlan {
     pub mixer: Mixer,
     /// Whether the layer has an FFN after its mixer (Nemotron-H's layers have one or the other).
     pub ffn: bool,
+    /// Its attention's heads (the model's own on most architectures; Gemma 4's windowed and
+    /// global layers differ in width and in kv heads).
+    pub heads: HeadShape,
+    /// An attention layer that keeps no keys and values of its own but reads this earlier
+    /// layer's (Gemma 4's last `shared_kv_layers`): its q only is computed.
+    pub kv_from: Option<usize>,
+}
+
+/// An attention layer's heads: `heads` query heads over `kv_heads` key/value heads, each
+/// `dim` wide (keys and values alike).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub dim: usize,
 }
 
 /// What mixes a layer's tokens: attention over the paged KV cache, or a recurrent block whose
@@ -401,6 +426,8 @@ pub struct DecoderConfig {
     pub tensors: TensorRules,
     /// Some: every layer's FFN is a mixture of experts.
     pub moe: Option<MoeCfg>,
+    /// Gemma 4's per-layer input width (`embedding_length_per_layer_input`; 0: none).
+    pub per_layer_input: usize,
     /// Multi-token prediction blocks after the last layer (GLM-4.5's): their tensors are
     /// accepted and not read, as llama.cpp skips them unless asked to speculate with them.
     pub mtp_blocks: usize,
@@ -425,6 +452,41 @@ impl DecoderConfig {
             .iter()
             .filter(|l| l.mixer == Mixer::Attention)
             .count()
+    }
+
+    /// The layer whose cache layer `l` reads: its own, or the one it shares.
+    pub fn cache_layer(&self, l: usize) -> usize {
+        self.layers[l].kv_from.unwrap_or(l)
+    }
+
+    /// Per layer, the shape of its own keys and values in the cache: (kv heads, width), or
+    /// (0, 0) for a layer keeping none (no attention, or another layer's cache read).
+    pub fn kv_layout(&self) -> Vec<(usize, usize)> {
+        self.layers
+            .iter()
+            .map(|l| match (l.mixer, l.kv_from) {
+                (Mixer::Attention, None) => (l.heads.kv_heads, l.heads.dim),
+                _ => (0, 0),
+            })
+            .collect()
+    }
+
+    /// Whether attention layers differ from the model's one shape, or read another layer's
+    /// cache (Gemma 4).
+    pub fn layers_differ(&self) -> bool {
+        let one = HeadShape {
+            heads: self.n_head,
+            kv_heads: self.n_kv_head,
+            dim: self.head_dim,
+        };
+        self.layers
+            .iter()
+            .any(|l| l.mixer == Mixer::Attention && (l.heads != one || l.kv_from.is_some()))
+    }
+
+    /// Floats of keys and values one token keeps in the cache, over every layer.
+    pub fn kv_floats_per_token(&self) -> usize {
+        self.kv_layout().iter().map(|(kv, hd)| 2 * kv * hd).sum()
     }
 
     /// The rotary embedding of layer `l`, if it has one.

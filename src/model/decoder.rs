@@ -110,6 +110,13 @@ impl Decoder {
         } else {
             DeviceWeights::choose(ckpt.parameter_count())
         };
+        if !host_kernels && cfg.layers_differ() {
+            bail!(
+                "{}: its layers differ in attention shape or share keys and values, which gen \
+                 runs only on the CPU so far: use --device cpu",
+                cfg.arch
+            );
+        }
         let mut weights = Weights::load(ckpt, &cfg, device, kind)?;
         let kernels = if host_kernels {
             let started = std::time::Instant::now();
@@ -280,7 +287,7 @@ impl LanguageModel for Decoder {
             Backend::Cpu(b) => b.value_bytes(),
             Backend::Device(b) => b.value_bytes(),
         };
-        2 * self.cfg.attention_layers() * self.cfg.n_kv_head * self.cfg.head_dim * bytes
+        self.cfg.kv_floats_per_token() * bytes
     }
 
     fn forward(&mut self, batch: &[SeqStep<'_>]) -> Result<Tensor> {
@@ -322,12 +329,21 @@ impl LanguageModel for Decoder {
             ),
             Backend::Device(b) => ("f32", format!("candle {}", b.device_name())),
         };
+        let layout = c.kv_layout();
+        let shapes = match layout.iter().all(|&s| s == (c.n_kv_head, c.head_dim)) {
+            true => format!(
+                "{} layers x {} kv heads x {} wide",
+                c.n_layer, c.n_kv_head, c.head_dim
+            ),
+            // Layers of their own shapes (kv heads x width; 0x0 keeps none).
+            false => {
+                let each: Vec<String> = layout.iter().map(|(k, d)| format!("{k}x{d}")).collect();
+                format!("layers of kv heads x width {}", each.join(" "))
+            }
+        };
         format!(
-            "{store} (kv, block {}, hd) x {} layers x {} kv heads x {} wide; computed by {compute}",
+            "{store} (kv, block {}, hd) x {shapes}; computed by {compute}",
             super::kv_cache::BLOCK_SIZE,
-            c.n_layer,
-            c.n_kv_head,
-            c.head_dim
         )
     }
 

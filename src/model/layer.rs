@@ -25,17 +25,16 @@ pub trait LayerOps {
     /// the configuration's ropes).
     fn rope(&self, x: &Tensor, rope: usize) -> Result<Tensor>;
 
-    /// Layer `l`: write k and v (N, kv*hd) into the cache, then attend with q (N, h, hd) over
-    /// what window `view` lets each token see, each head's softmax with its sink (h values)
-    /// in the denominator where the layer has them. Returns (N, h*hd).
-    #[allow(clippy::too_many_arguments)]
+    /// Layer `l` (of the shape its plan gives): write k and v (N, kv*hd) into the cache
+    /// (None: the layer reads another layer's, [`DecoderConfig::cache_layer`]), then attend
+    /// with q (N, h, hd) over what window `view` lets each token see, each head's softmax with
+    /// its sink (h values) in the denominator where the layer has them. Returns (N, h*hd).
     fn attend(
         &mut self,
         l: usize,
         view: usize,
         q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
+        kv: Option<(&Tensor, &Tensor)>,
         sinks: Option<&[f32]>,
         profile: &mut Profile,
     ) -> Result<Tensor>;
@@ -113,6 +112,12 @@ pub fn norm(x: &Tensor, norm: &Norm, cfg: &DecoderConfig) -> Result<Tensor> {
     })
 }
 
+/// x RMS-normed over its last dimension, without weights.
+fn rms_rows(x: &Tensor, eps: f32) -> Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    Ok(x.broadcast_div(&(ms + eps as f64)?.sqrt()?)?)
+}
+
 /// x, or x through `n` where the layer has a norm there.
 fn maybe_norm(x: &Tensor, n: Option<&Norm>, cfg: &DecoderConfig) -> Result<Tensor> {
     match n {
@@ -146,6 +151,10 @@ pub fn run(
         .map(|rows| Tensor::new(rows.as_slice(), &dev))
         .transpose()?;
     let temperature = attention_temperature(plan, cfg, &dev)?;
+    let per_layer = match &w.per_layer_input {
+        Some(p) => Some(per_layer_inputs(p, &x, &plan.ids, cfg)?),
+        None => None,
+    };
     profile.mark(&dev, "prepare, embed");
     // A residual add comes fused with the norm after it where that is an RMS norm with a
     // weight and nothing in between (gen's CPU kernels do both in one pass): the next
@@ -197,13 +206,17 @@ pub fn run(
             }
         };
         let next = w.layers.get(l + 1).and_then(|n| n.attn_norm.as_ref());
+        let tail = layer.per_layer.is_some() || layer.out_scale.is_some();
         match next {
-            Some(n) if fusable(n, cfg) => {
+            Some(n) if fusable(n, cfg) && !tail => {
                 let xn;
                 (x, xn) = add_then_norm(ops, &x, &f, Some(n), cfg)?;
                 normed = Some(xn);
             }
             _ => x = (x + f)?,
+        }
+        if tail {
+            x = layer_tail(layer, x, per_layer.as_ref(), l, cfg)?;
         }
         profile.mark(&dev, "down, add, norm");
     }
@@ -211,6 +224,45 @@ pub fn run(
         Some(rows) => x.index_select(rows, 0)?,
         None => x,
     })
+}
+
+/// Gemma 4's per-layer inputs of a pass, (N, layers, width): each token's row of the second
+/// embedding times sqrt(width), plus the projection of its (scaled) embedding x (N, d) times
+/// 1/sqrt(d) normed per layer, the sum times 1/sqrt(2).
+fn per_layer_inputs(
+    p: &super::weights::PerLayerInput,
+    x: &Tensor,
+    ids: &[u32],
+    cfg: &DecoderConfig,
+) -> Result<Tensor> {
+    let (n, d) = x.dims2()?;
+    let (layers, width) = (cfg.n_layer, p.width);
+    let ids = Tensor::new(ids, x.device())?;
+    let rows = (p.table.embedding(&ids)?.to_dtype(x.dtype())? * (width as f64).sqrt())?;
+    let proj = (p.proj.forward(x)? * (1.0 / (d as f64).sqrt()))?;
+    let proj = norm(&proj.reshape((n, layers, width))?, &p.norm, cfg)?;
+    Ok(((proj + rows.reshape((n, layers, width))?)? * std::f64::consts::FRAC_1_SQRT_2)?)
+}
+
+/// What follows a layer's residual add where the family has it: Gemma 4's per-layer input
+/// (x + post_norm(proj(gelu(gate x) · input of layer l))), then the layer's output factor.
+fn layer_tail(
+    layer: &Layer,
+    mut x: Tensor,
+    inputs: Option<&Tensor>,
+    l: usize,
+    cfg: &DecoderConfig,
+) -> Result<Tensor> {
+    if let (Some(g), Some(inputs)) = (&layer.per_layer, inputs) {
+        let t = g.gate.forward(&x)?.gelu()?;
+        let t = (t * inputs.narrow(1, l, 1)?.squeeze(1)?)?;
+        let t = norm(&g.proj.forward(&t)?, &g.post_norm, cfg)?;
+        x = (x + t)?;
+    }
+    if let Some(s) = layer.out_scale {
+        x = (x * s as f64)?;
+    }
+    Ok(x)
 }
 
 /// Layer `l`'s token mixer over xn (N, d) normalised: attention, or a recurrence through each
@@ -327,7 +379,8 @@ fn attention(
     profile: &mut Profile,
 ) -> Result<Tensor> {
     let dev = ops.device().clone();
-    let (n, h, kv, hd) = (xn.dim(0)?, cfg.n_head, cfg.n_kv_head, cfg.head_dim);
+    let shape = cfg.layers[l].heads;
+    let (n, h, kv, hd) = (xn.dim(0)?, shape.heads, shape.kv_heads, shape.dim);
     let parts = layer.qkv.forward(xn)?;
     let mut qkv = Vec::with_capacity(3);
     for (part, post) in parts.into_iter().zip(&layer.qkv_post) {
@@ -337,7 +390,17 @@ fn attention(
         }
         qkv.push(t);
     }
-    let [mut q, mut k, v]: [Tensor; 3] = qkv.try_into().expect("three projections");
+    // q, k and v; or q and k, v being k as projected (Gemma 4's global layers); or q alone,
+    // where the layer reads another layer's cache.
+    let mut qkv = qkv.into_iter();
+    let mut q = qkv.next().expect("a q projection");
+    let (mut k, v) = match (qkv.next(), qkv.next()) {
+        _ if cfg.layers[l].kv_from.is_some() => (q.clone(), None),
+        (Some(k), Some(v)) => (k, Some(v)),
+        (Some(k), None) => (k.clone(), Some(k)),
+        _ => (q.clone(), None),
+    };
+    let own_kv = v.is_some();
     // Qwen3.5's q rows hold each head's query, then its output gate.
     let gate = match cfg.attn.gated_output {
         true => {
@@ -350,7 +413,8 @@ fn attention(
     profile.mark(&dev, "q/k/v");
     let qk_norm = |q: Tensor, k: Tensor| -> Result<(Tensor, Tensor)> {
         match &layer.qk_norm {
-            Some((qn, kn)) => Ok((norm(&q, qn, cfg)?, norm(&k, kn, cfg)?)),
+            Some((qn, kn)) if own_kv => Ok((norm(&q, qn, cfg)?, norm(&k, kn, cfg)?)),
+            Some((qn, _)) => Ok((norm(&q, qn, cfg)?, k)),
             None => Ok((q, k)),
         }
     };
@@ -359,6 +423,8 @@ fn attention(
     }
     // Token-major all the way: (N, heads, hd) is what the projections give and what the
     // attention kernels and the cache take.
+    // A layer reading another's cache has no k: its q goes through the steps alone.
+    let kv = if own_kv { kv } else { h };
     let (mut q, mut k) = (q.reshape((n, h, hd))?, k.reshape((n, kv, hd))?);
     if matches!(
         cfg.attn.qk_norm,
@@ -368,7 +434,9 @@ fn attention(
     }
     if let Some(r) = cfg.layers[l].rope {
         q = ops.rope(&q, r)?;
-        k = ops.rope(&k, r)?;
+        if own_kv {
+            k = ops.rope(&k, r)?;
+        }
     }
     if cfg.attn.qk_norm == (QkNorm::Heads { after_rope: true }) {
         (q, k) = qk_norm(q, k)?;
@@ -377,8 +445,15 @@ fn attention(
         q = q.broadcast_mul(t)?;
     }
     let k = k.reshape((n, kv * hd))?;
+    let v = match (v, cfg.attn.v_norm) {
+        (Some(v), true) => {
+            Some(rms_rows(&v.reshape((n, kv, hd))?, cfg.norm_eps)?.reshape((n, kv * hd))?)
+        }
+        (v, _) => v,
+    };
     profile.mark(&dev, "rope");
-    let mut y = ops.attend(l, view, &q, &k, &v, layer.sinks.as_deref(), profile)?;
+    let kv_pair = v.as_ref().map(|v| (&k, v));
+    let mut y = ops.attend(l, view, &q, kv_pair, layer.sinks.as_deref(), profile)?;
     if let Some(g) = gate {
         y = (y * candle_nn::ops::sigmoid(&g)?)?;
     }

@@ -21,6 +21,7 @@ use super::qlinear::{DeviceWeights, Projections, QLinear};
 use crate::format::checkpoint::Checkpoint;
 
 /// A norm's weight and bias (either may be absent: then that part is skipped).
+#[derive(Clone)]
 pub struct Norm {
     pub weight: Option<Tensor>, // (len)
     pub bias: Option<Tensor>,   // (len)
@@ -122,7 +123,28 @@ pub struct Moe {
     pub selection_bias: Option<Vec<f32>>,
 }
 
+/// Gemma 4's per-layer input, for every layer at once: a second embedding of each token
+/// (`per_layer_token_embd`, (V, layers·width)) and a projection of its embedding
+/// (`per_layer_model_proj`) with a norm of `width` (`per_layer_proj_norm`).
+pub struct PerLayerInput {
+    pub table: QTensor,
+    pub proj: QLinear,
+    pub norm: Norm,
+    pub width: usize,
+}
+
+/// A layer's use of its per-layer input: gelu(`inp_gate` x) times the input, through `proj`
+/// and `post_norm`, added to the layer's output.
+pub struct PerLayerGate {
+    pub gate: QLinear,
+    pub proj: QLinear,
+    pub post_norm: Norm,
+}
+
 pub struct Layer {
+    /// Gemma 4's per-layer input gate, and the factor on the layer's output.
+    pub per_layer: Option<PerLayerGate>,
+    pub out_scale: Option<f32>,
     pub attn_norm: Option<Norm>,
     /// What mixes its tokens: attention, or a recurrent block.
     pub mixer: MixerWeights,
@@ -257,6 +279,7 @@ pub struct Weights {
     pub out_norm: Option<Norm>,
     pub output: QLinear, // (V, d)
     pub output_bias: Option<Tensor>,
+    pub per_layer_input: Option<PerLayerInput>,
     /// Distinct sliding windows (`None`: whole context) among the layers.
     pub windows: Vec<Option<usize>>,
     /// `rope_freqs`, and long-rope's long and short factors (n_rot / 2 each).
@@ -366,6 +389,13 @@ impl Reader<'_> {
                 self.read.borrow_mut().insert(n.to_string());
                 Ok(None)
             }
+        }
+    }
+
+    /// A tensor llama.cpp may read but never uses where it is: marked read if present.
+    fn ignore(&self, n: &str) {
+        if self.has(n) {
+            self.read.borrow_mut().insert(n.to_string());
         }
     }
 
@@ -575,6 +605,7 @@ impl Weights {
             }
         };
         let output_bias = r.vector_if("output.bias", vocab_size, rules.output_bias)?;
+        let per_layer_input = load_per_layer_input(&r, cfg, vocab_size)?;
         let half = cfg.ropes.iter().map(|c| c.n_rot / 2).max().unwrap_or(0);
         let (rope_freqs, rope_long, rope_short) = match rules.rope_factors {
             RopeFactors::None => (None, None, None),
@@ -583,6 +614,10 @@ impl Weights {
                 (None, None, None)
             }
             RopeFactors::Freqs => (r.values("rope_freqs.weight", half)?, None, None),
+            RopeFactors::FreqsRequired => match r.values("rope_freqs.weight", half)? {
+                Some(f) => (Some(f), None, None),
+                None => bail!("rope_freqs.weight is missing: {} needs it", cfg.arch),
+            },
             RopeFactors::LongShort => (
                 None,
                 r.values("rope_factors_long.weight", half)?,
@@ -595,6 +630,7 @@ impl Weights {
             out_norm,
             output,
             output_bias,
+            per_layer_input,
             windows,
             rope_freqs,
             rope_long,
@@ -652,6 +688,13 @@ impl Weights {
                 all.extend(of_all(&m.gate_up));
                 all.extend(of(&m.w_down));
             }
+            if let Some(g) = &l.per_layer {
+                all.extend(of(&g.gate));
+                all.extend(of(&g.proj));
+            }
+        }
+        if let Some(p) = &self.per_layer_input {
+            all.extend(of(&p.proj));
         }
         all.extend(of(&self.output));
         all
@@ -678,6 +721,13 @@ impl Weights {
                 all.extend(of_all(&mut m.gate_up));
                 all.extend(of(&mut m.w_down));
             }
+            if let Some(g) = &mut l.per_layer {
+                all.extend(of(&mut g.gate));
+                all.extend(of(&mut g.proj));
+            }
+        }
+        if let Some(p) = &mut self.per_layer_input {
+            all.extend(of(&mut p.proj));
         }
         all.extend(of(&mut self.output));
         all
@@ -728,6 +778,40 @@ impl Weights {
     }
 }
 
+/// Gemma 4's per-layer input tables, where the configuration has a per-layer width.
+fn load_per_layer_input(
+    r: &Reader<'_>,
+    cfg: &DecoderConfig,
+    vocab: usize,
+) -> Result<Option<PerLayerInput>> {
+    let width = cfg.per_layer_input;
+    if width == 0 {
+        return Ok(None);
+    }
+    let all = width * cfg.n_layer;
+    let table = r.tensor("per_layer_token_embd.weight")?;
+    if table.shape().dims() != [vocab, all] {
+        bail!(
+            "per_layer_token_embd.weight has shape {:?}, expected [{vocab}, {all}]",
+            table.shape().dims()
+        );
+    }
+    let (proj, _) = r.matrix("per_layer_model_proj.weight", Some(all), cfg.d_model)?;
+    let norm = r
+        .norm(
+            "per_layer_proj_norm",
+            width,
+            NormRule::Weighted { bias: Need::Absent },
+        )?
+        .expect("a weighted norm");
+    Ok(Some(PerLayerInput {
+        table,
+        proj,
+        norm,
+        width,
+    }))
+}
+
 /// Layer `i`'s weights (`view`: its window's index).
 fn load_layer(r: &Reader<'_>, cfg: &DecoderConfig, i: usize, view: usize) -> Result<Layer> {
     let rules = &cfg.tensors;
@@ -736,7 +820,7 @@ fn load_layer(r: &Reader<'_>, cfg: &DecoderConfig, i: usize, view: usize) -> Res
     let d = cfg.d_model;
     let mixer = match cfg.layers[i].mixer {
         Mixer::None => MixerWeights::None,
-        Mixer::Attention => MixerWeights::Attention(Box::new(load_attention(r, cfg, &p)?)),
+        Mixer::Attention => MixerWeights::Attention(Box::new(load_attention(r, cfg, &p, i)?)),
         Mixer::ShortConv { taps } => {
             MixerWeights::ShortConv(Box::new(load_short_conv(r, cfg, &p, taps)?))
         }
@@ -749,7 +833,28 @@ fn load_layer(r: &Reader<'_>, cfg: &DecoderConfig, i: usize, view: usize) -> Res
         Some(m) if i >= m.dense_lead => Ffn::Moe(Box::new(load_moe(r, cfg, m, &p)?)),
         _ => Ffn::Dense(load_mlp(r, cfg, &p)?),
     };
+    let per_layer = match cfg.per_layer_input {
+        0 => None,
+        w => Some(PerLayerGate {
+            gate: r.matrix(&name("inp_gate.weight"), Some(w), d)?.0,
+            proj: r.matrix(&name("proj.weight"), Some(d), w)?.0,
+            post_norm: r
+                .norm(
+                    &name("post_norm"),
+                    d,
+                    NormRule::Weighted { bias: Need::Absent },
+                )?
+                .expect("a weighted norm"),
+        }),
+    };
+    let out_scale =
+        match r.vector_if(&name("layer_output_scale.weight"), 1, rules.layer_out_scale)? {
+            Some(t) => Some(t.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?[0]),
+            None => None,
+        };
     Ok(Layer {
+        per_layer,
+        out_scale,
         attn_norm: r.norm(&name("attn_norm"), d, rules.attn_norm)?,
         mixer,
         post_attn_norm: r.norm(&name("post_attention_norm"), d, rules.post_attn_norm)?,
@@ -761,11 +866,15 @@ fn load_layer(r: &Reader<'_>, cfg: &DecoderConfig, i: usize, view: usize) -> Res
 }
 
 /// The attention block of layer `p`.
-fn load_attention(r: &Reader<'_>, cfg: &DecoderConfig, p: &str) -> Result<AttnWeights> {
+fn load_attention(r: &Reader<'_>, cfg: &DecoderConfig, p: &str, l: usize) -> Result<AttnWeights> {
     let rules = &cfg.tensors;
     let name = |n: &str| format!("{p}.{n}");
     let mm = |n: &str, rows: Option<usize>, cols: usize| r.matrix(&name(n), rows, cols);
-    let (d, h, kv, hd) = (cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.head_dim);
+    let shape = cfg.layers[l].heads;
+    let (d, h, kv, hd) = (cfg.d_model, shape.heads, shape.kv_heads, shape.dim);
+    // A layer reading another's cache: its k and v (and k's norm), where the file has them,
+    // are read by llama.cpp and unused.
+    let shared = cfg.layers[l].kv_from.is_some();
     let q_rows = match cfg.attn.gated_output {
         true => 2 * h * hd,
         false => h * hd,
@@ -804,13 +913,23 @@ fn load_attention(r: &Reader<'_>, cfg: &DecoderConfig, p: &str) -> Result<AttnWe
                 cfg.arch
             );
         }
+        // q, k and v; q and k where v may be k (Gemma 4's `attention_k_eq_v`); q alone.
+        let own = match (shared, rules.values) {
+            (true, _) => 1,
+            (false, Need::Optional) if !r.has(&name("attn_v.weight")) => 2,
+            _ => 3,
+        };
+        for n in ["attn_k", "attn_v"].iter().skip(own - 1) {
+            r.ignore(&name(&format!("{n}.weight")));
+        }
         let mut parts = Vec::new();
         let mut scales = Vec::new();
-        for (n, rows) in ["attn_q", "attn_k", "attn_v"].iter().zip(widths) {
+        for (n, rows) in ["attn_q", "attn_k", "attn_v"].iter().zip(widths).take(own) {
             parts.push(mm(&format!("{n}.weight"), Some(rows), d)?.0);
             scales.push(attn_scale(n)?);
         }
         let biases = qkv_biases(r, &name, &widths, rules.qkv_bias)?;
+        scales.resize(3, None);
         let mut post = biases.into_iter().zip(scales).map(|(bias, scale)| Affine {
             scale,
             bias,
@@ -835,12 +954,17 @@ fn load_attention(r: &Reader<'_>, cfg: &DecoderConfig, p: &str) -> Result<AttnWe
                     };
                     (
                         r.vector_if(&name("attn_q_norm.weight"), ql, need)?,
-                        r.vector_if(&name("attn_k_norm.weight"), kl, need)?,
+                        match shared {
+                            true => r.vector_if(&name("attn_k_norm.weight"), kl, Need::Ignored)?,
+                            false => r.vector_if(&name("attn_k_norm.weight"), kl, need)?,
+                        },
                     )
                 }
             };
             match (q, k) {
                 (Some(q), Some(k)) => Some((norm_of(q), norm_of(k))),
+                // q's norm stands in for the k a layer reading another's cache never has.
+                (Some(q), None) if shared => Some((norm_of(q.clone()), norm_of(q))),
                 (None, None) => None,
                 _ => bail!("{p} has one of attn_q_norm and attn_k_norm without the other"),
             }

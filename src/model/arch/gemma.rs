@@ -1,13 +1,14 @@
 //! Gemma, Gemma 2 and Gemma 3 (text): embeddings scaled by sqrt(d), a GELU-gated FFN, tied
 //! output; Gemma 2 and 3 add norms after attention and the FFN and sliding windows, Gemma 2
-//! soft-caps scores and logits, Gemma 3 norms each head's q and k.
+//! soft-caps scores and logits, Gemma 3 norms each head's q and k; Gemma 4's layers differ
+//! in shape and may share their cache.
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 
 use super::{swa_layers, Common};
 use crate::model::config::{
-    Activation, DecoderConfig, Keys, Need, NormKind, NormRule, Output, QkNorm, RopePairs,
-    TensorRules,
+    Activation, DecoderConfig, HeadShape, Keys, Need, NormKind, NormRule, Output, QkNorm,
+    RopeFactors, RopePairs, TensorRules,
 };
 
 fn gemma_decoder(k: &Keys, c: &Common, tensors: TensorRules) -> Result<DecoderConfig> {
@@ -100,6 +101,91 @@ pub fn gemma3(k: &Keys, c: Common) -> Result<DecoderConfig> {
             ..d.ropes[0]
         };
         d.set_windows(window, &swa, Some(local));
+    }
+    Ok(d)
+}
+
+/// Gemma 4 (31B, E2B, E4B; its experts are refused): windowed and global layers of their own
+/// head widths and kv heads, q/k norms per head and v normed without weights, attention
+/// unscaled, v taken from k's projection where a layer has no `attn_v`, the global layers'
+/// partial rotation through `rope_freqs`, the last `shared_kv_layers` reading the cache of the
+/// last earlier layer of their kind, per-layer inputs (E2B, E4B) and output factors, and
+/// logits soft-capped (at 30 where the file does not say).
+pub fn gemma4(k: &Keys, c: Common) -> Result<DecoderConfig> {
+    let n = c.n_layer;
+    let swa = k
+        .layer_flags("attention.sliding_window_pattern", n)?
+        .with_context(|| {
+            format!(
+                "{}.attention.sliding_window_pattern (one flag per layer) is missing",
+                c.arch
+            )
+        })?;
+    let window = k.usize("attention.sliding_window")?;
+    let hd_swa = k.usize("attention.key_length_swa")?;
+    if k.usize("attention.value_length_swa")? != hd_swa {
+        bail!(
+            "{}: value_length_swa differs from key_length_swa, which Gemma 4 requires equal",
+            c.arch
+        );
+    }
+    let rot_swa = k.usize_or("rope.dimension_count_swa", c.n_rot)?;
+    if rot_swa == 0 || rot_swa > hd_swa || rot_swa % 2 != 0 {
+        bail!("{}.rope.dimension_count_swa {rot_swa} must be even and at most the windowed layers' head width {hd_swa}", c.arch);
+    }
+    let shared = k.usize_or("attention.shared_kv_layers", 0)?;
+    let kv_start = n.checked_sub(shared).filter(|&s| shared == 0 || s >= 2).with_context(|| {
+        format!("{}.attention.shared_kv_layers {shared} leaves fewer than 2 of {n} layers their own cache", c.arch)
+    })?;
+    let tensors = TensorRules {
+        qk_norm: Need::Required,
+        values: Need::Optional,
+        layer_out_scale: Need::Optional,
+        rope_factors: RopeFactors::FreqsRequired,
+        ..SANDWICH
+    };
+    let mut d = gemma_decoder(k, &c, tensors)?;
+    d.attn.scale = 1.0;
+    d.attn.qk_norm = QkNorm::Heads { after_rope: false };
+    d.attn.v_norm = true;
+    d.final_softcap = Some(k.f32_or("final_logit_softcapping", 30.0)?).filter(|&f| f != 0.0);
+    d.per_layer_input = k.usize("embedding_length_per_layer_input")?;
+    let local = crate::model::rope::RopeCfg {
+        n_rot: rot_swa,
+        base: k.f32_or("rope.freq_base_swa", 10_000.0)?,
+        freq_scale: 1.0,
+        factors: crate::model::rope::Factors::None,
+        ..d.ropes[0]
+    };
+    d.set_windows(window, &swa, Some(local));
+    for (l, plan) in d.layers.iter_mut().enumerate() {
+        let kv_heads = c.kv_heads.get(l).copied().unwrap_or(c.n_kv_head);
+        let dim = if swa[l] { hd_swa } else { c.head_dim };
+        if kv_heads == 0 || c.n_head % kv_heads != 0 {
+            bail!(
+                "{}: layer {l} has {kv_heads} kv heads for {} heads",
+                c.arch,
+                c.n_head
+            );
+        }
+        plan.heads = HeadShape {
+            heads: c.n_head,
+            kv_heads,
+            dim,
+        };
+        if l >= kv_start {
+            plan.kv_from = Some(kv_start - if swa[l] { 2 } else { 1 });
+        }
+    }
+    for l in kv_start..n {
+        let from = d.layers[l].kv_from.expect("set above");
+        let (a, b) = (&d.layers[l], &d.layers[from]);
+        if a.heads != b.heads || a.window != b.window {
+            bail!(
+                "{}: layer {l} would read layer {from}'s cache, which is of another kind",
+                c.arch
+            );
+        }
     }
     Ok(d)
 }

@@ -27,8 +27,8 @@ mod qwen;
 use anyhow::{bail, Result};
 
 use super::config::{
-    Activation, Attn, DecoderConfig, ExpertGroups, Gating, Keys, LayerPlan, Mixer, MoeCfg, Need,
-    NormKind, QkNorm, RopeCfg, RopePairs, SharedExpert, TensorRules,
+    Activation, Attn, DecoderConfig, ExpertGroups, Gating, HeadShape, Keys, LayerPlan, Mixer,
+    MoeCfg, Need, NormKind, QkNorm, RopeCfg, RopePairs, SharedExpert, TensorRules,
 };
 use super::rope::{yarn_mscale, Factors, TextMrope};
 
@@ -66,6 +66,7 @@ pub const ARCHS: &[(&str, Build)] = &[
     ("gemma", gemma::gemma),
     ("gemma2", gemma::gemma2),
     ("gemma3", gemma::gemma3),
+    ("gemma4", gemma::gemma4),
     ("phi2", phi::phi2),
     ("phi3", phi::phi3),
     ("olmo", olmo::olmo),
@@ -184,6 +185,8 @@ pub struct Common {
     pub nextn: usize,
     /// Layers whose per-layer head count is 0: a hybrid's layers without attention.
     pub no_attention: Vec<bool>,
+    /// `attention.head_count_kv` per layer where the file gives an array (else empty).
+    pub kv_heads: Vec<usize>,
 }
 
 /// A head count key as a value alike on every layer that has heads, and the per-layer values
@@ -199,16 +202,23 @@ fn layer_heads(
     };
     let mut value = 0;
     for &n in per_layer.iter().filter(|&&n| n > 0) {
-        if value != 0 && n != value {
+        let may_differ = key == "attention.head_count_kv" && PER_LAYER_HEADS.contains(&k.arch);
+        if value != 0 && n != value && !may_differ {
             bail!(
                 "{}.{key} differs between layers: gen runs only models whose layers are alike",
                 k.arch
             );
         }
-        value = n;
+        if value == 0 {
+            value = n;
+        }
     }
     Ok((value, per_layer))
 }
+
+/// The architectures whose layers may differ in kv heads (each layer's own count is in
+/// [`Common::kv_heads`]; the others are refused where their counts differ).
+const PER_LAYER_HEADS: &[&str] = &["gemma4"];
 
 /// The architectures whose files may end in multi-token prediction blocks, skipped.
 const MTP_ARCHS: &[&str] = &[
@@ -338,6 +348,7 @@ impl Common {
             n_expert,
             nextn,
             no_attention,
+            kv_heads: heads_kv,
         })
     }
 
@@ -415,6 +426,7 @@ impl Common {
                 temperature: None,
                 sinks: false,
                 gated_output: false,
+                v_norm: false,
             },
             parallel: false,
             gated: true,
@@ -428,6 +440,12 @@ impl Common {
                     rope: Some(0),
                     mixer: Mixer::Attention,
                     ffn: true,
+                    heads: HeadShape {
+                        heads: self.n_head,
+                        kv_heads: self.n_kv_head,
+                        dim: self.head_dim,
+                    },
+                    kv_from: None,
                 };
                 self.n_layer
             ],
@@ -435,6 +453,7 @@ impl Common {
             rope_pairs: pairs,
             tensors,
             moe: None,
+            per_layer_input: 0,
             mtp_blocks: self.nextn,
         })
     }

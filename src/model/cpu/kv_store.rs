@@ -12,29 +12,32 @@ use crate::model::kv_cache::{check_block_data, gather_rows, store_row, BLOCK_SIZ
 pub struct HostKv {
     k: Vec<Vec<f16>>,
     v: Vec<Vec<f16>>,
-    kv_heads: usize,
-    head_dim: usize,
+    /// Per layer: (kv heads, head width) of its keys and values; (0, 0) where it keeps none.
+    shapes: Vec<(usize, usize)>,
+    blocks: usize,
 }
 
 impl HostKv {
     /// A store with no blocks (before the first pool is reserved).
     pub fn empty() -> Self {
-        Self::new(0, 0, 0, 0)
+        Self::new(&[], 0)
     }
 
-    pub fn new(layers: usize, kv_heads: usize, head_dim: usize, blocks: usize) -> Self {
-        let rows = blocks * kv_heads * BLOCK_SIZE;
+    /// A store of `blocks` blocks for layers of these shapes (kv heads, head width; (0, 0)
+    /// for a layer keeping no keys and values).
+    pub fn new(shapes: &[(usize, usize)], blocks: usize) -> Self {
         // Zeroed allocations: the OS hands out pages only as tokens land on them.
         let mk = || {
-            (0..layers)
-                .map(|_| vec![f16::ZERO; rows * head_dim])
+            shapes
+                .iter()
+                .map(|&(kv, hd)| vec![f16::ZERO; blocks * kv * BLOCK_SIZE * hd])
                 .collect()
         };
         HostKv {
             k: mk(),
             v: mk(),
-            kv_heads,
-            head_dim,
+            shapes: shapes.to_vec(),
+            blocks,
         }
     }
 
@@ -42,8 +45,8 @@ impl HostKv {
     /// head (BLOCK_SIZE rows of hd f16 each, head by head), then the values likewise.
     pub fn read_blocks(&self, blocks: &[u32]) -> Vec<u8> {
         let mut out = Vec::with_capacity(blocks.len() * self.block_bytes());
-        self.each_run(blocks, |store, at| {
-            for x in &store[at..at + BLOCK_SIZE * self.head_dim] {
+        self.each_run(blocks, |store, at, hd| {
+            for x in &store[at..at + BLOCK_SIZE * hd] {
                 out.extend_from_slice(&x.to_le_bytes());
             }
         });
@@ -54,11 +57,12 @@ impl HostKv {
     /// store of the same shape). `data` must hold exactly that many bytes.
     pub fn write_blocks(&mut self, blocks: &[u32], data: &[u8]) -> anyhow::Result<()> {
         check_block_data(data.len(), blocks.len(), self.block_bytes())?;
-        let (kv, hd, p) = (self.kv_heads, self.head_dim, self.blocks());
-        let run = BLOCK_SIZE * hd;
+        let p = self.blocks();
         let mut chunks = data.chunks_exact(2);
         for &b in blocks {
             for layer in 0..self.k.len() {
+                let (kv, hd) = self.shapes[layer];
+                let run = BLOCK_SIZE * hd;
                 for store in [&mut self.k[layer], &mut self.v[layer]] {
                     for j in 0..kv {
                         let at = store_row(b * BLOCK_SIZE as u32, j, p) * hd;
@@ -75,18 +79,20 @@ impl HostKv {
 
     /// Bytes one block takes in [`read_blocks`](Self::read_blocks).
     pub fn block_bytes(&self) -> usize {
-        2 * self.k.len() * self.kv_heads * BLOCK_SIZE * self.head_dim * 2
+        let floats: usize = self.shapes.iter().map(|(kv, hd)| kv * hd).sum();
+        2 * floats * BLOCK_SIZE * 2
     }
 
-    /// Per block, per layer, keys then values, per kv head: `f(store, first value)` of each
-    /// run of BLOCK_SIZE rows.
-    fn each_run(&self, blocks: &[u32], mut f: impl FnMut(&[f16], usize)) {
-        let (p, hd) = (self.blocks(), self.head_dim);
+    /// Per block, per layer, keys then values, per kv head: `f(store, first value, width)`
+    /// of each run of BLOCK_SIZE rows.
+    fn each_run(&self, blocks: &[u32], mut f: impl FnMut(&[f16], usize, usize)) {
+        let p = self.blocks();
         for &b in blocks {
             for layer in 0..self.k.len() {
+                let (kv, hd) = self.shapes[layer];
                 for store in [&self.k[layer], &self.v[layer]] {
-                    for j in 0..self.kv_heads {
-                        f(store, store_row(b * BLOCK_SIZE as u32, j, p) * hd);
+                    for j in 0..kv {
+                        f(store, store_row(b * BLOCK_SIZE as u32, j, p) * hd, hd);
                     }
                 }
             }
@@ -95,9 +101,7 @@ impl HostKv {
 
     /// Blocks in the pool.
     pub fn blocks(&self) -> usize {
-        self.k.first().map_or(0, |k| {
-            k.len() / (self.kv_heads * BLOCK_SIZE * self.head_dim).max(1)
-        })
+        self.blocks
     }
 
     /// Store one layer's keys and values of N tokens, (N, kv*hd) f32 each, at cache `slots`.
@@ -108,7 +112,7 @@ impl HostKv {
         values: &candle_core::Tensor,
         slots: &[u32],
     ) -> anyhow::Result<()> {
-        let (kv, hd) = (self.kv_heads, self.head_dim);
+        let (kv, hd) = self.shapes[layer];
         let p = self.blocks();
         let row = |s: u32, j: usize| store_row(s, j, p) * hd;
         // Ask for every destination row first: written one after the other, each write waited
@@ -145,9 +149,10 @@ impl HostKv {
         Ok(())
     }
 
-    /// Rows of the cache holding the tokens at `slots`, kv head by kv head (see [`gather_rows`]).
-    pub fn gather_rows(&self, slots: &[u32]) -> Vec<u32> {
-        gather_rows(self.kv_heads, self.blocks(), slots)
+    /// Rows of layer `layer`'s cache holding the tokens at `slots`, kv head by kv head (see
+    /// [`gather_rows`]).
+    pub fn gather_rows(&self, layer: usize, slots: &[u32]) -> Vec<u32> {
+        gather_rows(self.shapes[layer].0, self.blocks(), slots)
     }
 
     /// One layer's keys and values at `rows` (from `gather_rows`), widened: (kv, L, hd) each.
@@ -157,7 +162,7 @@ impl HostKv {
         layer: usize,
         rows: &[u32],
     ) -> candle_core::Result<(candle_core::Tensor, candle_core::Tensor)> {
-        let (kv, hd) = (self.kv_heads, self.head_dim);
+        let (kv, hd) = self.shapes[layer];
         let l = rows.len() / kv.max(1);
         let take = |pool: &[f16]| {
             let mut out = vec![0f32; rows.len() * hd];

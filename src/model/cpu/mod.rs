@@ -52,7 +52,7 @@ use candle_core::{Device, Tensor};
 
 use self::attention::Scoring;
 use self::kv_store::HostKv;
-use super::config::{Activation, DecoderConfig, RopePairs};
+use super::config::{Activation, DecoderConfig, HeadShape, RopePairs};
 use super::kv_cache::BLOCK_SIZE;
 use super::layer::LayerOps;
 use super::plan::{DecodeQuery, PassPlan, StepPlan};
@@ -86,7 +86,7 @@ impl CpuBackend {
     /// A new cache of `blocks` blocks; the old one goes first.
     pub fn reserve(&mut self, cfg: &DecoderConfig, blocks: usize) {
         self.store = HostKv::empty();
-        self.store = HostKv::new(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, blocks);
+        self.store = HostKv::new(&cfg.kv_layout(), blocks);
     }
 
     pub fn store(&self) -> &HostKv {
@@ -163,24 +163,26 @@ impl LayerOps for CpuPass<'_, '_> {
         l: usize,
         view: usize,
         q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
+        kv: Option<(&Tensor, &Tensor)>,
         sinks: Option<&[f32]>,
         profile: &mut Profile,
     ) -> Result<Tensor> {
         let dev = &Device::Cpu;
         let (plan, cfg) = (self.plan, self.cfg);
         let n = plan.tokens();
-        self.store.write(l, k, v, &plan.slots)?;
+        if let Some((k, v)) = kv {
+            self.store.write(l, k, v, &plan.slots)?;
+        }
         profile.mark(dev, "kv write");
-        let (k_pool, v_pool) = self.store.layer(l);
+        let (k_pool, v_pool) = self.store.layer(cfg.cache_layer(l));
+        let shape = cfg.layers[l].heads;
         let scoring = Scoring {
             scale: cfg.attn.scale,
             softcap: cfg.attn.softcap,
             sinks,
         };
         let decoded = (!self.decode.is_empty())
-            .then(|| decode_attention(q, k_pool, v_pool, &self.decode, view, cfg, scoring))
+            .then(|| decode_attention(q, k_pool, v_pool, &self.decode, view, shape, scoring))
             .transpose()?;
         let y = match decoded {
             Some(y) if self.decode.len() == n => y, // every token: (N, h*hd)
@@ -197,7 +199,7 @@ impl LayerOps for CpuPass<'_, '_> {
                     } else {
                         let window = plan.windows[view];
                         parts.push(prefill_attention(
-                            q, step, window, k_pool, v_pool, cfg, scoring,
+                            q, step, window, k_pool, v_pool, shape, scoring,
                         )?);
                     }
                 }
@@ -223,10 +225,10 @@ fn prefill_attention(
     window: Option<usize>,
     k: &[half::f16],
     v: &[half::f16],
-    cfg: &DecoderConfig,
+    shape: HeadShape,
     scale: Scoring<'_>,
 ) -> Result<Tensor> {
-    let width = cfg.n_head * cfg.head_dim;
+    let width = shape.heads * shape.dim;
     let t = step.len;
     let y = ops::with_f32(q, |q| {
         attention::causal_prefill_attention(
@@ -238,9 +240,9 @@ fn prefill_attention(
             k,
             v,
             BLOCK_SIZE,
-            cfg.n_head,
-            cfg.n_kv_head,
-            cfg.head_dim,
+            shape.heads,
+            shape.kv_heads,
+            shape.dim,
             scale,
         )
     })?;
@@ -255,10 +257,10 @@ fn decode_attention(
     v: &[half::f16],
     queries: &[DecodeQuery<'_>],
     view: usize,
-    cfg: &DecoderConfig,
+    shape: HeadShape,
     scale: Scoring<'_>,
 ) -> Result<Tensor> {
-    let width = cfg.n_head * cfg.head_dim;
+    let width = shape.heads * shape.dim;
     let y = ops::with_f32(q, |q| {
         let seqs: Vec<attention::PagedQuery<'_>> = queries
             .iter()
@@ -274,9 +276,9 @@ fn decode_attention(
             k,
             v,
             BLOCK_SIZE,
-            cfg.n_head,
-            cfg.n_kv_head,
-            cfg.head_dim,
+            shape.heads,
+            shape.kv_heads,
+            shape.dim,
             scale,
         )
     })?;

@@ -270,7 +270,7 @@ mod tests {
     fn device_and_host_stores_agree() {
         let (layers, kv, hd, blocks) = (2, 3, 8, 6);
         let dev = Device::Cpu;
-        let mut host = HostKv::new(layers, kv, hd, blocks);
+        let mut host = HostKv::new(&vec![(kv, hd); layers], blocks);
         let mut device = DeviceKv::new(&dev, layers, kv, hd, blocks).unwrap();
         assert_eq!((host.blocks(), device.blocks()), (blocks, blocks));
         // A sequence in blocks 4, 1, 5: 40 tokens written in two steps, crossing blocks.
@@ -291,7 +291,7 @@ mod tests {
             let plan = device.plan_write(&slots[from..to], &dev, false).unwrap();
             device.write(1, &k, &v, &plan, &Default::default()).unwrap();
         }
-        let rows = host.gather_rows(&slots);
+        let rows = host.gather_rows(1, &slots);
         assert_eq!(rows, device.gather_rows(&slots));
         let (hk, hv) = host.gather(1, &rows).unwrap();
         let (dk, dv) = device.gather(1, &rows, None, &dev).unwrap();
@@ -313,7 +313,7 @@ mod tests {
         let plan = device.plan_write(&scattered, &dev, false).unwrap();
         device.write(1, &k, &v, &plan, &Default::default()).unwrap();
         let all: Vec<u32> = (0..(blocks * 16) as u32).collect();
-        let rows = host.gather_rows(&all);
+        let rows = host.gather_rows(1, &all);
         let (hk, hv) = host.gather(1, &rows).unwrap();
         let (dk, dv) = device.gather(1, &rows, None, &dev).unwrap();
         for (a, b) in [(hk, dk), (hv, dv)] {

@@ -250,11 +250,13 @@ impl LayerOps for DevicePass<'_, '_> {
         l: usize,
         view: usize,
         q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
+        kv: Option<(&Tensor, &Tensor)>,
         sinks: Option<&[f32]>,
         profile: &mut Profile,
     ) -> Result<Tensor> {
+        let Some((k, v)) = kv else {
+            anyhow::bail!("a layer sharing another's cache is not run on the device path");
+        };
         let b = &mut *self.backend;
         let dev = b.device.clone();
         let (plan, cfg) = (self.plan, self.cfg);

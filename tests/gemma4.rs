@@ -1,0 +1,367 @@
+//! Gemma 4 against llama.cpp on files written here: llama.cpp's suite writes no Gemma 4 file
+//! (its saver skips the architecture), so this test writes them as Google's converter lays
+//! them out (llama.cpp's conversion/gemma.py), with random F32 weights and the suite's
+//! 128-token vocabulary, and runs llama.cpp's reader on the same file and ids.
+//!
+//! The E2B-like file has everything the small models have: windowed layers of one head
+//! width and kv heads and global layers of another, v taken from k's projection on the global
+//! layers, the global layers' partial rotation through `rope_freqs` (1e30 for the pairs that
+//! do not turn), the last two layers reading the cache of the last earlier layer of their
+//! kind (and wider FFNs there), per-layer inputs, per-layer output factors, and the default
+//! logit soft-cap. The 31B-like file has none of the per-layer inputs and shared caches.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use common::data;
+use common::suite::{self, gen_logits, llama_logits, nmse, NMSE_F32};
+use gen::format::checkpoint::Checkpoint;
+use gen::model::decoder::Decoder;
+use gen::model::{LanguageModel, SeqStep};
+
+/// What a written file has.
+struct Shape {
+    /// Per layer: windowed (true) or global.
+    swa: &'static [bool],
+    /// Layers at the end reading an earlier layer's cache.
+    shared: usize,
+    /// Per-layer input width (0: none).
+    per_layer: usize,
+    /// The global layers have no `attn_v` (v is k's projection).
+    k_eq_v: bool,
+}
+
+const D: usize = 128;
+const HEADS: usize = 4;
+const HD_FULL: usize = 64;
+const HD_SWA: usize = 32;
+const FF: usize = 192;
+const WINDOW: usize = 8;
+/// Norm weights are this plus or minus 0.2. Near 1, Gemma 4's layers (v normed, attention
+/// unscaled) carry the f16 rounding of gen's cache and of llama.cpp's GELU table (f16 in and
+/// out) up to 2e-6 NMSE, whose source was checked: with both emulated, position 0 agreed to
+/// 5e-11. At a quarter, as the suite's files are (weights of 0.1), that noise is 1e-8 to 2e-7
+/// while leaving out v's norm or the layer output factor costs 1e-2 and more.
+const NORM: f32 = 0.25;
+
+const E2B_LIKE: Shape = Shape {
+    swa: &[true, true, false, true, false, true, false],
+    shared: 2,
+    per_layer: 16,
+    k_eq_v: true,
+};
+
+const DENSE_LIKE: Shape = Shape {
+    swa: &[true, true, false, true, true, false],
+    shared: 0,
+    per_layer: 0,
+    k_eq_v: false,
+};
+
+/// Random values in [offset - a, offset + a): a matrix in type `ty`, anything else F32.
+fn tensor(dims: &[usize], seed: u64, a: f32, offset: f32, ty: GgmlDType) -> QTensor {
+    let n: usize = dims.iter().product();
+    let v: Vec<f32> = data(n, seed, a).into_iter().map(|x| x + offset).collect();
+    let t = Tensor::from_vec(v, dims, &Device::Cpu).unwrap();
+    let ty = if dims.len() == 2 { ty } else { GgmlDType::F32 };
+    QTensor::quantize(&t, ty).unwrap()
+}
+
+/// Write a Gemma 4 file of `s` at `to`, its matrices in type `ty`, its vocabulary from the
+/// suite's Gemma 3 file.
+fn write(s: &Shape, seed: u64, ty: GgmlDType, to: &Path) {
+    let from = suite::dir().join("seed-1/gemma3-dense.gguf");
+    let mut f = std::fs::File::open(&from).unwrap();
+    let content = gguf_file::Content::read(&mut f).unwrap();
+    let mut md: Vec<(String, gguf_file::Value)> = content
+        .metadata
+        .iter()
+        .filter(|(k, v)| {
+            !k.starts_with("gemma3.")
+                && *k != "general.architecture"
+                && !matches!(v, gguf_file::Value::Array(a) if a.is_empty())
+        })
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let vocab = match &content.metadata["tokenizer.ggml.tokens"] {
+        gguf_file::Value::Array(a) => a.len(),
+        other => panic!("tokens: {other:?}"),
+    };
+    let n = s.swa.len();
+    let kv_of = |l: usize| if s.swa[l] { 2u32 } else { 1 };
+    let hd_of = |l: usize| if s.swa[l] { HD_SWA } else { HD_FULL };
+    let ff_of = |l: usize| if l >= n - s.shared { 2 * FF } else { FF };
+    use gguf_file::Value as V;
+    let u = |x: usize| V::U32(x as u32);
+    let arr = |xs: Vec<V>| V::Array(xs);
+    let keys: Vec<(&str, V)> = vec![
+        ("general.architecture", V::String("gemma4".into())),
+        ("gemma4.context_length", u(256)),
+        ("gemma4.embedding_length", u(D)),
+        ("gemma4.block_count", u(n)),
+        (
+            "gemma4.feed_forward_length",
+            arr((0..n).map(|l| u(ff_of(l))).collect()),
+        ),
+        ("gemma4.attention.head_count", u(HEADS)),
+        (
+            "gemma4.attention.head_count_kv",
+            arr((0..n).map(|l| V::U32(kv_of(l))).collect()),
+        ),
+        ("gemma4.attention.key_length", u(HD_FULL)),
+        ("gemma4.attention.value_length", u(HD_FULL)),
+        ("gemma4.attention.key_length_swa", u(HD_SWA)),
+        ("gemma4.attention.value_length_swa", u(HD_SWA)),
+        ("gemma4.rope.dimension_count", u(HD_FULL)),
+        ("gemma4.rope.dimension_count_swa", u(HD_SWA)),
+        ("gemma4.rope.freq_base", V::F32(1_000_000.0)),
+        ("gemma4.rope.freq_base_swa", V::F32(10_000.0)),
+        ("gemma4.attention.layer_norm_rms_epsilon", V::F32(1e-6)),
+        ("gemma4.attention.sliding_window", u(WINDOW)),
+        (
+            "gemma4.attention.sliding_window_pattern",
+            arr(s.swa.iter().map(|&b| V::Bool(b)).collect()),
+        ),
+        ("gemma4.attention.shared_kv_layers", u(s.shared)),
+        ("gemma4.embedding_length_per_layer_input", u(s.per_layer)),
+    ];
+    md.extend(keys.into_iter().map(|(k, v)| (k.to_string(), v)));
+    md.sort_by(|a, b| a.0.cmp(&b.0));
+
+    let mut ts: Vec<(String, QTensor)> = Vec::new();
+    // The global layers turn a quarter of their pairs; the rest have factor 1e30.
+    let turning = HD_FULL / 8;
+    let freqs: Vec<f32> = (0..HD_FULL / 2)
+        .map(|i| if i < turning { 1.0 } else { 1e30 })
+        .collect();
+    let freqs = Tensor::from_vec(freqs, HD_FULL / 2, &Device::Cpu).unwrap();
+    ts.push((
+        "rope_freqs.weight".into(),
+        QTensor::quantize(&freqs, GgmlDType::F32).unwrap(),
+    ));
+    let mut k = seed * 1000;
+    let mut add = |name: String, dims: &[usize], a: f32, offset: f32| {
+        k += 1;
+        ts.push((name, tensor(dims, k, a, offset, ty)));
+    };
+    add("token_embd.weight".into(), &[vocab, D], 1.0, 0.0);
+    add("output_norm.weight".into(), &[D], 0.2, NORM);
+    if s.per_layer > 0 {
+        let all = n * s.per_layer;
+        add(
+            "per_layer_token_embd.weight".into(),
+            &[vocab, all],
+            1.0,
+            0.0,
+        );
+        add("per_layer_model_proj.weight".into(), &[all, D], 0.2, 0.0);
+        add(
+            "per_layer_proj_norm.weight".into(),
+            &[s.per_layer],
+            0.2,
+            NORM,
+        );
+    }
+    for l in 0..n {
+        let p = |t: &str| format!("blk.{l}.{t}.weight");
+        let (kv, hd, ff) = (kv_of(l) as usize, hd_of(l), ff_of(l));
+        let wa = 1.0 / (D as f32).sqrt() * 1.7;
+        add(p("attn_norm"), &[D], 0.2, NORM);
+        add(p("attn_q"), &[HEADS * hd, D], wa, 0.0);
+        add(p("attn_k"), &[kv * hd, D], wa, 0.0);
+        if s.swa[l] || !s.k_eq_v {
+            add(p("attn_v"), &[kv * hd, D], wa, 0.0);
+        }
+        add(p("attn_output"), &[D, HEADS * hd], wa, 0.0);
+        add(p("attn_q_norm"), &[hd], 0.2, NORM);
+        add(p("attn_k_norm"), &[hd], 0.2, NORM);
+        add(p("post_attention_norm"), &[D], 0.2, NORM);
+        add(p("layer_output_scale"), &[1], 0.3, 0.7);
+        add(p("ffn_norm"), &[D], 0.2, NORM);
+        add(p("ffn_gate"), &[ff, D], wa, 0.0);
+        add(p("ffn_up"), &[ff, D], wa, 0.0);
+        add(p("ffn_down"), &[D, ff], 1.7 / (ff as f32).sqrt(), 0.0);
+        add(p("post_ffw_norm"), &[D], 0.2, NORM);
+        if s.per_layer > 0 {
+            add(p("inp_gate"), &[s.per_layer, D], wa, 0.0);
+            add(p("proj"), &[D, s.per_layer], 0.4, 0.0);
+            add(p("post_norm"), &[D], 0.2, NORM);
+        }
+    }
+    let md_refs: Vec<(&str, &gguf_file::Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = ts.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let mut w = std::io::BufWriter::new(std::fs::File::create(to).unwrap());
+    gguf_file::write(&mut w, &md_refs, &t_refs).unwrap();
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("gen-gemma4-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+/// `n` ids of the suite's 128-token vocabulary.
+fn ids(n: usize, seed: u64) -> Vec<u32> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 33) % 128) as u32
+        })
+        .collect()
+}
+
+#[test]
+fn gemma4_files_agree_with_llama_cpp() {
+    let dir = suite::dir();
+    for (what, shape) in [("e2b-like", &E2B_LIKE), ("dense-like", &DENSE_LIKE)] {
+        for seed in [1u64, 2] {
+            let path = scratch(&format!("{what}-{seed}.gguf"));
+            write(shape, seed, GgmlDType::F32, &path);
+            let tokens = ids(48, seed);
+            let want = llama_logits(&dir, &path, &tokens, 256);
+            let split = 20;
+            let (decoded, mixed) =
+                gen_logits(&path, &tokens, split, 256).unwrap_or_else(|e| panic!("{what}: {e:#}"));
+            let (e, e_mixed) = (nmse(&want, &decoded), nmse(&want[split - 1..], &mixed));
+            eprintln!(
+                "{what} seed {seed}: NMSE {e:.2e} (decode steps), {e_mixed:.2e} (prefill + decode)"
+            );
+            assert!(
+                e <= NMSE_F32 && e_mixed <= NMSE_F32,
+                "{what} seed {seed}: NMSE {e:.2e} / {e_mixed:.2e}, bound {NMSE_F32:.0e}"
+            );
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+}
+
+fn bits(t: &Tensor) -> Vec<Vec<u32>> {
+    t.to_vec2::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(|r| r.into_iter().map(f32::to_bits).collect())
+        .collect()
+}
+
+/// `prompt` as one prefill, then `reply` a token a pass: each pass's logits as bits.
+fn plain(m: &mut Decoder, prompt: &[u32], reply: &[u32]) -> Vec<Vec<Vec<u32>>> {
+    let s = m.new_sequence();
+    assert!(m.reserve(s, prompt.len() + reply.len()));
+    let mut rows = vec![bits(&m.forward(&[SeqStep::prefill(s, prompt, 0)]).unwrap())];
+    for (i, t) in reply.iter().enumerate() {
+        let pos = prompt.len() + i;
+        rows.push(bits(&m.forward(&[SeqStep::decode(s, &[*t], pos)]).unwrap()));
+    }
+    m.free_sequence(s);
+    rows
+}
+
+/// On F16 matrices (gen's kernels sum a token's products in one order whatever shares its
+/// pass), the layers reading another layer's cache and the per-layer inputs keep gen's
+/// promises: a prompt in chunks, a reply decoded beside another prompt, and a prompt resumed
+/// from the prefix cache give the same bits as a plain run.
+#[test]
+fn gemma4_tokens_are_the_same_however_they_are_passed() {
+    let path = scratch("e2b-like.F16.gguf");
+    write(&E2B_LIKE, 3, GgmlDType::F16, &path);
+    let ckpt = Checkpoint::open_gguf(&path).unwrap();
+    let mut m = Decoder::from_checkpoint(&ckpt, &Device::Cpu).unwrap();
+    m.set_context_window(256);
+    m.reserve_pool(64).unwrap();
+    let (prompt, reply) = (ids(40, 7), ids(10, 8));
+    let want = plain(&mut m, &prompt, &reply);
+    let s = m.new_sequence();
+    let other = m.new_sequence();
+    assert!(m.reserve(s, 50) && m.reserve(other, 40));
+    let mut last = None;
+    for (a, b) in [(0, 5), (5, 21), (21, 40)] {
+        last = Some(bits(
+            &m.forward(&[SeqStep::prefill(s, &prompt[a..b], a)]).unwrap(),
+        ));
+    }
+    assert_eq!(last.unwrap(), want[0], "a prompt in chunks");
+    for (i, t) in reply.iter().enumerate() {
+        let step = [*t];
+        let mut batch = vec![SeqStep::decode(s, &step, 40 + i)];
+        if i < 2 {
+            batch.push(SeqStep::prefill(
+                other,
+                &prompt[i * 20..(i + 1) * 20],
+                i * 20,
+            ));
+        }
+        assert_eq!(
+            bits(&m.forward(&batch).unwrap())[0],
+            want[i + 1][0],
+            "reply token {i}"
+        );
+    }
+    m.free_sequence(s);
+    m.free_sequence(other);
+    // The prefix cache: a longer prompt takes the first's two whole blocks.
+    m.kv_mut().set_prefix_cache(true);
+    let longer: Vec<u32> = prompt.iter().copied().chain(ids(9, 9)).collect();
+    let want_longer = plain(&mut m, &longer, &reply);
+    let a = m.new_sequence();
+    assert!(m.reserve(a, prompt.len()));
+    m.forward(&[SeqStep::prefill(a, &prompt, 0)]).unwrap();
+    m.publish(a, &prompt);
+    m.free_sequence(a);
+    let b = m.new_sequence();
+    assert_eq!(m.attach_prefix(b, &longer), 32, "tokens reused");
+    assert!(m.reserve(b, longer.len() + reply.len()));
+    let mut rows = vec![bits(
+        &m.forward(&[SeqStep::prefill(b, &longer[32..], 32)])
+            .unwrap(),
+    )];
+    for (i, t) in reply.iter().enumerate() {
+        let pos = longer.len() + i;
+        rows.push(bits(&m.forward(&[SeqStep::decode(b, &[*t], pos)]).unwrap()));
+    }
+    assert_eq!(rows, want_longer, "resumed from the prefix cache");
+    // Its cache layout names each layer's shape (a prompt-cache file must match it).
+    let layout = m.kv_layout();
+    assert!(
+        layout.contains("2x32 2x32 1x64 2x32 1x64 0x0 0x0"),
+        "{layout}"
+    );
+    let _ = std::fs::remove_file(&path);
+}
+
+/// What gen does not run yet is refused in one line: Gemma 4's experts, and its layers on the
+/// device path (checked on the CPU as `GEN_ATTENTION=candle`).
+#[test]
+fn gemma4_refusals_are_one_line() {
+    let path = scratch("e2b-like.refusals.gguf");
+    write(&E2B_LIKE, 4, GgmlDType::F32, &path);
+    let out = common::gen()
+        .env("GEN_ATTENTION", "candle")
+        .args(["--device", "cpu", "--model"])
+        .arg(&path)
+        .args(["--prompt", "hi", "--max-new", "2"])
+        .output()
+        .unwrap();
+    let line = common::one_error_line(&out);
+    assert!(line.contains("runs only on the CPU"), "{line}");
+    let moe = scratch("e2b-like.experts.gguf");
+    suite::rewrite(
+        &path,
+        &moe,
+        &[("gemma4.expert_count", Some(gguf_file::Value::U32(4)))],
+        vec![],
+    );
+    let ckpt = Checkpoint::open_gguf(&moe).unwrap();
+    let err = match Decoder::from_checkpoint(&ckpt, &Device::Cpu) {
+        Ok(_) => panic!("a Gemma 4 file with experts ran"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(err.contains("expert_count is 4"), "{err}");
+    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_file(&moe);
+}
