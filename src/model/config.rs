@@ -391,6 +391,12 @@ pub enum SharedExpert {
     Gated {
         ff: usize,
     },
+    /// The layer's own dense FFN (`ffn_gate`, `ffn_up`, `ffn_down`) beside the experts
+    /// (Gemma 4): the dense one reads the FFN norm of the residual and is normed after by
+    /// `post_ffw_norm_1`; the experts read `pre_ffw_norm_2` of it and are normed after by
+    /// `post_ffw_norm_2`; the router reads the residual RMS-normed without weights, times
+    /// 1/sqrt(d) and `ffn_gate_inp.scale`. A layer without `ffn_gate_inp` is dense.
+    Beside,
 }
 
 /// Hyper-parameters and graph choices of a decoder, read from a file's metadata.

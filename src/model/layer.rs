@@ -178,7 +178,7 @@ pub fn run(
         )?;
         let f = match mixed {
             // A layer without a mixer is its FFN alone, on the layer's one norm.
-            None => residual(ffn(ops, layer, &xn, cfg, profile)?, cfg)?,
+            None => residual(ffn(ops, layer, &xn, &x, cfg, profile)?, cfg)?,
             Some(mut a) => {
                 if let Some(n) = &layer.post_attn_norm {
                     a = norm(&a, n, cfg)?;
@@ -195,13 +195,14 @@ pub fn run(
                         None => xn,
                     };
                     profile.mark(&dev, "attn out, norm");
+                    let o = residual(ffn(ops, layer, &fin, &x, cfg, profile)?, cfg)?;
                     x = (x + a)?;
-                    residual(ffn(ops, layer, &fin, cfg, profile)?, cfg)?
+                    o
                 } else {
                     let fin;
                     (x, fin) = add_then_norm(ops, &x, &a, layer.ffn_norm.as_ref(), cfg)?;
                     profile.mark(&dev, "attn out, add, norm");
-                    residual(ffn(ops, layer, &fin, cfg, profile)?, cfg)?
+                    residual(ffn(ops, layer, &fin, &x, cfg, profile)?, cfg)?
                 }
             }
         };
@@ -462,18 +463,34 @@ fn attention(
 }
 
 /// The FFN (a dense one, or a mixture of experts), then the norm after it where the layer has
-/// one. x: (N, d) normalised. Returns (N, d).
+/// one. x: (N, d) normalised; raw: the residual it was normalised from. Returns (N, d).
 fn ffn(
     ops: &impl LayerOps,
     layer: &Layer,
     x: &Tensor,
+    raw: &Tensor,
     cfg: &DecoderConfig,
     profile: &mut Profile,
 ) -> Result<Tensor> {
     let o = match &layer.ffn {
         Ffn::None => unreachable!("a layer without an FFN does not run one"),
         Ffn::Dense(m) => mlp(ops, m, x, cfg.activation, profile)?,
-        Ffn::Moe(m) => experts(ops, m, x, cfg, profile)?,
+        Ffn::Moe(m) => match &m.beside {
+            Some(b) => {
+                let e = experts(
+                    ops,
+                    m,
+                    &norm(raw, &b.experts_in, cfg)?,
+                    Some(raw),
+                    cfg,
+                    profile,
+                )?;
+                let dense = m.shared.as_ref().expect("a dense FFN beside the experts");
+                let y = mlp(ops, dense, x, cfg.activation, profile)?;
+                (norm(&e, &b.experts_out, cfg)? + norm(&y, &b.dense_out, cfg)?)?
+            }
+            None => experts(ops, m, x, None, cfg, profile)?,
+        },
     };
     Ok(match &layer.post_ffn_norm {
         Some(n) => norm(&o, n, cfg)?,
@@ -520,6 +537,7 @@ fn experts(
     ops: &impl LayerOps,
     m: &Moe,
     x: &Tensor,
+    router_from: Option<&Tensor>,
     cfg: &DecoderConfig,
     profile: &mut Profile,
 ) -> Result<Tensor> {
@@ -534,10 +552,24 @@ fn experts(
         .to_dtype(candle_core::DType::F32)?
         .flatten_all()?
         .to_vec1()?;
+    // Gemma 4's router reads the residual RMS-normed without weights, times 1/sqrt(d) and
+    // its scale.
+    let router_in: Option<Vec<f32>> = match (router_from, &m.beside) {
+        (Some(raw), Some(b)) => Some(super::moe::gemma4_router_rows(
+            &raw.to_dtype(candle_core::DType::F32)?
+                .flatten_all()?
+                .to_vec1()?,
+            &b.router_scale,
+            cfg.norm_eps,
+        )),
+        _ => None,
+    };
     // Each token's routing alone (its own order of sums), tokens side by side on the pool.
     let sel: Vec<(u32, f32)> = {
         use rayon::prelude::*;
-        let per_token: Vec<Vec<(u32, f32)>> = xs
+        let per_token: Vec<Vec<(u32, f32)>> = router_in
+            .as_deref()
+            .unwrap_or(&xs)
             .par_chunks_exact(d)
             .map(|row| {
                 let mut logits = vec![0f32; mc.n_expert];
@@ -604,7 +636,7 @@ fn experts(
         }
     }
     let mut o = Tensor::from_vec(out, (n, d), &dev)?.to_dtype(x.dtype())?;
-    if let Some(sh) = &m.shared {
+    if let Some(sh) = m.shared.as_ref().filter(|_| m.beside.is_none()) {
         let y = mlp(ops, sh, x, cfg.activation, profile)?;
         o = match &m.shared_gate {
             // llama.cpp's silu(g) / g: the sigmoid of g, as its graph computes it.

@@ -9,6 +9,19 @@ use super::config::{ExpertGroups, Gating, MoeCfg};
 /// llama.cpp's floor on the sum the chosen weights are divided by (2^-14).
 const NORM_FLOOR: f32 = 6.103_515_6e-5;
 
+/// Gemma 4's router input for each row of `x` (rows of `scale.len()`): the row over its root
+/// mean square (plus `eps`), times 1/sqrt(d) and `scale`.
+pub fn gemma4_router_rows(x: &[f32], scale: &[f32], eps: f32) -> Vec<f32> {
+    let d = scale.len();
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(d) {
+        let ms = row.iter().map(|v| (v * v) as f64).sum::<f64>() / d as f64;
+        let f = (1.0 / (ms + eps as f64).sqrt()) as f32 / (d as f32).sqrt();
+        out.extend(row.iter().zip(scale).map(|(v, s)| v * f * s));
+    }
+    out
+}
+
 /// `out[e]` = row `e` of `router` (E rows of `x.len()`) · `x`, each summed in one fixed order
 /// (eight running lanes, then the lanes in order), so a token's logits are the same bits in
 /// any pass.

@@ -121,6 +121,17 @@ pub struct Moe {
     pub router_bias: Option<Vec<f32>>,
     /// `exp_probs_b` (E): added to the probabilities to choose the experts, not to weigh them.
     pub selection_bias: Option<Vec<f32>>,
+    /// Gemma 4's form ([`SharedExpert::Beside`]).
+    pub beside: Option<Beside>,
+}
+
+/// What Gemma 4's experts beside a dense FFN add: the router's input scale (d, host), the
+/// experts' norms before and after, and the dense FFN's norm after.
+pub struct Beside {
+    pub router_scale: Vec<f32>,
+    pub experts_in: Norm,
+    pub experts_out: Norm,
+    pub dense_out: Norm,
 }
 
 /// Gemma 4's per-layer input, for every layer at once: a second embedding of each token
@@ -830,6 +841,10 @@ fn load_layer(r: &Reader<'_>, cfg: &DecoderConfig, i: usize, view: usize) -> Res
     // Experts from layer `dense_lead` on (DeepSeek-style leading dense layers before).
     let ffn = match &cfg.moe {
         _ if !cfg.layers[i].ffn => Ffn::None,
+        // Gemma 4's layers have experts where they have a router.
+        Some(m) if m.shared == SharedExpert::Beside && !r.has(&name("ffn_gate_inp.weight")) => {
+            Ffn::Dense(load_mlp(r, cfg, &p)?)
+        }
         Some(m) if i >= m.dense_lead => Ffn::Moe(Box::new(load_moe(r, cfg, m, &p)?)),
         _ => Ffn::Dense(load_mlp(r, cfg, &p)?),
     };
@@ -1248,8 +1263,21 @@ fn load_moe(r: &Reader<'_>, cfg: &DecoderConfig, m: &MoeCfg, p: &str) -> Result<
             down_post,
         })
     };
+    let weighted = NormRule::Weighted { bias: Need::Absent };
+    let norm =
+        |n: &str| -> Result<Norm> { Ok(r.norm(&name(n), d, weighted)?.expect("a weighted norm")) };
+    let beside = match m.shared {
+        SharedExpert::Beside => Some(Beside {
+            router_scale: r.host_vector(&name("ffn_gate_inp.scale"), d)?,
+            experts_in: norm("pre_ffw_norm_2")?,
+            experts_out: norm("post_ffw_norm_2")?,
+            dense_out: norm("post_ffw_norm_1")?,
+        }),
+        _ => None,
+    };
     let (shared, shared_gate) = match m.shared {
         SharedExpert::None => (None, None),
+        SharedExpert::Beside => (Some(load_mlp(r, cfg, p)?), None),
         SharedExpert::Plain { ff } => (Some(shared_mlp(ff)?), None),
         SharedExpert::Gated { ff } => {
             let g = r
@@ -1268,6 +1296,7 @@ fn load_moe(r: &Reader<'_>, cfg: &DecoderConfig, m: &MoeCfg, p: &str) -> Result<
         shared_gate,
         router_bias,
         selection_bias,
+        beside,
     })
 }
 

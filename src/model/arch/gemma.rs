@@ -5,10 +5,10 @@
 
 use anyhow::{bail, Context, Result};
 
-use super::{swa_layers, Common};
+use super::{swa_layers, Common, ExpertWidth};
 use crate::model::config::{
     Activation, DecoderConfig, HeadShape, Keys, Need, NormKind, NormRule, Output, QkNorm,
-    RopeFactors, RopePairs, TensorRules,
+    RopeFactors, RopePairs, SharedExpert, TensorRules,
 };
 
 fn gemma_decoder(k: &Keys, c: &Common, tensors: TensorRules) -> Result<DecoderConfig> {
@@ -105,7 +105,7 @@ pub fn gemma3(k: &Keys, c: Common) -> Result<DecoderConfig> {
     Ok(d)
 }
 
-/// Gemma 4 (31B, E2B, E4B; its experts are refused): windowed and global layers of their own
+/// Gemma 4 (31B, E2B, E4B, and 26B-A4B's experts beside a dense FFN): windowed and global layers of their own
 /// head widths and kv heads, q/k norms per head and v normed without weights, attention
 /// unscaled, v taken from k's projection where a layer has no `attn_v`, the global layers'
 /// partial rotation through `rope_freqs`, the last `shared_kv_layers` reading the cache of the
@@ -150,6 +150,16 @@ pub fn gemma4(k: &Keys, c: Common) -> Result<DecoderConfig> {
     d.attn.v_norm = true;
     d.final_softcap = Some(k.f32_or("final_logit_softcapping", 30.0)?).filter(|&f| f != 0.0);
     d.per_layer_input = k.usize("embedding_length_per_layer_input")?;
+    // 26B-A4B: softmax-routed GELU experts, their weights renormalised, beside each layer's
+    // dense FFN.
+    d.moe = c.moe(
+        k,
+        ExpertWidth::ExpertKey,
+        true,
+        true,
+        Need::Required,
+        SharedExpert::Beside,
+    )?;
     let local = crate::model::rope::RopeCfg {
         n_rot: rot_swa,
         base: k.f32_or("rope.freq_base_swa", 10_000.0)?,
