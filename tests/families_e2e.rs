@@ -143,6 +143,8 @@ const CASES: &[(&str, &str, Option<&str>)] = &[
     ("qwen35moe", "qwen35", Some("Qwen3.5-4B.jinja")),
     // Qwen3-Next shares Qwen3's vocabulary and chat format.
     ("qwen3next", "qwen2", Some("Qwen-Qwen3-0.6B.jinja")),
+    // The suite has no Gemma 4 file: an E2B-like one is written (tests/common/gemma4.rs).
+    ("gemma4", "gemma-4", Some("google-gemma-4-31B-it.jinja")),
 ];
 
 fn scratch(name: &str) -> PathBuf {
@@ -187,6 +189,11 @@ fn model_with_tokenizer(
     // An architecture that only comes with experts (qwen3moe, olmoe) has only its -moe file.
     let dense = dir.join(format!("seed-1/{arch}-dense.gguf"));
     let src = match dense.exists() {
+        _ if arch == "gemma4" => {
+            let written = scratch("gemma4-e2b-like.gguf");
+            common::gemma4::write(&common::gemma4::E2B_LIKE, 1, GgmlDType::F32, &written);
+            written
+        }
         true => dense,
         false => dir.join(format!("seed-1/{arch}-moe.gguf")),
     };
@@ -226,6 +233,20 @@ fn model_with_tokenizer(
     let mut tensors = vec![("token_embd.weight", Some(random_matrix(n_vocab, d, 1)))];
     if fixture.tensor_infos.contains_key("output.weight") {
         tensors.push(("output.weight", Some(random_matrix(n_vocab, d, 2))));
+    }
+    // Gemma 4's per-layer inputs: a second embedding, as many rows (F16: its width of 7 x 16
+    // is not a whole number of Q8_0 blocks).
+    if let Some(info) = fixture.tensor_infos.get("per_layer_token_embd.weight") {
+        let width = info.shape.dims()[1];
+        let m = random_matrix(n_vocab, width.next_multiple_of(32), 3)
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .narrow(1, 0, width)
+            .unwrap()
+            .contiguous()
+            .unwrap();
+        let m = QTensor::quantize(&m, GgmlDType::F16).unwrap();
+        tensors.push(("per_layer_token_embd.weight", Some(m)));
     }
     if fixture.tensor_infos.contains_key("output.bias") {
         let zeros = Tensor::zeros(n_vocab, candle_core::DType::F32, &Device::Cpu).unwrap();

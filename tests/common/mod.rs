@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 pub mod agreement;
 pub mod counting;
+pub mod gemma4;
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
