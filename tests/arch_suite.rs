@@ -148,7 +148,9 @@ fn every_architecture_of_llama_cpps_suite_is_run_exactly_or_refused() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     // Every architecture gen claims has a file in the suite, and each of its files (dense, and
     // with experts where the suite has one) agrees on all three seeds.
-    for arch in claimed {
+    // Gemma 4, whose file the suite's saver does not write, is checked on files written for it
+    // (tests/gemma4.rs).
+    for arch in claimed.into_iter().filter(|&a| a != "gemma4") {
         let kinds = ["dense", "moe"]
             .iter()
             .filter(|k| dir.join(format!("seed-1/{arch}-{k}.gguf")).exists())
