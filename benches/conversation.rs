@@ -58,13 +58,24 @@ fn session(model: &Path, threads: usize, cache: bool, input: &str) -> Vec<(f64, 
         .filter(|l| l.contains("tokens prefilled"))
         .map(|l| {
             let prefilled = num(l.split(" tokens prefilled").next().unwrap_or(""));
-            let reused = num(l.split(", ").nth(1).and_then(|r| r.split(" reused").next()).unwrap_or(""));
-            let ttft = num(l.split("first token ").nth(1).and_then(|r| r.split(" ms").next()).unwrap_or(""));
+            let reused = num(l
+                .split(", ")
+                .nth(1)
+                .and_then(|r| r.split(" reused").next())
+                .unwrap_or(""));
+            let ttft = num(l
+                .split("first token ")
+                .nth(1)
+                .and_then(|r| r.split(" ms").next())
+                .unwrap_or(""));
             (ttft, prefilled as usize, reused as usize)
         })
         .collect();
     if rows.len() != TURNS {
-        common::fail(&format!("{} status lines, expected {TURNS}: {err}", rows.len()));
+        common::fail(&format!(
+            "{} status lines, expected {TURNS}: {err}",
+            rows.len()
+        ));
     }
     rows
 }
@@ -73,9 +84,11 @@ fn models() -> Vec<PathBuf> {
     if let Ok(list) = std::env::var("GEN_BENCH_CHAT_MODELS") {
         return list.split_whitespace().map(PathBuf::from).collect();
     }
-    let peer = std::env::var("GEN_PEER_HOME").map(PathBuf::from).unwrap_or_else(|_| {
-        PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/gen-peer")
-    });
+    let peer = std::env::var("GEN_PEER_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/gen-peer")
+        });
     let hybrid: Vec<PathBuf> = ["qwen35-0.8b-like", "gemma4-e2b-like"]
         .iter()
         .map(|n| peer.join(format!("hybrid-v1/{n}-Q4_K_M.gguf")))
@@ -91,7 +104,9 @@ fn main() {
     let runs: usize = env_or("GEN_BENCH_RUNS", 3);
     let threads: usize = env_or("GEN_BENCH_THREADS", 2);
     let input = turns();
-    eprintln!("bench: {TURNS} turns of about 380 tokens, 24 new each | {threads} threads | {runs} rounds");
+    eprintln!(
+        "bench: {TURNS} turns of about 380 tokens, 24 new each | {threads} threads | {runs} rounds"
+    );
     println!("| model | prefix cache | turn 2 first token | turn 10 first token | turn 10 / turn 2 | turn 10 prefilled / reused |");
     println!("|---|---|---|---|---|---|");
     for model in models() {

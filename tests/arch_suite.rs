@@ -130,6 +130,33 @@ fn every_architecture_of_llama_cpps_suite_is_run_exactly_or_refused() {
             Err(e) => failures.push(format!("{arch}-{kind} on candle's path: {e:#}")),
         }
     }
+    // Gemma 4 on files written for it (tests/common/gemma4.rs): layers of their own shapes,
+    // shared caches, per-layer inputs, experts.
+    let shapes = [
+        ("e2b-like", &common::gemma4::E2B_LIKE),
+        ("moe-like", &common::gemma4::MOE_LIKE),
+    ];
+    for (what, shape) in shapes {
+        let path = std::env::temp_dir().join(format!(
+            "gen-suite-gemma4-{what}-{}.gguf",
+            std::process::id()
+        ));
+        common::gemma4::write(shape, 1, candle_core::quantized::GgmlDType::F32, &path);
+        let want = suite::llama_logits(&dir, &path, &ids, 256);
+        match gen_logits(&path, &ids, split, 256) {
+            Ok((decoded, mixed)) => {
+                let (e, e_mixed) = (nmse(&want, &decoded), nmse(&want[split - 1..], &mixed));
+                eprintln!("gemma4 {what} on candle's path: NMSE {e:.2e} / {e_mixed:.2e}");
+                if !(e <= NMSE_F32 && e_mixed <= NMSE_F32) {
+                    failures.push(format!(
+                        "gemma4 {what} on candle's path: NMSE {e:.2e} / {e_mixed:.2e}"
+                    ));
+                }
+            }
+            Err(e) => failures.push(format!("gemma4 {what} on candle's path: {e:#}")),
+        }
+        let _ = std::fs::remove_file(&path);
+    }
     std::env::remove_var("GEN_ATTENTION");
     eprintln!("{} files agree with llama.cpp:", agreed.len());
     for a in &agreed {

@@ -170,24 +170,6 @@ fn same_bits(what: &str, shape: &Shape) {
     let _ = std::fs::remove_file(&path);
 }
 
-/// What gen does not run yet is refused in one line: Gemma 4's layers on the device path
-/// (checked on the CPU as `GEN_ATTENTION=candle`).
-#[test]
-fn gemma4_refusals_are_one_line() {
-    let path = scratch("e2b-like.refusals.gguf");
-    write(&E2B_LIKE, 4, GgmlDType::F32, &path);
-    let out = common::gen()
-        .env("GEN_ATTENTION", "candle")
-        .args(["--device", "cpu", "--model"])
-        .arg(&path)
-        .args(["--prompt", "hi", "--max-new", "2"])
-        .output()
-        .unwrap();
-    let line = common::one_error_line(&out);
-    assert!(line.contains("runs only on the CPU"), "{line}");
-    let _ = std::fs::remove_file(&path);
-}
-
 /// The metadata of Google's Gemma 4 26B-A4B as llama.cpp's vocabulary test file keeps it
 /// (models/ggml-vocab-gemma-4.gguf: its hyper-parameters, no tensors) reads as llama.cpp
 /// reads it: kv heads per layer (an i32 array), windowed layers by a flag array, each kind's

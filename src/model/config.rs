@@ -477,19 +477,6 @@ impl DecoderConfig {
             .collect()
     }
 
-    /// Whether attention layers differ from the model's one shape, or read another layer's
-    /// cache (Gemma 4).
-    pub fn layers_differ(&self) -> bool {
-        let one = HeadShape {
-            heads: self.n_head,
-            kv_heads: self.n_kv_head,
-            dim: self.head_dim,
-        };
-        self.layers
-            .iter()
-            .any(|l| l.mixer == Mixer::Attention && (l.heads != one || l.kv_from.is_some()))
-    }
-
     /// Floats of keys and values one token keeps in the cache, over every layer.
     pub fn kv_floats_per_token(&self) -> usize {
         self.kv_layout().iter().map(|(kv, hd)| 2 * kv * hd).sum()

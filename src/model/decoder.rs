@@ -110,13 +110,6 @@ impl Decoder {
         } else {
             DeviceWeights::choose(ckpt.parameter_count())
         };
-        if !host_kernels && cfg.layers_differ() {
-            bail!(
-                "{}: its layers differ in attention shape or share keys and values, which gen \
-                 runs only on the CPU so far: use --device cpu",
-                cfg.arch
-            );
-        }
         let mut weights = Weights::load(ckpt, &cfg, device, kind)?;
         let kernels = if host_kernels {
             let started = std::time::Instant::now();

@@ -24,7 +24,10 @@ impl KernelMode {
         if device.is_cuda()
             && cfg.attn.softcap.is_none()
             && !cfg.attn.sinks
-            && super::cuda::supported(cfg.n_head, cfg.n_kv_head, cfg.head_dim)
+            && cfg
+                .layers
+                .iter()
+                .all(|l| super::cuda::supported(l.heads.heads, l.heads.kv_heads, l.heads.dim))
         {
             return match std::env::var(super::cuda::ENV).as_deref() {
                 Ok("1") => KernelMode::On,

@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
 
 use super::check::{KernelCheck, KernelMode};
-use crate::model::config::DecoderConfig;
+use crate::model::config::HeadShape;
 
 /// A one-token step off the CPU, as [`DeviceDecode`] takes it: its row among the N, its block
 /// table, positions in its cache (its own included), the first position it may see, and the
@@ -80,7 +80,7 @@ impl DeviceDecode {
         q: &Tensor,
         k_pool: &Tensor,
         v_pool: &Tensor,
-        cfg: &DecoderConfig,
+        shape: HeadShape,
         (scale, softcap): (f64, Option<f64>),
         sinks: Option<&[f32]>,
         check: &KernelCheck,
@@ -92,11 +92,19 @@ impl DeviceDecode {
                 k_pool,
                 v_pool,
                 meta,
-                cfg.n_kv_head,
+                shape.kv_heads,
                 scale as f32,
             )?;
             if let Some(g) = &self.gathered {
-                let want = g.attend(q, k_pool, v_pool, cfg, (scale, softcap), sinks, self.steps)?;
+                let want = g.attend(
+                    q,
+                    k_pool,
+                    v_pool,
+                    shape,
+                    (scale, softcap),
+                    sinks,
+                    self.steps,
+                )?;
                 check.attention(&y, &want)?;
             }
             return Ok(y);
@@ -105,7 +113,15 @@ impl DeviceDecode {
         self.gathered
             .as_ref()
             .context("one-token steps with neither kernel nor gathered keys")?
-            .attend(q, k_pool, v_pool, cfg, (scale, softcap), sinks, self.steps)
+            .attend(
+                q,
+                k_pool,
+                v_pool,
+                shape,
+                (scale, softcap),
+                sinks,
+                self.steps,
+            )
     }
 }
 
@@ -145,12 +161,12 @@ impl Gathered {
         q: &Tensor,
         k_pool: &Tensor,
         v_pool: &Tensor,
-        cfg: &DecoderConfig,
+        shape: HeadShape,
         (scale, softcap): (f64, Option<f64>),
         sinks: Option<&[f32]>,
         b: usize,
     ) -> Result<Tensor> {
-        let (h, kv, hd) = (cfg.n_head, cfg.n_kv_head, cfg.head_dim);
+        let (h, kv, hd) = (shape.heads, shape.kv_heads, shape.dim);
         let (l, g) = (self.lmax, h / kv);
         let q = match &self.q_rows {
             Some(r) => q.index_select(r, 0)?,

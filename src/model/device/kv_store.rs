@@ -11,14 +11,16 @@ use crate::model::kv_cache::{check_block_data, gather_rows, BLOCK_SIZE};
 pub struct DeviceKv {
     k: Vec<Tensor>,
     v: Vec<Tensor>,
-    kv_heads: usize,
-    head_dim: usize,
+    /// Per layer: (kv heads, head width) of its keys and values; (0, 0) where it keeps none.
+    shapes: Vec<(usize, usize)>,
+    blocks: usize,
 }
 
-/// Where one pass's new keys and values go in a [`DeviceKv`], worked out once for all layers.
+/// Where one pass's new keys and values go in a [`DeviceKv`], worked out once for all layers
+/// (once for each shape of layer).
 pub struct WritePlan {
     slots: Vec<u32>,
-    scatter: Option<ScatterPlan>,
+    scatter: Vec<((usize, usize), ScatterPlan)>,
     /// The slots on the device, for gen's CUDA kernel.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     kernel_slots: Option<Tensor>,
@@ -32,24 +34,26 @@ struct ScatterPlan {
 }
 
 impl DeviceKv {
+    /// A store of `blocks` blocks for layers of these shapes (kv heads, head width; (0, 0) for
+    /// a layer keeping no keys and values).
     pub fn new(
         device: &Device,
-        layers: usize,
-        kv_heads: usize,
-        head_dim: usize,
+        shapes: &[(usize, usize)],
         blocks: usize,
     ) -> candle_core::Result<Self> {
-        let rows = blocks * kv_heads * BLOCK_SIZE;
         let mk = || -> candle_core::Result<Vec<Tensor>> {
-            (0..layers)
-                .map(|_| Tensor::zeros((rows, head_dim), DType::F32, device))
+            shapes
+                .iter()
+                .map(|&(kv, hd)| {
+                    Tensor::zeros((blocks * kv * BLOCK_SIZE, hd.max(1)), DType::F32, device)
+                })
                 .collect()
         };
         Ok(DeviceKv {
             k: mk()?,
             v: mk()?,
-            kv_heads,
-            head_dim,
+            shapes: shapes.to_vec(),
+            blocks,
         })
     }
 
@@ -58,16 +62,14 @@ impl DeviceKv {
         DeviceKv {
             k: Vec::new(),
             v: Vec::new(),
-            kv_heads: 0,
-            head_dim: 0,
+            shapes: Vec::new(),
+            blocks: 0,
         }
     }
 
     /// Blocks in the pool.
     pub fn blocks(&self) -> usize {
-        self.k
-            .first()
-            .map_or(0, |k| k.dims()[0] / (self.kv_heads * BLOCK_SIZE).max(1))
+        self.blocks
     }
 
     /// Work out where a pass's N new tokens (at cache `slots`) go, once for every layer.
@@ -81,17 +83,41 @@ impl DeviceKv {
         if kernel {
             return Ok(WritePlan {
                 slots: slots.to_vec(),
-                scatter: None,
+                scatter: Vec::new(),
                 kernel_slots: Some(Tensor::new(slots, device)?),
             });
         }
+        let mut shapes: Vec<(usize, usize)> = Vec::new();
+        for &s in self.shapes.iter().filter(|s| s.0 > 0) {
+            if !shapes.contains(&s) {
+                shapes.push(s);
+            }
+        }
+        let scatter = shapes
+            .into_iter()
+            .map(|shape| Ok((shape, self.scatter_plan(slots, shape, device)?)))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(WritePlan {
+            slots: slots.to_vec(),
+            scatter,
+            kernel_slots: None,
+        })
+    }
+
+    /// The scatter of a pass's rows into layers of `(kv, hd)`.
+    fn scatter_plan(
+        &self,
+        slots: &[u32],
+        (kv, hd): (usize, usize),
+        device: &Device,
+    ) -> candle_core::Result<ScatterPlan> {
         // One scatter per tensor writes every token of every head: the cache seen as
         // (kv * P, BLOCK_SIZE, hd), each (head, block) receiving up to `per_block` rows of a
         // source of (kv * P, per_block, hd) gathered from the new rows; (head, block) pairs
         // with nothing to receive are skipped through the index u32::MAX. candle's scatter
         // runs one thread per (head, block, value) and loops only over `per_block`, where a
         // plain scatter of N rows would loop over all N in each of hd threads.
-        let (kv, p) = (self.kv_heads, self.blocks());
+        let p = self.blocks();
         let mut count = vec![0usize; p];
         for &s in slots {
             count[s as usize / BLOCK_SIZE] += 1;
@@ -110,19 +136,14 @@ impl DeviceKv {
                 ids[e] = r as u32;
             }
         }
-        let hd = self.head_dim;
         let n = kv * p * per_block;
         let ids = Tensor::from_vec(ids, (n, 1), device)?
             .broadcast_as((n, hd))?
             .contiguous()?
             .reshape((kv * p, per_block, hd))?;
-        Ok(WritePlan {
-            slots: slots.to_vec(),
-            scatter: Some(ScatterPlan {
-                map: Tensor::from_vec(map, n, device)?,
-                ids,
-            }),
-            kernel_slots: None,
+        Ok(ScatterPlan {
+            map: Tensor::from_vec(map, n, device)?,
+            ids,
         })
     }
 
@@ -137,11 +158,11 @@ impl DeviceKv {
         check: &KernelCheck,
     ) -> anyhow::Result<()> {
         let slots = &plan.slots;
-        let (kv, hd) = (self.kv_heads, self.head_dim);
+        let (kv, hd) = self.shapes[layer];
         #[cfg(feature = "cuda")]
         if let Some(on_device) = &plan.kernel_slots {
             // GEN_CUDA_KERNELS=check: the rows the kernel should have written, head by head.
-            let check_rows = check.enabled().then(|| self.gather_rows(slots));
+            let check_rows = check.enabled().then(|| self.gather_rows(layer, slots));
             let (k, v) = (&self.k[layer], &self.v[layer]);
             super::cuda::kv_write(k, v, keys, values, on_device, kv, hd)?;
             if let Some(rows) = &check_rows {
@@ -161,7 +182,8 @@ impl DeviceKv {
             return Ok(());
         }
         let _ = check;
-        let Some(ScatterPlan { map, ids }) = &plan.scatter else {
+        let Some((_, ScatterPlan { map, ids })) = plan.scatter.iter().find(|(s, _)| *s == (kv, hd))
+        else {
             anyhow::bail!("a device cache needs a write plan made for it");
         };
         let p = self.k[layer].dim(0)? / (kv * BLOCK_SIZE).max(1);
@@ -177,9 +199,15 @@ impl DeviceKv {
         Ok(())
     }
 
-    /// Rows of the cache holding the tokens at `slots`, kv head by kv head (see [`gather_rows`]).
-    pub fn gather_rows(&self, slots: &[u32]) -> Vec<u32> {
-        gather_rows(self.kv_heads, self.blocks(), slots)
+    /// Rows of layer `layer`'s cache holding the tokens at `slots`, kv head by kv head (see
+    /// [`gather_rows`]).
+    pub fn gather_rows(&self, layer: usize, slots: &[u32]) -> Vec<u32> {
+        self.rows_for(self.shapes[layer].0, slots)
+    }
+
+    /// Rows holding the tokens at `slots` in a layer of `kv` kv heads.
+    pub fn rows_for(&self, kv: usize, slots: &[u32]) -> Vec<u32> {
+        gather_rows(kv, self.blocks(), slots)
     }
 
     /// One layer's keys and values at `rows` (from `gather_rows`; already on the device as
@@ -191,13 +219,12 @@ impl DeviceKv {
         rows_on_device: Option<&Tensor>,
         device: &Device,
     ) -> candle_core::Result<(Tensor, Tensor)> {
-        let kv = self.kv_heads;
+        let (kv, hd) = self.shapes[layer];
         let l = rows.len() / kv.max(1);
         let idx = match rows_on_device {
             Some(t) => t.clone(),
             None => Tensor::new(rows, device)?,
         };
-        let hd = self.head_dim;
         Ok((
             self.k[layer].index_select(&idx, 0)?.reshape((kv, l, hd))?,
             self.v[layer].index_select(&idx, 0)?.reshape((kv, l, hd))?,
@@ -212,7 +239,7 @@ impl DeviceKv {
         for &b in blocks {
             for layer in 0..self.k.len() {
                 for store in [&self.k[layer], &self.v[layer]] {
-                    for j in 0..self.kv_heads {
+                    for j in 0..self.shapes[layer].0 {
                         let at = (j * p + b as usize) * BLOCK_SIZE;
                         let rows = store.narrow(0, at, BLOCK_SIZE)?.flatten_all()?;
                         for x in rows.to_vec1::<f32>()? {
@@ -229,15 +256,16 @@ impl DeviceKv {
     /// exactly that many bytes.
     pub fn write_blocks(&mut self, blocks: &[u32], data: &[u8]) -> anyhow::Result<()> {
         check_block_data(data.len(), blocks.len(), self.block_bytes())?;
-        let (p, hd) = (self.blocks(), self.head_dim);
-        let run = BLOCK_SIZE * hd;
+        let p = self.blocks();
         let mut values = data
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
         for &b in blocks {
             for layer in 0..self.k.len() {
+                let (kv, hd) = self.shapes[layer];
+                let run = BLOCK_SIZE * hd;
                 for store in [&self.k[layer], &self.v[layer]] {
-                    for j in 0..self.kv_heads {
+                    for j in 0..kv {
                         let rows: Vec<f32> = values.by_ref().take(run).collect();
                         let src = Tensor::from_vec(rows, (BLOCK_SIZE, hd), store.device())?;
                         store.slice_set(&src, 0, (j * p + b as usize) * BLOCK_SIZE)?;
@@ -250,7 +278,8 @@ impl DeviceKv {
 
     /// Bytes one block takes in [`read_blocks`](Self::read_blocks).
     pub fn block_bytes(&self) -> usize {
-        2 * self.k.len() * self.kv_heads * BLOCK_SIZE * self.head_dim * 4
+        let floats: usize = self.shapes.iter().map(|(kv, hd)| kv * hd).sum();
+        2 * floats * BLOCK_SIZE * 4
     }
 
     /// One layer's cache tensors, (kv * P * BLOCK_SIZE, hd) each.
@@ -271,7 +300,7 @@ mod tests {
         let (layers, kv, hd, blocks) = (2, 3, 8, 6);
         let dev = Device::Cpu;
         let mut host = HostKv::new(&vec![(kv, hd); layers], blocks);
-        let mut device = DeviceKv::new(&dev, layers, kv, hd, blocks).unwrap();
+        let mut device = DeviceKv::new(&dev, &vec![(kv, hd); layers], blocks).unwrap();
         assert_eq!((host.blocks(), device.blocks()), (blocks, blocks));
         // A sequence in blocks 4, 1, 5: 40 tokens written in two steps, crossing blocks.
         let slots: Vec<u32> = [4u32, 1, 5]
@@ -292,7 +321,7 @@ mod tests {
             device.write(1, &k, &v, &plan, &Default::default()).unwrap();
         }
         let rows = host.gather_rows(1, &slots);
-        assert_eq!(rows, device.gather_rows(&slots));
+        assert_eq!(rows, device.gather_rows(1, &slots));
         let (hk, hv) = host.gather(1, &rows).unwrap();
         let (dk, dv) = device.gather(1, &rows, None, &dev).unwrap();
         assert_eq!(hk.dims(), &[kv, n, hd]);

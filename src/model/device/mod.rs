@@ -56,6 +56,10 @@ enum StepKeys {
     Batched(usize),
 }
 
+/// A kind of attention layer: its window (an index into the pass plan's windows), kv heads
+/// and query heads.
+type ViewKey = (usize, usize, usize);
+
 /// One kind of layer's (one window's) view of the pass.
 struct View {
     steps: Vec<StepKeys>,
@@ -70,7 +74,8 @@ struct DevicePass<'p, 'a> {
     plan: &'p PassPlan<'a>,
     cfg: &'p DecoderConfig,
     backend: &'p mut DeviceBackend,
-    views: Vec<View>,
+    /// Per kind of layer ([`ViewKey`]), how the pass's steps reach their keys.
+    views: Vec<(ViewKey, View)>,
     write: WritePlan,
     /// Per rotary embedding of the configuration: cos and sin, (N, n_rot/2) each.
     ropes: Vec<(Tensor, Tensor)>,
@@ -90,13 +95,7 @@ impl DeviceBackend {
     /// A new cache of `blocks` blocks; the old one goes first.
     pub fn reserve(&mut self, cfg: &DecoderConfig, blocks: usize) -> Result<()> {
         self.store = DeviceKv::empty();
-        self.store = DeviceKv::new(
-            &self.device,
-            cfg.n_layer,
-            cfg.n_kv_head,
-            cfg.head_dim,
-            blocks,
-        )?;
+        self.store = DeviceKv::new(&self.device, &cfg.kv_layout(), blocks)?;
         Ok(())
     }
 
@@ -128,21 +127,32 @@ impl DeviceBackend {
         profile: &mut Profile,
     ) -> Result<Tensor> {
         let dev = self.device.clone();
-        let views = (0..plan.windows.len())
-            .map(|v| self.view(plan, v, cfg))
+        // Each kind of attention layer the model has: its window, kv heads and heads.
+        let mut keys: Vec<ViewKey> = Vec::new();
+        for (l, layer) in w.layers.iter().enumerate() {
+            let h = cfg.layers[l].heads;
+            let key = (layer.view, h.kv_heads, h.heads);
+            if cfg.layers[l].mixer == super::config::Mixer::Attention && !keys.contains(&key) {
+                keys.push(key);
+            }
+        }
+        let views = keys
+            .iter()
+            .map(|&key| Ok((key, self.view(plan, key)?)))
             .collect::<Result<Vec<_>>>()?;
         let write = self
             .store
             .plan_write(&plan.slots, &dev, self.kernels != KernelMode::Off)?;
         let views = views
             .into_iter()
-            .map(|(steps, decode)| -> Result<View> {
+            .map(|(key, (steps, decode))| -> Result<(ViewKey, View)> {
                 let order = step_order(plan, &steps, decode.as_ref(), &dev)?;
-                Ok(View {
+                let view = View {
                     steps,
                     decode,
                     order,
-                })
+                };
+                Ok((key, view))
             })
             .collect::<Result<Vec<_>>>()?;
         let ropes = cfg
@@ -168,17 +178,16 @@ impl DeviceBackend {
         super::layer::run(&mut pass, plan, w, cfg, states, profile)
     }
 
-    /// How each step of the pass reaches its keys under window `v`: prompt chunks get the
-    /// cache rows they may see and a mask; one-token steps are attended together.
+    /// How each step of the pass reaches its keys in layers of kind `(v, kv, heads)` (window
+    /// `v`): prompt chunks get the cache rows they may see and a mask; one-token steps are
+    /// attended together.
     fn view(
         &self,
         plan: &PassPlan<'_>,
-        v: usize,
-        cfg: &DecoderConfig,
+        (v, kv, heads): ViewKey,
     ) -> Result<(Vec<StepKeys>, Option<DeviceDecode>)> {
         let dev = &self.device;
-        let kv = cfg.n_kv_head;
-        let g = cfg.n_head / kv;
+        let g = heads / kv;
         let window = plan.windows[v];
         let mut keys = Vec::with_capacity(plan.steps.len());
         let mut batched = Vec::new();
@@ -188,7 +197,7 @@ impl DeviceBackend {
                 Vec::new()
             } else {
                 let slots: Vec<u32> = step.slots(step.keys(v)).collect();
-                self.store.gather_rows(&slots)
+                self.store.rows_for(kv, &slots)
             };
             if step.len == 1 {
                 keys.push(StepKeys::Batched(batched.len()));
@@ -254,24 +263,27 @@ impl LayerOps for DevicePass<'_, '_> {
         sinks: Option<&[f32]>,
         profile: &mut Profile,
     ) -> Result<Tensor> {
-        let Some((k, v)) = kv else {
-            anyhow::bail!("a layer sharing another's cache is not run on the device path");
-        };
         let b = &mut *self.backend;
         let dev = b.device.clone();
         let (plan, cfg) = (self.plan, self.cfg);
-        let (h, kv, hd) = (cfg.n_head, cfg.n_kv_head, cfg.head_dim);
-        let g = h / kv;
-        b.store.write(l, k, v, &self.write, &b.check)?;
+        let shape = cfg.layers[l].heads;
+        let (h, kv_heads, hd) = (shape.heads, shape.kv_heads, shape.dim);
+        let g = h / kv_heads;
+        if let Some((k, v)) = kv {
+            b.store.write(l, k, v, &self.write, &b.check)?;
+        }
         profile.mark(&dev, "kv write");
-
-        let view = &self.views[view];
+        let cache = cfg.cache_layer(l);
+        let key = (view, kv_heads, h);
+        let Some((_, view)) = self.views.iter().find(|(k, _)| *k == key) else {
+            anyhow::bail!("no view of the pass for layer {l}");
+        };
         let scale = cfg.attn.scale as f64;
         let softcap = cfg.attn.softcap.map(|c| c as f64);
         let batched = match &view.decode {
             Some(d) => {
-                let (k_pool, v_pool) = b.store.layer(l);
-                Some(d.attend(q, k_pool, v_pool, cfg, (scale, softcap), sinks, &b.check)?)
+                let (k_pool, v_pool) = b.store.layer(cache);
+                Some(d.attend(q, k_pool, v_pool, shape, (scale, softcap), sinks, &b.check)?)
             }
             None => None,
         };
@@ -288,15 +300,15 @@ impl LayerOps for DevicePass<'_, '_> {
                     let t = step.len;
                     let (keys, values) =
                         b.store
-                            .gather(l, &chunk.rows, Some(&chunk.on_device), &dev)?; // (kv, L, hd)
-                                                                                    // Heads sharing a kv head sit next to each other: fold them into the row
-                                                                                    // axis so the cache is used as is, never repeated.
+                            .gather(cache, &chunk.rows, Some(&chunk.on_device), &dev)?; // (kv, L, hd)
+                                                                                        // Heads sharing a kv head sit next to each other: fold them into the row
+                                                                                        // axis so the cache is used as is, never repeated.
                     let qs = q
                         .narrow(0, step.at, t)?
                         .transpose(0, 1)?
                         .contiguous()?
-                        .reshape((kv, g * t, hd))?;
-                    let att = (qs.matmul(&keys.t()?)? * scale)?; // (kv, g*T, L)
+                        .reshape((kv_heads, g * t, hd))?;
+                    let att = (qs.matmul(&keys.t()?)? * scale)?; // (kv_heads, g*T, L)
                     let att = softcapped(att, softcap)?;
                     let att = att.broadcast_add(&chunk.mask)?;
                     // Rows (kv, g*T): row r of kv head j is query head j*g + r / T.
