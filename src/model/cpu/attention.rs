@@ -584,7 +584,7 @@ mod x86 {
             assert!(queries.len() == NQ && scores.len() >= NQ * width && n * KT <= width);
             // The queries side by side per dimension, so that one pointer and constant
             // offsets reach all of them (16 pointers do not fit in the registers).
-            const MAX_HD: usize = 256;
+            const MAX_HD: usize = 512;
             assert!(hd <= MAX_HD);
             let mut packed = [0f32; 16 * MAX_HD];
             for (qq, q) in queries.iter().enumerate() {
@@ -1265,6 +1265,8 @@ mod tests {
             (8, 1, 0, 23, 16, 4, Some(9)),
             (12, 1, 3, 9, 256, 16, None),
             (8, 2, 40, 7, 24, 16, Some(20)),
+            // Gemma 4's global layers: heads of 512.
+            (8, 1, 4, 21, 512, 16, None),
         ] {
             let l = pos + t;
             let k = data16(kv * l * hd, 2);
@@ -1306,7 +1308,7 @@ mod tests {
     }
 
     /// Query heads sharing a kv head in groups of 1 to 12 (so also in chunks), head widths
-    /// 64 and 256, lengths that end mid-block and windows that start mid-block or on a block
+    /// 64, 256 and 512 (Gemma 4's global layers), lengths that end mid-block and windows that start mid-block or on a block
     /// boundary: the grouped AVX2 kernel and the portable one against the f64 reference.
     #[test]
     fn grouped_query_heads_match_plain_attention() {
@@ -1314,7 +1316,7 @@ mod tests {
         // (len, from) per step of one batch.
         let spans = [(53, 0), (37, 0), (53, 20), (40, 32), (1, 0), (33, 31)];
         for g in [1, 3, 4, 5, 8, 12] {
-            for hd in [64, 256] {
+            for hd in [64, 256, 512] {
                 let h = g * kv;
                 let k = data16(kv * l * hd, 2);
                 let v = data16(kv * l * hd, 3);
