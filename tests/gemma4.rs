@@ -15,9 +15,10 @@ mod common;
 use std::path::PathBuf;
 
 use candle_core::quantized::GgmlDType;
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use common::gemma4::{write, Shape, DENSE_LIKE, E2B_LIKE, MOE_LIKE};
-use common::suite::{self, gen_logits, llama_logits, nmse, NMSE_F32};
+use common::suite::ids_of as ids;
+use common::suite::{self, bits, gen_logits, llama_logits, nmse, plain, NMSE_F32};
 use gen::format::checkpoint::Checkpoint;
 use gen::model::decoder::Decoder;
 use gen::model::{LanguageModel, SeqStep};
@@ -26,19 +27,6 @@ fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("gen-gemma4-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir.join(name)
-}
-
-/// `n` ids of the suite's 128-token vocabulary.
-fn ids(n: usize, seed: u64) -> Vec<u32> {
-    let mut x = seed;
-    (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((x >> 33) % 128) as u32
-        })
-        .collect()
 }
 
 #[test]
@@ -68,27 +56,6 @@ fn gemma4_files_agree_with_llama_cpp() {
             let _ = std::fs::remove_file(&path);
         }
     }
-}
-
-fn bits(t: &Tensor) -> Vec<Vec<u32>> {
-    t.to_vec2::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(|r| r.into_iter().map(f32::to_bits).collect())
-        .collect()
-}
-
-/// `prompt` as one prefill, then `reply` a token a pass: each pass's logits as bits.
-fn plain(m: &mut Decoder, prompt: &[u32], reply: &[u32]) -> Vec<Vec<Vec<u32>>> {
-    let s = m.new_sequence();
-    assert!(m.reserve(s, prompt.len() + reply.len()));
-    let mut rows = vec![bits(&m.forward(&[SeqStep::prefill(s, prompt, 0)]).unwrap())];
-    for (i, t) in reply.iter().enumerate() {
-        let pos = prompt.len() + i;
-        rows.push(bits(&m.forward(&[SeqStep::decode(s, &[*t], pos)]).unwrap()));
-    }
-    m.free_sequence(s);
-    rows
 }
 
 /// On F16 matrices (gen's kernels sum a token's products in one order whatever shares its

@@ -21,7 +21,8 @@ use std::path::PathBuf;
 
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use common::suite::{self, gen_logits, llama_logits, nmse, NMSE_F32};
+use common::suite::ids_of as ids;
+use common::suite::{self, bits, gen_logits, llama_logits, nmse, plain, NMSE_F32};
 use gen::format::checkpoint::Checkpoint;
 use gen::model::decoder::Decoder;
 use gen::model::{LanguageModel, SeqStep};
@@ -38,19 +39,6 @@ const HYBRIDS: [&str; 7] = [
 
 fn file(stem: &str) -> PathBuf {
     suite::dir().join("seed-1").join(format!("{stem}.gguf"))
-}
-
-/// `n` ids of the suite's 128-token vocabulary.
-fn ids(n: usize, seed: u64) -> Vec<u32> {
-    let mut x = seed;
-    (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((x >> 33) % 128) as u32
-        })
-        .collect()
 }
 
 /// An F16 copy of a suite file: its matrices in a type gen's kernels sum in one order however
@@ -97,14 +85,6 @@ fn load(stem: &str) -> Decoder {
     m
 }
 
-fn bits(t: &Tensor) -> Vec<Vec<u32>> {
-    t.to_vec2::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(|r| r.into_iter().map(f32::to_bits).collect())
-        .collect()
-}
-
 /// A suite file without its random per-tensor scales (near 0.1 each, which leave each
 /// layer's output a small part of the residual), so that the recurrent layers show.
 fn unscaled(stem: &str) -> PathBuf {
@@ -138,21 +118,6 @@ fn a_prompt_past_deltanets_chunks_agrees_with_llama_cpp() {
             "{stem}: {e:.2e} / {e_mixed:.2e}"
         );
     }
-}
-
-/// The reference: the prompt as one prefill, then the reply a token a pass. Returns the
-/// prefill's row and each reply token's row.
-fn plain(m: &mut Decoder, prompt: &[u32], reply: &[u32]) -> Vec<Vec<Vec<u32>>> {
-    let s = m.new_sequence();
-    assert!(m.reserve(s, prompt.len() + reply.len()));
-    let mut rows = vec![bits(&m.forward(&[SeqStep::prefill(s, prompt, 0)]).unwrap())];
-    for (i, t) in reply.iter().enumerate() {
-        let step = [*t];
-        let pos = prompt.len() + i;
-        rows.push(bits(&m.forward(&[SeqStep::decode(s, &step, pos)]).unwrap()));
-    }
-    m.free_sequence(s);
-    rows
 }
 
 #[test]

@@ -166,3 +166,40 @@ pub fn rewrite(
     let mut w = std::io::BufWriter::new(std::fs::File::create(to).unwrap());
     gguf_file::write(&mut w, &md_refs, &t_refs).unwrap();
 }
+
+/// `n` ids of the suite's 128-token vocabulary, from `seed`.
+pub fn ids_of(n: usize, seed: u64) -> Vec<u32> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 33) % 128) as u32
+        })
+        .collect()
+}
+
+/// A pass's logits as bits, row by row.
+pub fn bits(t: &candle_core::Tensor) -> Vec<Vec<u32>> {
+    t.to_vec2::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(|r| r.into_iter().map(f32::to_bits).collect())
+        .collect()
+}
+
+/// `prompt` as one prefill, then `reply` a token a pass, on a new sequence of `m` (freed
+/// after): each pass's logits as bits.
+pub fn plain(m: &mut Decoder, prompt: &[u32], reply: &[u32]) -> Vec<Vec<Vec<u32>>> {
+    let s = m.new_sequence();
+    assert!(m.reserve(s, prompt.len() + reply.len()));
+    let mut rows = vec![bits(&m.forward(&[SeqStep::prefill(s, prompt, 0)]).unwrap())];
+    for (i, t) in reply.iter().enumerate() {
+        let step = [*t];
+        let pos = prompt.len() + i;
+        rows.push(bits(&m.forward(&[SeqStep::decode(s, &step, pos)]).unwrap()));
+    }
+    m.free_sequence(s);
+    rows
+}

@@ -85,6 +85,17 @@ impl DeviceDecode {
         sinks: Option<&[f32]>,
         check: &KernelCheck,
     ) -> Result<Tensor> {
+        let gathered = |g: &Gathered| {
+            g.attend(
+                q,
+                k_pool,
+                v_pool,
+                shape,
+                (scale, softcap),
+                sinks,
+                self.steps,
+            )
+        };
         #[cfg(feature = "cuda")]
         if let Some(meta) = &self.meta {
             let y = super::cuda::decode_attention(
@@ -96,32 +107,16 @@ impl DeviceDecode {
                 scale as f32,
             )?;
             if let Some(g) = &self.gathered {
-                let want = g.attend(
-                    q,
-                    k_pool,
-                    v_pool,
-                    shape,
-                    (scale, softcap),
-                    sinks,
-                    self.steps,
-                )?;
-                check.attention(&y, &want)?;
+                check.attention(&y, &gathered(g)?)?;
             }
             return Ok(y);
         }
         let _ = check;
-        self.gathered
-            .as_ref()
-            .context("one-token steps with neither kernel nor gathered keys")?
-            .attend(
-                q,
-                k_pool,
-                v_pool,
-                shape,
-                (scale, softcap),
-                sinks,
-                self.steps,
-            )
+        gathered(
+            self.gathered
+                .as_ref()
+                .context("one-token steps with neither kernel nor gathered keys")?,
+        )
     }
 }
 
