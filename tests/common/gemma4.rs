@@ -191,6 +191,10 @@ pub fn write(s: &Shape, seed: u64, ty: GgmlDType, to: &Path) {
         add(p("ffn_up"), &[ff, D], wa, 0.0);
         add(p("ffn_down"), &[D, ff], 1.7 / (ff as f32).sqrt(), 0.0);
         add(p("post_ffw_norm"), &[D], 0.2, NORM);
+        // Per-tensor scales, which llama.cpp's Gemma 4 graph applies.
+        for t in ["attn_q", "attn_output", "ffn_gate", "ffn_up", "ffn_down"] {
+            add(format!("blk.{l}.{t}.scale"), &[1], 0.3, 1.0);
+        }
         if s.experts > 0 && l > 0 {
             let (e, fe) = (s.experts, FF_EXPERT);
             add(p("ffn_gate_inp"), &[e, D], wa, 0.0);

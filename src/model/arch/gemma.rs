@@ -139,6 +139,10 @@ pub fn gemma4(k: &Keys, c: Common) -> Result<DecoderConfig> {
     })?;
     let tensors = TensorRules {
         qk_norm: Need::Required,
+        // llama.cpp's loader creates no q/k/v biases for Gemma 4, and its graph applies the
+        // FFN's per-tensor scales.
+        qkv_bias: Need::Absent,
+        ffn_scales: true,
         values: Need::Optional,
         layer_out_scale: Need::Optional,
         rope_factors: RopeFactors::FreqsRequired,
