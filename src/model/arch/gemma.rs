@@ -105,12 +105,12 @@ pub fn gemma3(k: &Keys, c: Common) -> Result<DecoderConfig> {
     Ok(d)
 }
 
-/// Gemma 4 (31B, E2B, E4B, and 26B-A4B's experts beside a dense FFN): windowed and global layers of their own
-/// head widths and kv heads, q/k norms per head and v normed without weights, attention
-/// unscaled, v taken from k's projection where a layer has no `attn_v`, the global layers'
-/// partial rotation through `rope_freqs`, the last `shared_kv_layers` reading the cache of the
-/// last earlier layer of their kind, per-layer inputs (E2B, E4B) and output factors, and
-/// logits soft-capped (at 30 where the file does not say).
+/// Gemma 4 (31B, E2B, E4B, and 26B-A4B's experts beside a dense FFN): windowed and global
+/// layers of their own head widths and kv heads, q/k norms per head and v normed without
+/// weights, attention unscaled, v taken from k's projection where a layer has no `attn_v`, the
+/// global layers' partial rotation through `rope_freqs`, the last `shared_kv_layers` reading
+/// the cache of the last earlier layer of their kind, per-layer inputs (E2B, E4B) and output
+/// factors, and logits soft-capped (at 30 where the file does not say).
 pub fn gemma4(k: &Keys, c: Common) -> Result<DecoderConfig> {
     let n = c.n_layer;
     let swa = k
