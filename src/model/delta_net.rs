@@ -96,8 +96,61 @@ impl Shape {
     /// A token's logged input [mixed | g | beta] through the convolution: q, k (normalised, q
     /// scaled) and v, each head after the other, into `qkv`; the conv state moves on.
     fn conv(&self, w: &[f32], conv_state: &mut [f32], input: &[f32], qkv: &mut [f32], eps: f32) {
+        super::scan::conv_step(w, self.n.taps, conv_state, &input[..self.ch], qkv);
+        self.finish(qkv, eps);
+    }
+
+    /// A step's rows (`rows` of `inputs`, `width` each) through the convolution at once: a
+    /// token's window is the taps - 1 inputs before it (the state's, then the step's own) and
+    /// its own, summed as `conv_step` sums them, so tokens go side by side with the same bits
+    /// as one by one. The state moves on to the step's last inputs. Returns the state after
+    /// `snap_row`, where that is one of the rows.
+    #[allow(clippy::too_many_arguments)]
+    fn conv_rows(
+        &self,
+        w: &[f32],
+        conv_state: &mut [f32],
+        inputs: &[f32],
+        width: usize,
+        rows: std::ops::Range<usize>,
+        qkv: &mut [f32],
+        eps: f32,
+        snap_row: Option<usize>,
+    ) -> Option<Vec<f32>> {
+        use rayon::prelude::*;
+        let (ch, taps) = (self.ch, self.n.taps);
+        let keep = taps - 1;
+        // The state's rows, then the step's inputs: ch values each.
+        let mut x = Vec::with_capacity((keep + rows.len()) * ch);
+        x.extend_from_slice(conv_state);
+        for t in rows.clone() {
+            x.extend_from_slice(&inputs[t * width..t * width + ch]);
+        }
+        qkv[rows.start * ch..rows.end * ch]
+            .par_chunks_mut(ch)
+            .enumerate()
+            .for_each(|(i, out)| {
+                for (c, o) in out.iter_mut().enumerate() {
+                    let wc = &w[c * taps..(c + 1) * taps];
+                    let mut sum = 0f32;
+                    for (j, &wj) in wc[..keep].iter().enumerate() {
+                        sum += x[(i + j) * ch + c] * wj;
+                    }
+                    *o = sum + x[(i + keep) * ch + c] * wc[keep];
+                }
+                self.finish(out, eps);
+            });
+        let after = |i: usize| x[(i + 1) * ch..(i + 1 + keep) * ch].to_vec();
+        let snap = snap_row
+            .filter(|r| rows.contains(r))
+            .map(|r| after(r - rows.start));
+        conv_state.copy_from_slice(&after(rows.len() - 1));
+        snap
+    }
+
+    /// A token's convolved channels on: SiLU, q and k normed per head, q scaled.
+    fn finish(&self, qkv: &mut [f32], eps: f32) {
         let n = &self.n;
-        super::scan::conv_step(w, n.taps, conv_state, &input[..self.ch], qkv);
         for x in qkv.iter_mut() {
             *x = silu(*x);
         }
@@ -163,16 +216,12 @@ pub fn forward(
         let snap_row = rows
             .clone()
             .find(|&t| st.snaps_after(step.pos + t - step.at));
-        let mut snap = Vec::new();
         let (conv_state, heads) = st.layers[l].split_at_mut(sh.conv);
-        for t in rows.clone() {
-            let input = &inputs[t * width..(t + 1) * width];
-            let out = &mut qkv[t * ch..(t + 1) * ch];
-            sh.conv(&w.conv, conv_state, input, out, cfg.norm_eps);
-            if Some(t) == snap_row {
-                snap.extend_from_slice(conv_state);
-            }
-        }
+        let (eps, r) = (cfg.norm_eps, rows.clone());
+        let conv_snap = sh.conv_rows(
+            &w.conv, conv_state, &inputs, width, r, &mut qkv, eps, snap_row,
+        );
+        let mut snap = conv_snap.unwrap_or_default();
         // Heads side by side, each through the step's tokens in order.
         let kw = n.k_heads * kdim;
         heads_through(
