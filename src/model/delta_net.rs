@@ -26,7 +26,7 @@ use super::state::SeqState;
 use super::weights::DeltaNetWeights;
 
 /// 8-lane sums (vectorised by the compiler), reduced in one fixed order.
-#[inline]
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -55,6 +55,40 @@ fn l2_norm(x: &mut [f32], eps: f32) {
 /// One token's update of one value head's state `s` (v_dim rows of k_dim): decay, the delta
 /// rule, and the head's output from the updated state.
 fn head_step(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], g: f32, beta: f32, o: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2.
+        unsafe { head_step_avx2(s, q, k, v, g, beta, o) };
+        return;
+    }
+    head_step_body(s, q, k, v, g, beta, o)
+}
+
+/// [`head_step`] built for AVX2: the same operations (no fused multiply-adds), the same bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn head_step_avx2(
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: f32,
+    beta: f32,
+    o: &mut [f32],
+) {
+    head_step_body(s, q, k, v, g, beta, o)
+}
+
+#[inline(always)]
+fn head_step_body(
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: f32,
+    beta: f32,
+    o: &mut [f32],
+) {
     let kd = k.len();
     let decay = g.exp();
     for (m, row) in s.chunks_exact_mut(kd).enumerate() {
@@ -283,6 +317,32 @@ mod tests {
     use super::*;
 
     /// The delta rule on one head, against the update written out with k_dim = v_dim = 2.
+    #[test]
+    fn the_avx2_build_gives_the_portable_bits() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut r = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+                })
+                .collect()
+        };
+        // Widths with and without a remainder of 8.
+        for kd in [128, 36] {
+            let (s0, q, k, v) = (r(kd * kd), r(kd), r(kd), r(kd));
+            let (mut a, mut b) = (s0.clone(), s0);
+            let (mut oa, mut ob) = (vec![0f32; kd], vec![0f32; kd]);
+            head_step(&mut a, &q, &k, &v, -0.3, 0.7, &mut oa);
+            head_step_body(&mut b, &q, &k, &v, -0.3, 0.7, &mut ob);
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a), bits(&b), "state, width {kd}");
+            assert_eq!(bits(&oa), bits(&ob), "output, width {kd}");
+        }
+    }
+
     #[test]
     fn one_head_follows_the_delta_rule() {
         let mut s = vec![1.0, 0.0, 0.0, 1.0]; // rows m, columns i
