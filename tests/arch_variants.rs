@@ -129,14 +129,7 @@ fn tensors<'a>(
 ) -> Vec<(&'a str, Option<QTensor>)> {
     let mut all: Vec<(&str, Option<QTensor>)> = sharp
         .iter()
-        .map(|(n, t)| {
-            (
-                n.as_str(),
-                t.as_ref().map(|t| {
-                    QTensor::quantize(&t.dequantize(&Device::Cpu).unwrap(), GgmlDType::F32).unwrap()
-                }),
-            )
-        })
+        .map(|(n, t)| (n.as_str(), t.as_ref().map(copy)))
         .collect();
     all.extend(more);
     all

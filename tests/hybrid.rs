@@ -61,17 +61,11 @@ fn f16_copy(stem: &str) -> PathBuf {
             tensors.push((name.clone(), QTensor::quantize(&t, GgmlDType::F16).unwrap()));
         }
     }
-    let refs = tensors
+    let (names, tensors): (Vec<String>, Vec<QTensor>) = tensors.into_iter().unzip();
+    let refs = names
         .iter()
-        .map(|(n, t)| {
-            (
-                n.as_str(),
-                Some(
-                    QTensor::quantize(&t.dequantize(&Device::Cpu).unwrap(), GgmlDType::F16)
-                        .unwrap(),
-                ),
-            )
-        })
+        .map(String::as_str)
+        .zip(tensors.into_iter().map(Some))
         .collect();
     suite::rewrite(&src, &to, &[], refs);
     to
@@ -371,17 +365,8 @@ fn four_value_heads(stem: &str, arch: &str) -> PathBuf {
             refs.push((format!("{p}.ssm_in.{s}"), None));
         }
     }
-    let refs = refs
-        .iter()
-        .map(|(n, t)| {
-            (
-                n.as_str(),
-                t.as_ref().map(|t| {
-                    QTensor::quantize(&t.dequantize(&Device::Cpu).unwrap(), GgmlDType::F32).unwrap()
-                }),
-            )
-        })
-        .collect();
+    let (names, refs): (Vec<String>, Vec<Option<QTensor>>) = refs.into_iter().unzip();
+    let refs = names.iter().map(String::as_str).zip(refs).collect();
     suite::rewrite(&src, &to, &edit, refs);
     to
 }

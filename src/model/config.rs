@@ -452,14 +452,6 @@ impl DecoderConfig {
             .any(|l| l.mixer.state_floats(self.d_model) > 0)
     }
 
-    /// The layers with attention (and so with keys and values in the cache).
-    pub fn attention_layers(&self) -> usize {
-        self.layers
-            .iter()
-            .filter(|l| l.mixer == Mixer::Attention)
-            .count()
-    }
-
     /// The layer whose cache layer `l` reads: its own, or the one it shares.
     pub fn cache_layer(&self, l: usize) -> usize {
         self.layers[l].kv_from.unwrap_or(l)

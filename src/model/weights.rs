@@ -397,7 +397,7 @@ impl Reader<'_> {
             Need::Required => self.vector(n, len).map(Some),
             Need::Optional => self.has(n).then(|| self.vector(n, len)).transpose(),
             Need::Ignored => {
-                self.read.borrow_mut().insert(n.to_string());
+                self.ignore(n);
                 Ok(None)
             }
         }
