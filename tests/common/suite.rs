@@ -163,8 +163,19 @@ pub fn rewrite(
     let md_refs: Vec<(&str, &gguf_file::Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let t_refs: Vec<(&str, &candle_core::quantized::QTensor)> =
         ts.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    let mut w = std::io::BufWriter::new(std::fs::File::create(to).unwrap());
+    // Written beside `to` and renamed over it, so that a test reading `to` while another
+    // writes the same copy never sees half a file.
+    let part = to.with_extension(format!(
+        "part-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let mut w = std::io::BufWriter::new(std::fs::File::create(&part).unwrap());
     gguf_file::write(&mut w, &md_refs, &t_refs).unwrap();
+    use std::io::Write;
+    w.flush().unwrap();
+    drop(w);
+    std::fs::rename(&part, to).unwrap();
 }
 
 /// `n` ids of the suite's 128-token vocabulary, from `seed`.
