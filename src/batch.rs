@@ -36,8 +36,15 @@ use crate::speculate::{DraftStats, Drafter};
 /// One prompt of a batch.
 pub struct Request {
     pub prompt: Vec<u32>,
+    /// Tokens to generate; 0 (with `score_from`) scores the prompt and generates nothing.
     pub max_new: usize,
     pub sampler: Sampler,
+    /// Score the prompt's tokens from this position on (1: all but the first; the length of
+    /// a line's own prompt: its continuation), each given those before it, with
+    /// `sampler.prompt_logprobs()` alternatives. The tokens before it may come from the prefix
+    /// cache; the rows from there on are computed as a prompt chunk, so the scores are what a
+    /// prompt ending at each token would give.
+    pub score_from: Option<usize>,
 }
 
 #[derive(Debug, Clone)]
@@ -79,6 +86,10 @@ pub struct Outcome {
     pub error: Option<String>,
     /// What its drafter proposed and what was kept (zeros without speculation).
     pub drafts: DraftStats,
+    /// With `--logprobs`: one entry per token of `tokens` (None: forced, not sampled).
+    pub logprobs: Vec<Option<crate::sampler::TokenLogprob>>,
+    /// With `score_from`: one entry per prompt token from there on.
+    pub prompt_logprobs: Vec<crate::sampler::TokenLogprob>,
 }
 
 /// Receives tokens and finished sequences; `index` is the request's position.
@@ -151,6 +162,12 @@ struct Seq {
     /// Tokens forced after its last sampled one in this pass (see [`BatchSink::forced`]):
     /// the next pass feeds them, as a resumed reply is fed.
     forced: usize,
+    /// Its reply's log-probabilities (with `--logprobs`).
+    logprobs: Vec<Option<crate::sampler::TokenLogprob>>,
+    /// Where its prompt's scores start (see [`Request::score_from`]), and the scores once its
+    /// prompt pass computed them.
+    score_from: Option<usize>,
+    prompt_logprobs: Option<Vec<crate::sampler::TokenLogprob>>,
 }
 
 /// Where a running sequence is. Its prompt's tokens are computed by a prefill step and its
@@ -178,10 +195,26 @@ impl Seq {
         }
     }
 
+    /// Whether its prompt pass is to score the prompt (once: not again after a preemption).
+    fn scoring(&self) -> bool {
+        self.phase == Phase::Prompt && self.score_from.is_some() && self.prompt_logprobs.is_none()
+    }
+
+    /// The part of its prompt the prefix cache may give it: all of it, or what comes before
+    /// the first token scored (whose row must be computed).
+    fn reusable(&self) -> &[u32] {
+        let end = match self.prompt_logprobs {
+            None => self.score_from.unwrap_or(self.prompt_len),
+            Some(_) => self.prompt_len,
+        };
+        &self.history[..end.min(self.prompt_len)]
+    }
+
     /// Its step of the next pass, feeding `tokens` (from [`Seq::fed`]).
     fn step<'t>(&self, tokens: &'t [u32]) -> SeqStep<'t> {
         let seq = self.slot.expect("running");
         match self.phase {
+            Phase::Prompt if self.scoring() => SeqStep::score(seq, tokens, self.cached),
             Phase::Prompt => SeqStep::prefill(seq, tokens, self.cached),
             Phase::Reply | Phase::Decode => SeqStep::decode(seq, tokens, self.cached),
         }
@@ -200,6 +233,8 @@ impl Seq {
             mask: self.sampler.constraint().map(|c| c.stats()),
             error: self.error,
             drafts: self.drafter.map(|d| d.stats).unwrap_or_default(),
+            logprobs: self.logprobs,
+            prompt_logprobs: self.prompt_logprobs.unwrap_or_default(),
         }
     }
 }
@@ -212,13 +247,7 @@ pub fn run(
     opts: &BatchOptions,
     sink: &mut dyn BatchSink,
 ) -> Result<BatchStats> {
-    anyhow::ensure!(opts.batch_size > 0, "the batch size must be at least 1");
-    for (i, r) in requests.iter().enumerate() {
-        anyhow::ensure!(
-            !r.prompt.is_empty() && r.prompt.len() < opts.context_len && r.max_new > 0,
-            "request {i} has an empty prompt, one that fills the context, or max-new 0"
-        );
-    }
+    check_requests(&requests, opts)?;
     model.reserve_pool(opts.pool_blocks)?;
     model.kv_mut().set_prefix_cache(opts.prefix_cache);
     let start = Instant::now();
@@ -229,25 +258,7 @@ pub fn run(
     let mut waiting: VecDeque<Seq> = requests
         .into_iter()
         .enumerate()
-        .map(|(index, r)| Seq {
-            index,
-            prompt_len: r.prompt.len(),
-            history: r.prompt,
-            max_new: r.max_new,
-            sampler: r.sampler,
-            slot: None,
-            cached: 0,
-            phase: Phase::Prompt,
-            reused: None,
-            passes: 0,
-            preempted: 0,
-            wait: None,
-            ttft: None,
-            error: None,
-            drafter: opts.speculate.map(Drafter::new),
-            proposals: Vec::new(),
-            forced: 0,
-        })
+        .map(|(index, r)| Seq::new(index, r, opts))
         .collect();
     let mut running: Vec<Seq> = Vec::with_capacity(opts.batch_size);
     let mut halt: Option<StopReason> = None;
@@ -285,7 +296,10 @@ pub fn run(
         } else {
             Vec::new()
         };
-        let mut rows = if running.iter().all(|s| s.sampler.is_plain_argmax()) {
+        let mut rows = if running
+            .iter()
+            .all(|s| s.sampler.is_plain_argmax() && !s.scoring())
+        {
             Vec::new()
         } else {
             logits.to_dtype(DType::F32)?.to_vec2::<f32>()?
@@ -296,11 +310,25 @@ pub fn run(
             // Its rows: the prompt chunk's last token, or its next token and each proposal
             // (a resumed reply: its last token's only).
             let n = steps[i].logit_rows();
-            let first = if s.phase == Phase::Reply { n - 1 } else { 0 };
+            let scored = s.scoring();
+            if scored {
+                s.prompt_logprobs = Some(score_prompt(s, &rows[at..at + n]));
+            }
+            let first = if s.phase == Phase::Reply || scored {
+                n - 1
+            } else {
+                0
+            };
             let range = at + first..at + n;
             at += n;
             s.passes += 1;
             let sampled = stats.sampled_tokens;
+            if scored && s.max_new == 0 {
+                let seq = s.slot.expect("running");
+                model.publish(seq, &s.history[..s.prompt_len]);
+                ended.push((i, StopReason::Scored));
+                continue;
+            }
             if s.phase == Phase::Prompt {
                 // Its prefill computed these: later prompts may begin with them.
                 let seq = s.slot.expect("running");
@@ -362,6 +390,20 @@ pub fn run(
     Ok(stats)
 }
 
+/// The scores of a sequence's prompt tokens from its `score_from` on, from the rows its
+/// scoring step got (row i: the logits after its prompt token `cached + i`).
+fn score_prompt(s: &Seq, rows: &[Vec<f32>]) -> Vec<crate::sampler::TokenLogprob> {
+    let from = s.score_from.expect("a scoring sequence");
+    debug_assert!(
+        s.cached < from,
+        "the row before the first scored token was computed"
+    );
+    let top = s.sampler.prompt_logprobs().unwrap_or(0);
+    (from..s.prompt_len)
+        .map(|p| crate::sampler::TokenLogprob::of(&rows[p - 1 - s.cached], s.history[p], top))
+        .collect()
+}
+
 /// A pass's rows of one sequence: their argmax (greedy sequences) or the logits themselves.
 struct Pass<'r> {
     argmax: &'r [u32],
@@ -411,10 +453,14 @@ fn take_tokens(
         };
         used += 1;
         stats.sampled_tokens += 1;
+        let logprob = s.sampler.take_logprob();
         if opts.eos.contains(&next) {
             break Some(StopReason::Eos);
         }
         s.history.push(next);
+        if s.sampler.records_logprobs() {
+            s.logprobs.push(logprob);
+        }
         stats.generated_tokens += 1;
         match sink.on_token(s.index, next)? {
             Flow::Stop(reason) => break Some(reason),
@@ -456,6 +502,9 @@ fn force(
 ) -> Result<Option<StopReason>> {
     for &t in forced {
         s.history.push(t);
+        if s.sampler.records_logprobs() {
+            s.logprobs.push(None);
+        }
         s.forced += 1;
         stats.generated_tokens += 1;
         if let Flow::Stop(reason) = sink.on_token(s.index, t)? {
@@ -488,14 +537,14 @@ fn admit(
         let kv = model.kv();
         // Only its prompt: the blocks of its reply (after a preemption) hold what decode
         // steps computed, not what a prefill over them would.
-        let found = kv.lookup(&s.history[..s.prompt_len]);
+        let found = kv.lookup(s.reusable());
         // Blocks it takes from what is free: new ones, and cached ones nobody holds.
         let taken =
             blocks_for(need) - found.len() + found.iter().filter(|&&b| kv.holders(b) == 0).count();
         if kv.prefix_cache() && running.len() > first_new {
             let later = running[first_new..]
                 .iter()
-                .map(|r| shared_blocks(&r.history[..r.prompt_len], &s.history[..s.prompt_len]))
+                .map(|r| shared_blocks(&r.history[..r.prompt_len], s.reusable()))
                 .max()
                 .unwrap_or(0);
             if later > found.len() {
@@ -528,6 +577,55 @@ fn admit(
         s.cached = reused;
         s.phase = Phase::Prompt;
         running.push(s);
+    }
+    Ok(())
+}
+
+impl Seq {
+    /// A request, waiting to start.
+    fn new(index: usize, r: Request, opts: &BatchOptions) -> Self {
+        Seq {
+            index,
+            prompt_len: r.prompt.len(),
+            history: r.prompt,
+            max_new: r.max_new,
+            sampler: r.sampler,
+            slot: None,
+            cached: 0,
+            phase: Phase::Prompt,
+            reused: None,
+            passes: 0,
+            preempted: 0,
+            wait: None,
+            ttft: None,
+            error: None,
+            drafter: opts.speculate.map(Drafter::new),
+            proposals: Vec::new(),
+            forced: 0,
+            logprobs: Vec::new(),
+            score_from: r.score_from,
+            prompt_logprobs: None,
+        }
+    }
+}
+
+/// What `run` requires of its requests and options.
+fn check_requests(requests: &[Request], opts: &BatchOptions) -> Result<()> {
+    anyhow::ensure!(opts.batch_size > 0, "the batch size must be at least 1");
+    for (i, r) in requests.iter().enumerate() {
+        anyhow::ensure!(
+            !r.prompt.is_empty()
+                && r.prompt.len() < opts.context_len
+                && (r.max_new > 0 || r.score_from.is_some()),
+            "request {i} has an empty prompt, one that fills the context, or max-new 0"
+        );
+        if let Some(from) = r.score_from {
+            anyhow::ensure!(
+                (1..=r.prompt.len()).contains(&from),
+                "request {i} scores from position {from} of {}",
+                r.prompt.len()
+            );
+        }
     }
     Ok(())
 }

@@ -49,6 +49,11 @@ pub struct Entry {
     pub n: Option<usize>,
     /// Which of the line's completions this is (0-based; see [`expand`]).
     pub choice: usize,
+    /// `"continuation"`: text to score after the prompt (its tokens' log-probabilities),
+    /// generating nothing.
+    pub continuation: Option<String>,
+    /// `"prompt_logprobs"`: score the prompt's tokens too, with this many alternatives each.
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// Most completions one prompt may ask for (`--n`, `"n"`).
@@ -129,6 +134,10 @@ struct Record {
     grammar: Option<serde_json::Value>,
     #[serde(default)]
     regex: Option<serde_json::Value>,
+    #[serde(default)]
+    continuation: Option<serde_json::Value>,
+    #[serde(default)]
+    prompt_logprobs: Option<serde_json::Value>,
 }
 
 /// An OpenAI Batch API input line (`custom_id`, `method`, `url`, `body`) as gen's own fields:
@@ -171,6 +180,30 @@ fn from_openai_batch(value: serde_json::Value) -> Result<serde_json::Value, Stri
         }
     }
     Ok(serde_json::Value::Object(line))
+}
+
+/// A line's scoring fields: `"continuation"` (a string, not empty) and `"prompt_logprobs"`
+/// (alternatives per prompt token, 0 to 20).
+fn parse_scoring(r: &Record) -> Result<(Option<String>, Option<usize>), String> {
+    use serde_json::Value;
+    let continuation = match &r.continuation {
+        None | Some(Value::Null) => None,
+        Some(Value::String(c)) if !c.is_empty() => Some(c.clone()),
+        Some(_) => return Err("\"continuation\" must be a string, not empty".into()),
+    };
+    let top = crate::logprobs::MAX_TOP as u64;
+    let prompt_logprobs = match &r.prompt_logprobs {
+        None | Some(Value::Null) => None,
+        Some(v) => match v.as_u64() {
+            Some(n) if n <= top => Some(n as usize),
+            _ => {
+                return Err(format!(
+                    "\"prompt_logprobs\" must be an integer from 0 to {top}"
+                ))
+            }
+        },
+    };
+    Ok((continuation, prompt_logprobs))
 }
 
 /// A line's constraint fields, compiled once here so a bad one fails its line before the
@@ -251,6 +284,7 @@ fn parse_record(line: usize, text: &str) -> Result<Entry, LineError> {
     let value = from_openai_batch(value).map_err(|m| fail(None, m))?;
     let r: Record = serde_json::from_value(value).map_err(|e| fail(None, e.to_string()))?;
     let constraint = parse_constraint(&r);
+    let scoring = parse_scoring(&r);
     let id = match r.id {
         None | Some(serde_json::Value::Null) => None,
         Some(v @ (serde_json::Value::String(_) | serde_json::Value::Number(_))) => Some(v),
@@ -337,7 +371,15 @@ fn parse_record(line: usize, text: &str) -> Result<Entry, LineError> {
             ))
         }
     };
+    let (continuation, prompt_logprobs) = scoring.map_err(|e| fail(&e))?;
+    if continuation.is_some() && max_new.is_some() {
+        return Err(fail(
+            "a line with \"continuation\" scores it and generates nothing: drop \"max_new\"",
+        ));
+    }
     Ok(Entry {
+        continuation,
+        prompt_logprobs,
         line,
         id,
         prompt,

@@ -37,9 +37,26 @@ one ended the run (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP; the text so far and the 
 #[command(name = "gen", version, about, after_help = AFTER_HELP, args_override_self = true)]
 pub struct Args {
     /// `chat`: a conversation in the terminal (or one user turn per line of standard input),
-    /// the KV cache reused across turns.
+    /// the KV cache reused across turns. `perplexity FILE`: the model's perplexity on a text
+    /// file, windowed and scored as llama.cpp's llama-perplexity (--ctx-size tokens a window,
+    /// 512 by default).
     #[arg(value_enum, value_name = "COMMAND")]
     pub command: Option<Command>,
+
+    /// `perplexity`: the text file to score.
+    #[arg(value_name = "FILE")]
+    pub file: Option<PathBuf>,
+
+    /// gen perplexity: save this run's log-probabilities to PATH as the base of a later
+    /// --kl-divergence run (with --kl-divergence: read them from PATH).
+    #[arg(long, value_name = "PATH")]
+    pub kl_divergence_base: Option<PathBuf>,
+
+    /// gen perplexity: compare this run with the base run saved at --kl-divergence-base (its
+    /// text and windows; FILE may be left out): the KL divergence of each token's
+    /// distribution from the base's, and how often both put the same token first.
+    #[arg(long, requires = "kl_divergence_base")]
+    pub kl_divergence: bool,
 
     /// The prompt. Without it, or with `-`, the prompt is all of standard input.
     #[arg(short, long, allow_hyphen_values = true)]
@@ -210,6 +227,21 @@ pub struct Args {
     /// Print the prompt to stdout before the reply.
     #[arg(long)]
     pub echo: bool,
+
+    /// Record each generated token's log-probability and its N most likely alternatives
+    /// (0 to 20), from the model's logits before any sampling step: in the report (`logprobs`
+    /// in --stats json), in --batch lines, and OpenAI-shaped in --batch-output openai.
+    #[arg(long, value_name = "N",
+          value_parser = clap::value_parser!(u8).range(0..=crate::logprobs::MAX_TOP as i64))]
+    pub logprobs: Option<u8>,
+
+    /// Also score the prompt: each prompt token's log-probability given those before it, with
+    /// N alternatives (0 to 20), as vLLM's prompt_logprobs: `prompt_logprobs` in --stats json
+    /// and in --batch lines (a line's own "prompt_logprobs" overrides it). The prompt is then
+    /// computed whole, not taken from the prefix cache.
+    #[arg(long, value_name = "N",
+          value_parser = clap::value_parser!(u8).range(0..=crate::logprobs::MAX_TOP as i64))]
+    pub prompt_logprobs: Option<u8>,
 
     /// The reply is JSON that parses: an object (`--json`), or any JSON value (`--json=any`).
     /// Generation ends where the value does.
@@ -384,6 +416,8 @@ impl ReasoningArg {
 pub enum Command {
     /// A multi-turn conversation.
     Chat,
+    /// The perplexity of a text file.
+    Perplexity,
     /// List the known short names (fetched or not) and the model files in gen's cache and the
     /// Hugging Face hub cache, with their sizes.
     Models,
@@ -552,11 +586,17 @@ pub struct Config {
     pub speculate: Option<(Speculate, usize)>,
     /// Show the fetch tools' own output (`--verbose`).
     pub verbose: bool,
+    /// `gen perplexity [FILE]`: the run (`ctx_size` is then the window, 512 by default).
+    pub perplexity: Option<PerplexityConfig>,
+    /// `--logprobs N`: alternatives listed per generated token.
+    pub logprobs: Option<usize>,
+    /// `--prompt-logprobs N`: alternatives listed per prompt token.
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl Args {
-    /// Validate and resolve. Every error here is a usage error (exit status 2).
-    pub fn resolve(self) -> Result<Config> {
+    /// Counts that must be at least 1.
+    fn check_counts(&self) -> Result<()> {
         if self.max_new == 0 {
             bail!("--max-new must be at least 1");
         }
@@ -575,12 +615,53 @@ impl Args {
         if self.kv_blocks == Some(0) {
             bail!("--kv-blocks must be at least 1");
         }
-        let interactive = self.command == Some(Command::Chat);
-        let tools = self
-            .tools
-            .as_deref()
-            .map(crate::tool_calls::read_tools)
-            .transpose()?;
+        Ok(())
+    }
+
+    /// `gen perplexity`'s settings (None for any other run), and the flags that apply only
+    /// to it or never to it.
+    fn perplexity_config(&mut self, interactive: bool) -> Result<Option<PerplexityConfig>> {
+        let perplexity = self.command == Some(Command::Perplexity);
+        let perplexity_file = match (perplexity, self.file.take()) {
+            (true, f @ Some(_)) => Some(PerplexityConfig {
+                file: f,
+                kl_base: self.kl_divergence_base.take(),
+                compare: self.kl_divergence,
+            }),
+            (true, None) if self.kl_divergence => Some(PerplexityConfig {
+                file: None,
+                kl_base: self.kl_divergence_base.take(),
+                compare: true,
+            }),
+            (true, None) => bail!("gen perplexity needs a text file: gen perplexity FILE"),
+            (false, Some(f)) => bail!(
+                "unexpected argument '{}': the prompt goes in --prompt (or --prompt-file, or \
+                 standard input)",
+                f.display()
+            ),
+            (false, None) => None,
+        };
+        if perplexity {
+            check_perplexity_flags(self)?;
+        } else if self.kl_divergence_base.is_some() {
+            bail!("--kl-divergence-base and --kl-divergence apply to gen perplexity");
+        }
+        for (flag, on) in [
+            ("--logprobs", self.logprobs.is_some()),
+            ("--prompt-logprobs", self.prompt_logprobs.is_some()),
+        ] {
+            if on && interactive {
+                bail!("{flag} applies to one prompt and --batch, not gen chat");
+            }
+            if on && self.endpoint.is_some() {
+                bail!("{flag} is not yet passed to a server: drop --endpoint or {flag}");
+            }
+        }
+        Ok(perplexity_file)
+    }
+
+    /// Flags that apply only to some kinds of run (gen chat, --chat).
+    fn check_modes(&self, interactive: bool) -> Result<()> {
         if self.tool_choice.is_some() && interactive {
             bail!("--tool-choice holds one reply to a call: with gen chat use --tools alone (or gen --chat, or --batch)");
         }
@@ -607,6 +688,20 @@ impl Args {
         if interactive && self.prompt_cache.is_some() {
             bail!("--prompt-cache applies to one prompt; gen chat keeps its turns in the KV cache itself");
         }
+        Ok(())
+    }
+
+    /// Validate and resolve. Every error here is a usage error (exit status 2).
+    pub fn resolve(mut self) -> Result<Config> {
+        self.check_counts()?;
+        let interactive = self.command == Some(Command::Chat);
+        let perplexity_file = self.perplexity_config(interactive)?;
+        let tools = self
+            .tools
+            .as_deref()
+            .map(crate::tool_calls::read_tools)
+            .transpose()?;
+        self.check_modes(interactive)?;
         let constrained = self.json.is_some()
             || self.json_schema.is_some()
             || self.grammar.is_some()
@@ -698,7 +793,11 @@ impl Args {
             max_new: self.max_new,
             stops,
             stop_at_context: self.stop_at_context,
-            ctx_size: self.ctx_size,
+            // A comparison takes its windows from the base run.
+            ctx_size: match perplexity_file.is_some() && !self.kl_divergence {
+                true => Some(self.ctx_size.unwrap_or(512)),
+                false => self.ctx_size,
+            },
             ignore_eos: self.ignore_eos,
             sampling,
             constraint,
@@ -714,8 +813,50 @@ impl Args {
             stats_file: self.stats_file,
             quiet: self.quiet,
             verbose: self.verbose,
+            perplexity: perplexity_file,
+            logprobs: self.logprobs.map(usize::from),
+            prompt_logprobs: self.prompt_logprobs.map(usize::from),
         })
     }
+}
+
+/// `gen perplexity`'s own settings.
+#[derive(Debug, Clone)]
+pub struct PerplexityConfig {
+    /// The text (None: the base run's, with `compare`).
+    pub file: Option<PathBuf>,
+    /// --kl-divergence-base: where the base run is saved, or read from with `compare`.
+    pub kl_base: Option<PathBuf>,
+    /// --kl-divergence.
+    pub compare: bool,
+}
+
+/// The flags that mean nothing to `gen perplexity` (it reads its text from FILE and generates
+/// nothing), refused rather than ignored.
+fn check_perplexity_flags(a: &Args) -> Result<()> {
+    let given = [
+        ("--prompt", a.prompt.is_some()),
+        ("--prompt-file", a.prompt_file.is_some()),
+        ("--batch", a.batch.is_some()),
+        ("--chat", a.chat),
+        ("--messages", a.messages.is_some()),
+        ("--endpoint", a.endpoint.is_some()),
+        ("--echo", a.echo),
+        ("--dry-run", a.dry_run),
+        ("--prompt-cache", a.prompt_cache.is_some()),
+        ("--speculate", a.speculate.is_some()),
+        ("--tools", a.tools.is_some()),
+        ("--logprobs", a.logprobs.is_some()),
+        ("--prompt-logprobs", a.prompt_logprobs.is_some()),
+        (
+            "--json, --json-schema, --grammar or --regex",
+            a.json.is_some() || a.json_schema.is_some() || a.grammar.is_some() || a.regex.is_some(),
+        ),
+    ];
+    if let Some((flag, _)) = given.iter().find(|(_, on)| *on) {
+        bail!("{flag} does not apply to gen perplexity, which scores the text of FILE");
+    }
+    Ok(())
 }
 
 /// A string from the command line with its escapes processed as llama.cpp's

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 
 use crate::model::{LanguageModel, SeqStep};
-use crate::sampler::{Rows, Sampler};
+use crate::sampler::{Rows, Sampler, TokenLogprob};
 use crate::speculate::{DraftStats, Drafter};
 
 /// Why generation ended.
@@ -52,6 +52,8 @@ pub enum StopReason {
     /// Sampling failed for this sequence (its grammar engine hit a limit): in a batch, that
     /// reply ends with an error while the others go on.
     Failed,
+    /// A batch line that only scores a continuation: nothing was generated.
+    Scored,
 }
 
 impl StopReason {
@@ -65,6 +67,7 @@ impl StopReason {
             StopReason::Interrupted => "interrupted",
             StopReason::OutputClosed => "output-closed",
             StopReason::Failed => "error",
+            StopReason::Scored => "scored",
         }
     }
 }
@@ -136,6 +139,11 @@ pub struct Generation {
     pub sampled: usize,
     /// With speculation: the most proposals per pass, and what was proposed and kept.
     pub speculation: Option<(usize, DraftStats)>,
+    /// With `--logprobs`: one entry per token of `tokens`, None for a token the loop forced
+    /// (a thinking block's end marker when its budget ran out) rather than sampled.
+    pub logprobs: Vec<Option<TokenLogprob>>,
+    /// With `--prompt-logprobs`: one entry per prompt token after the first.
+    pub prompt_logprobs: Vec<TokenLogprob>,
 }
 
 impl Generation {
@@ -195,7 +203,11 @@ pub fn generate_with(
     // A pool with room for this sequence at least, its blocks taken up front.
     model.reserve_pool(crate::model::kv_cache::blocks_for(capacity))?;
     let seq = model.new_sequence();
-    let reused = model.attach_prefix(seq, prompt);
+    // A scored prompt is computed whole: every token's row is needed.
+    let reused = match sampler.prompt_logprobs() {
+        Some(_) => 0,
+        None => model.attach_prefix(seq, prompt),
+    };
     if !model.reserve(seq, capacity) {
         model.free_sequence(seq);
         anyhow::bail!("the KV cache has no room for {capacity} tokens");
@@ -247,6 +259,8 @@ impl Run<'_> {
             decode_time: Duration::ZERO,
             sampled: 0,
             speculation: None,
+            logprobs: Vec::new(),
+            prompt_logprobs: Vec::new(),
         };
         if let Some(reason) = self.sink.cancelled() {
             gen.stop = reason;
@@ -256,8 +270,16 @@ impl Run<'_> {
         // Prefill: one pass over the whole prompt (what the cache does not hold of it) gives
         // the first token.
         let start = Instant::now();
-        let step = SeqStep::prefill(seq, &prompt[cached..], cached);
-        let logits = self.model.forward(&[step])?;
+        let logits = match self.sampler.prompt_logprobs() {
+            Some(n) => {
+                let rows = self.model.forward(&[SeqStep::score(seq, prompt, 0)])?;
+                gen.prompt_logprobs = score_rows(&rows, &prompt[1..], n)?;
+                rows.get(prompt.len() - 1)?
+            }
+            None => self
+                .model
+                .forward(&[SeqStep::prefill(seq, &prompt[cached..], cached)])?,
+        };
         gen.forward_passes += 1;
         self.model.publish(seq, prompt);
         self.sampler.set_gate(self.sink.gate());
@@ -320,10 +342,14 @@ impl Run<'_> {
         gen: &mut Generation,
         history: &mut Vec<u32>,
     ) -> Result<Option<StopReason>> {
+        let logprob = self.sampler.take_logprob();
         if self.eos.contains(&next) {
             return Ok(Some(StopReason::Eos));
         }
         gen.tokens.push(next);
+        if self.sampler.records_logprobs() {
+            gen.logprobs.push(logprob);
+        }
         history.push(next);
         if let Flow::Stop(reason) = self.sink.on_token(next)? {
             return Ok(Some(reason));
@@ -405,4 +431,20 @@ impl Run<'_> {
             d.record(p.fed.len() - 1, p.used - 1);
         }
     }
+}
+
+/// The log-probabilities of `next` under the rows of `logits` (row i for `next[i]`), with `n`
+/// alternatives each; rows past `next` are not used.
+pub fn score_rows(
+    logits: &candle_core::Tensor,
+    next: &[u32],
+    n: usize,
+) -> Result<Vec<TokenLogprob>> {
+    let rows = logits.narrow(0, 0, next.len())?;
+    let rows = rows.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
+    Ok(rows
+        .iter()
+        .zip(next)
+        .map(|(row, &id)| TokenLogprob::of(row, id, n))
+        .collect())
 }

@@ -58,6 +58,12 @@ pub struct Report {
     /// Blocks that looked like tool calls and did not parse (cut, malformed), with --tools.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub malformed_tool_calls: Option<usize>,
+    /// With --logprobs: one entry per generated token (see `crate::logprobs`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<crate::logprobs::Logprobs>,
+    /// With --prompt-logprobs: `prompt_logprobs`, one entry per prompt token (null first).
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub prompt_scores: Option<crate::logprobs::PromptScores>,
 }
 
 /// A reply's thinking, kept apart from its text ([`crate::reasoning`]).
@@ -205,6 +211,8 @@ impl Report {
             reasoning: None,
             tool_calls: None,
             malformed_tool_calls: None,
+            logprobs: None,
+            prompt_scores: None,
         }
     }
 
@@ -219,6 +227,13 @@ impl Report {
     /// Sets the kernel paths per weight type (`LanguageModel::kernel_paths`).
     pub fn with_kernels(mut self, kernels: BTreeMap<String, String>) -> Self {
         self.kernels = kernels;
+        self
+    }
+
+    /// With --logprobs and --prompt-logprobs: the reply's and the prompt's scores.
+    pub fn with_scores(mut self, (logprobs, prompt): Scores) -> Self {
+        self.logprobs = logprobs;
+        self.prompt_scores = prompt;
         self
     }
 
@@ -296,6 +311,9 @@ impl Report {
         if let Some(s) = &self.speculate {
             s.write_human(w, self.tokens_per_pass)?;
         }
+        if let Some(l) = &self.logprobs {
+            l.write_human(w)?;
+        }
         Ok(())
     }
 
@@ -336,6 +354,13 @@ pub fn save_json(path: &std::path::Path, report: &impl Serialize) -> anyhow::Res
         })
         .with_context(|| format!("writing --stats-file {}", path.display()))
 }
+
+/// A run's scores: the reply's log-probabilities (--logprobs) and the prompt's
+/// (--prompt-logprobs).
+pub type Scores = (
+    Option<crate::logprobs::Logprobs>,
+    Option<crate::logprobs::PromptScores>,
+);
 
 /// The report of a batch run (`--batch`).
 #[derive(Debug, Clone, Serialize)]
@@ -596,6 +621,8 @@ mod tests {
             decode_time: Duration::from_secs(2),
             sampled: 41,
             speculation,
+            logprobs: Vec::new(),
+            prompt_logprobs: Vec::new(),
         }
     }
 

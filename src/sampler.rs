@@ -95,6 +95,53 @@ pub struct Sampler {
     constraint: Option<Constraint>,
     /// How the grammar applies to the next token ([`Gate`]).
     gate: Gate,
+    /// `--logprobs N`: alternatives kept per token (None: log-probabilities not recorded).
+    logprobs: Option<usize>,
+    /// The log-probabilities of the token sampled last, until taken.
+    last: Option<TokenLogprob>,
+    /// Score the prompt's own tokens too, with this many alternatives each.
+    prompt_logprobs: Option<usize>,
+}
+
+/// A token's log-probability and the most likely alternatives with theirs, from the logits the
+/// forward pass returned (before penalties, temperature, filters or a grammar's mask).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub id: u32,
+    pub logprob: f32,
+    /// The `N` most likely tokens, most likely first (ties: lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprob {
+    /// The entry of `id` from the row of logits it was chosen from, with `n` alternatives.
+    pub fn of(row: &[f32], id: u32, n: usize) -> Self {
+        let lse = log_sum_exp(row);
+        let mut top: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
+        if n > 0 {
+            for (i, &l) in row.iter().enumerate() {
+                if top.len() == n && l <= top[n - 1].1 {
+                    continue;
+                }
+                let at = top.partition_point(|&(_, t)| t >= l);
+                top.insert(at, (i as u32, l));
+                top.truncate(n);
+            }
+        }
+        let lp = |l: f32| (f64::from(l) - lse) as f32;
+        Self {
+            id,
+            logprob: lp(row[id as usize]),
+            top: top.into_iter().map(|(i, l)| (i, lp(l))).collect(),
+        }
+    }
+}
+
+/// `ln(sum(exp(row)))`, the maximum taken out first, summed in f64.
+pub fn log_sum_exp(row: &[f32]) -> f64 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = row.iter().map(|&l| f64::from(l - max).exp()).sum();
+    f64::from(max) + sum.ln()
 }
 
 /// How a grammar applies to the next token. A reply that thinks first is held to its grammar
@@ -119,7 +166,39 @@ impl Sampler {
             candidates: Vec::new(),
             constraint: None,
             gate: Gate::Apply,
+            logprobs: None,
+            last: None,
+            prompt_logprobs: None,
         }
+    }
+
+    /// Also score the prompt: each of its tokens' log-probability given those before it, with
+    /// `n` alternatives (vLLM's `prompt_logprobs`).
+    pub fn with_prompt_logprobs(mut self, n: Option<usize>) -> Self {
+        self.prompt_logprobs = n;
+        self
+    }
+
+    /// Alternatives per prompt token when the prompt is scored.
+    pub fn prompt_logprobs(&self) -> Option<usize> {
+        self.prompt_logprobs
+    }
+
+    /// Record each sampled token's log-probability and its `n` most likely alternatives
+    /// (`--logprobs N`); taken with [`Sampler::take_logprob`].
+    pub fn with_logprobs(mut self, n: Option<usize>) -> Self {
+        self.logprobs = n;
+        self
+    }
+
+    /// The log-probabilities of the token sampled last (None without `with_logprobs`).
+    pub fn take_logprob(&mut self) -> Option<TokenLogprob> {
+        self.last.take()
+    }
+
+    /// Whether sampled tokens' log-probabilities are recorded.
+    pub fn records_logprobs(&self) -> bool {
+        self.logprobs.is_some()
     }
 
     /// How the grammar (if any) applies to the next token.
@@ -164,7 +243,10 @@ impl Sampler {
         let penalised =
             (p.repeat_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0)
                 && p.repeat_last_n > 0;
-        self.params.is_greedy() && !penalised && self.constraint.is_none()
+        self.params.is_greedy()
+            && !penalised
+            && self.constraint.is_none()
+            && self.logprobs.is_none()
     }
 
     /// `sample` on a row of logits already on the host (changed in place).
@@ -176,6 +258,16 @@ impl Sampler {
         if row.is_empty() {
             bail!("the model returned no logits");
         }
+        let Some(n) = self.logprobs else {
+            return self.pick(row, history);
+        };
+        let raw = row.to_vec();
+        let id = self.pick(row, history)?;
+        self.last = Some(TokenLogprob::of(&raw, id, n));
+        Ok(id)
+    }
+
+    fn pick(&mut self, row: &mut [f32], history: &[u32]) -> Result<u32> {
         let (Some(constraint), false) = (self.constraint.as_mut(), self.gate == Gate::Pause) else {
             return self.draw(row, history);
         };
@@ -392,6 +484,38 @@ mod tests {
 
     fn logits(v: &[f32]) -> Tensor {
         Tensor::new(v, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn logprobs_are_a_log_softmax_of_the_raw_logits() {
+        let row = [0.5f32, 3.0, -1.0, 2.0, 3.0, -7.5];
+        let z: f64 = row.iter().map(|&l| f64::from(l).exp()).sum();
+        let want = |i: usize| (f64::from(row[i]) - z.ln()) as f32;
+        // Penalties and a low temperature change the draw, not the recorded values.
+        let params = SamplingParams {
+            temperature: 0.3,
+            repeat_penalty: 1.5,
+            seed: 7,
+            ..SamplingParams::default()
+        };
+        let mut s = Sampler::new(params).with_logprobs(Some(3));
+        let id = s.sample(&logits(&row), &[1, 4]).unwrap();
+        let got = s.take_logprob().unwrap();
+        assert_eq!(got.id, id);
+        assert!((got.logprob - want(id as usize)).abs() < 1e-6);
+        let ids: Vec<u32> = got.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, [1, 4, 3], "most likely first, ties by id");
+        for (i, lp) in &got.top {
+            assert!((lp - want(*i as usize)).abs() < 1e-6);
+        }
+        assert!(s.take_logprob().is_none(), "taken once");
+        // Greedy: the top alternative is the token chosen, at every step.
+        let mut g = Sampler::new(SamplingParams::default()).with_logprobs(Some(1));
+        assert!(!g.is_plain_argmax(), "the rows must reach the host");
+        let id = g.sample(&logits(&row), &[]).unwrap();
+        assert_eq!(g.take_logprob().unwrap().top[0].0, id);
+        // No alternatives asked: the token's own value still.
+        assert!(TokenLogprob::of(&row, 2, 0).top.is_empty());
     }
 
     #[test]

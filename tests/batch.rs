@@ -47,6 +47,7 @@ fn greedy_requests(prompt_lens: &[usize], max_new: usize) -> Vec<Request> {
             prompt: (1..=n as u32).collect(),
             max_new,
             sampler: Sampler::new(SamplingParams::default()),
+            score_from: None,
         })
         .collect()
 }
@@ -303,6 +304,7 @@ fn batched_greedy_ids_equal_one_by_one_on_the_real_model() {
                 prompt: p.clone(),
                 max_new,
                 sampler: Sampler::new(SamplingParams::default()),
+                score_from: None,
             })
             .collect();
         let mut sink = Collect::default();

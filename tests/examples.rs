@@ -158,6 +158,28 @@ fn readme_lines_after(after: &str) -> Vec<String> {
 
 const CLASSIFY: &str = r#"{"type": "object", "properties": {"label": {"enum": ["positive", "negative"]}}, "required": ["label"], "additionalProperties": false}"#;
 
+/// docs/scores.md's two choice lines.
+fn readme_choices() -> String {
+    let doc = std::fs::read_to_string(root().join("docs/scores.md")).unwrap();
+    let lines: Vec<&str> = doc
+        .lines()
+        .filter(|l| l.contains("\"continuation\": "))
+        .collect();
+    assert_eq!(lines.len(), 2, "docs/scores.md shows two choice lines");
+    lines.join("\n") + "\n"
+}
+
+/// Real English for `gen perplexity`'s examples: the start of docs/internals.md, cut at a
+/// character boundary (enough for two windows of 512 tokens).
+fn corpus(bytes: usize) -> String {
+    let text = std::fs::read_to_string(root().join("docs/internals.md")).unwrap();
+    let cut = (0..=bytes.min(text.len()))
+        .rev()
+        .find(|&i| text.is_char_boundary(i))
+        .unwrap();
+    text[..cut].to_string()
+}
+
 /// The folder an example runs in: the files examples name, the default model where they name a
 /// model file of their own.
 fn workdir(cmd: &str) -> PathBuf {
@@ -207,12 +229,20 @@ fn workdir(cmd: &str) -> PathBuf {
                 })
                 .collect(),
         ),
+        ("wiki.test.raw", corpus(8_000)),
+        ("choices.jsonl", readme_choices()),
+        ("notes.txt", corpus(9_000)),
         ("list.gbnf", "root ::= item item item\nitem ::= \"- \" [A-Za-z ]{1,30} \"\\n\"\n".into()),
     ];
     for (name, text) in files {
         std::fs::write(dir.join(name), text).unwrap();
     }
-    for name in ["model.gguf", "my-model.gguf"] {
+    for name in [
+        "model.gguf",
+        "my-model.gguf",
+        "model-f16.gguf",
+        "model-q4_k_m.gguf",
+    ] {
         std::os::unix::fs::symlink(common::smollm2(), dir.join(name)).unwrap();
     }
     if cmd.contains("./SmolLM2-135M-Instruct/") || cmd.contains("./my-llama/") {
@@ -460,9 +490,25 @@ fn stats_and_reply(r: &Ran) {
     assert!(py.status.success(), "{}", common::text(&py.stderr));
 }
 
-fn twenty_bytes(r: &Ran) {
+/// `gen perplexity`'s stdout: the figure and its error, nothing else.
+fn perplexity_figure(r: &Ran) {
     r.ok();
-    assert!(r.out.len() <= 20 && !r.out.contains("\n\n"), "{:?}", r.out);
+    let parts: Vec<&str> = r.out.trim_end().split(' ').collect();
+    assert_eq!(r.out.lines().count(), 1, "{:?}", r.out);
+    assert_eq!(parts.len(), 3, "{:?}", r.out);
+    assert_eq!(parts[1], "+/-");
+    let ppl: f64 = parts[0].parse().unwrap();
+    assert!(ppl > 1.0 && ppl < 1000.0, "{ppl}");
+    assert!(parts[2].parse::<f64>().unwrap() > 0.0);
+}
+
+/// A `--logprobs 5` run's first token's alternatives, as jq prints them.
+fn five_alternatives(r: &Ran) {
+    r.ok();
+    let v: Value = serde_json::from_str(&r.out).unwrap_or_else(|e| panic!("{e}: {}", r.out));
+    let top = v.as_array().unwrap();
+    assert_eq!(top.len(), 5, "{}", r.out);
+    assert!(top.iter().all(|t| t["logprob"].as_f64().unwrap() <= 0.0));
 }
 
 fn speculated(r: &Ran) {
@@ -606,7 +652,77 @@ fn case_of(cmd: &str) -> Option<How> {
         "gen chat --temperature 0 --max-new 20" => Run(Some("Hi there, who are you?\nTell me more about you.\n"), chat_transcript),
         "gen --batch prompts.txt --quiet --temperature 0 --max-new 60 | jq -r .text" => Run(None, jq_texts),
         r#"gen --prompt "Hello" --max-new 20 --stats-file stats.json >reply.txt"# => Run(None, stats_and_reply),
-        r#"gen --prompt "List three colours:" --stop $'\n\n' | head -c 20"# => Run(None, twenty_bytes),
+        r#"gen --prompt "Is the sky green? Answer yes or no:" -n 1 -t 0 --logprobs 5 --stats json 2>&1 >/dev/null | jq '.logprobs[0].top_logprobs'"#
+        => Run(None, five_alternatives),
+        "gen perplexity wiki.test.raw --ctx-size 512     # stdout: the perplexity and its error, as llama-perplexity computes them"
+        | "gen perplexity wiki.test.raw --ctx-size 512 --threads 2" => Run(None, perplexity_figure),
+        "gen perplexity notes.txt -m gemma3-270m --stats json -q --stats-file ppl.json" => Run(None, |r| {
+            r.ok();
+            let v: Value = serde_json::from_str(&r.file("ppl.json")).unwrap();
+            assert!(v["perplexity"].as_f64().unwrap() > 1.0, "{v}");
+            assert_eq!(v["chunks"], v["chunks_total"]);
+            assert!(v["chunks"].as_u64().unwrap() >= 2);
+            assert!(r.err.is_empty(), "-q: {}", r.err);
+        }),
+        r#"gen --prompt "The capital of France is Paris." -n 1 --prompt-logprobs 2 --stats json 2>&1 >/dev/null | jq -c '.prompt_logprobs[1:3]'"# => Run(None, |r| {
+            r.ok();
+            let v: Value = serde_json::from_str(&r.out).unwrap();
+            assert_eq!(v.as_array().unwrap().len(), 2, "{}", r.out);
+            assert!(v[0]["logprob"].as_f64().unwrap() < 0.0);
+        }),
+        r#"gen --batch choices.jsonl -q > scores.jsonl      # lines with "prompt" and "continuation""# => Run(None, |r| {
+            r.ok();
+            let lines = r.jsonl(&r.file("scores.jsonl"));
+            assert_eq!(lines.len(), 2);
+            for l in &lines {
+                assert_eq!(l["stop"], "scored");
+                assert!(l["continuation_logprob"].as_f64().unwrap() < 0.0, "{l}");
+            }
+        }),
+        "gen perplexity wiki.test.raw -m model-f16.gguf --kl-divergence-base f16.kld     # the base run" => Run(None, |r| {
+            perplexity_figure(r);
+            assert!(r.dir.join("f16.kld").is_file());
+        }),
+        "gen perplexity -m model-q4_k_m.gguf --kl-divergence-base f16.kld --kl-divergence" => Run(None, |r| {
+            // Alone, in a folder without the base run: one line, no figure.
+            assert_eq!(r.code, Some(1));
+            assert!(r.err.contains("cannot read the base run f16.kld"), "{}", r.err);
+            assert!(r.out.is_empty());
+            let sh = |cmd: &str| {
+                std::process::Command::new("bash")
+                    .args(["-c", &format!("PATH=bin:$PATH {cmd}")])
+                    .current_dir(&r.dir)
+                    .output()
+                    .unwrap()
+            };
+            let base = sh("gen perplexity wiki.test.raw -m model-f16.gguf --kl-divergence-base f16.kld");
+            assert!(base.status.success(), "{}", common::text(&base.stderr));
+            let again = sh("gen perplexity -m model-q4_k_m.gguf --kl-divergence-base f16.kld --kl-divergence --stats json");
+            let (_, _, stats) = common::with_stats(&again);
+            let kl = &stats["kl_divergence"];
+            // The same file twice: nothing between them but the base file's rounding.
+            assert!(kl["mean"].as_f64().unwrap() < 1e-4, "{kl}");
+            assert_eq!(kl["same_top"], 1.0);
+            let (a, b) = (stats["perplexity"].as_f64().unwrap(), kl["base_perplexity"].as_f64().unwrap());
+            assert!((a / b - 1.0).abs() < 1e-3, "{a} {b}");
+        }),
+        r#"gen --prompt "The capital of France is" -n 5 -t 0 --logprobs 3          # a table on stderr"# => Run(None, |r| {
+            r.ok();
+            assert!(r.err.contains("logprobs       token"), "{}", r.err);
+        }),
+        r#"gen --prompt "The capital of France is" -n 5 -t 0 --logprobs 3 --stats json 2>&1 >/dev/null | jq .logprobs"# => Run(None, |r| {
+            r.ok();
+            let v: Value = serde_json::from_str(&r.out).unwrap();
+            assert_eq!(v.as_array().unwrap().len(), 5, "{}", r.out);
+            assert_eq!(v[0]["top_logprobs"].as_array().unwrap().len(), 3);
+        }),
+        "gen --batch prompts.jsonl --logprobs 5 > replies.jsonl                  # a \"logprobs\" list per line" => Run(None, |r| {
+            r.ok();
+            for l in r.jsonl(&r.file("replies.jsonl")) {
+                let lps = l["logprobs"].as_array().unwrap();
+                assert_eq!(lps.len() as u64, l["tokens"].as_u64().unwrap(), "{l}");
+            }
+        }),
         "gen --chat --speculate lookup --prompt-file rewrite-this.txt" => Run(None, speculated),
         "gen --batch prompts.jsonl --speculate lookup --draft-max 6 > replies.jsonl" => Run(None, speculated),
         r#"gen chat --system "Answer briefly.""# => Run(Some("Hi\n"), chat_turns),
@@ -632,7 +748,7 @@ fn case_of(cmd: &str) -> Option<How> {
         "gen --help" | "gen help" => Run(None, help_text),
         "gen chat --help" => Run(None, chat_help),
         "gen --version" => Run(None, version),
-        "gen" | "gen chat" | "gen --prompt-file" | "gen --batch" | "gen --endpoint" => Name,
+        "gen" | "gen chat" | "gen --prompt-file" | "gen --batch" | "gen --endpoint" | "gen perplexity" => Name,
         _ => return None,
     })
 }

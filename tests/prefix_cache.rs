@@ -77,6 +77,7 @@ fn run_batch_n(
             prompt: p.clone(),
             max_new,
             sampler: Sampler::new(SamplingParams::default()),
+            score_from: None,
         })
         .collect();
     let opts = BatchOptions {

@@ -198,6 +198,7 @@ fn a_batch_speculates_per_sequence_with_the_same_replies() {
                 prompt: p.clone(),
                 max_new,
                 sampler: Sampler::new(SamplingParams::default()),
+                score_from: None,
             })
             .collect()
     };
@@ -479,6 +480,7 @@ fn greedy_ids_are_the_same_with_and_without_speculation_on_the_real_model() {
             prompt: p.clone(),
             max_new,
             sampler: Sampler::new(greedy.clone()),
+            score_from: None,
         })
         .collect();
     let opts = BatchOptions {

@@ -31,6 +31,10 @@ struct Prepared {
     constraint: Option<Spec>,
     /// Where the reply starts, when the chat template has a thinking block.
     start: Option<super::thinking::Start>,
+    /// Where its scores start (see `batch::Request::score_from`), with the alternatives each.
+    score: Option<(usize, usize)>,
+    /// A continuation line: its prompt's own tokens (the continuation's follow).
+    prompt_len: usize,
 }
 
 /// The batch's prompts, each as many times as it asks completions: the lines of `--batch`'s
@@ -175,6 +179,8 @@ pub fn run(cfg: &Config, bc: &BatchConfig) -> Result<Outcome> {
         tokens: 0,
         started: std::time::Instant::now(),
         tool_format,
+        logprobs: cfg.logprobs.is_some(),
+        tokenizer,
     };
     let opts = BatchOptions {
         batch_size,
@@ -267,7 +273,9 @@ fn requests(
             out.error(p.index, e)?;
             continue;
         }
-        let mut sampler = Sampler::new(p.sampling.clone());
+        let mut sampler = Sampler::new(p.sampling.clone())
+            .with_logprobs(cfg.logprobs)
+            .with_prompt_logprobs(p.score.map(|(_, n)| n));
         if let (Some(spec), Some(g)) = (&p.constraint, &grammars) {
             sampler = sampler.with_constraint(g.constraint(spec)?);
         }
@@ -275,6 +283,7 @@ fn requests(
             prompt: p.ids.clone(),
             max_new: p.max_new,
             sampler,
+            score_from: p.score.map(|(from, _)| from),
         });
         ran.push(p);
     }
@@ -306,12 +315,37 @@ fn prepare(
     if entry.messages.is_none() && entry.prompt.trim().is_empty() {
         return Err(fail(anyhow::anyhow!("the prompt is empty")));
     }
-    let max_new = entry.max_new.unwrap_or(cfg.max_new);
-    let (ids, start) = match &entry.messages {
-        Some(conv) => session.conversation(cfg, &conv.messages(), max_new),
-        None => session.prompt_as(cfg, &entry.prompt, max_new, entry.chat.unwrap_or(cfg.chat)),
+    let max_new = match entry.continuation {
+        Some(_) => 0,
+        None => entry.max_new.unwrap_or(cfg.max_new),
+    };
+    let (mut ids, start) = match &entry.messages {
+        Some(conv) => session.conversation(cfg, &conv.messages(), max_new.max(1)),
+        None => session.prompt_as(
+            cfg,
+            &entry.prompt,
+            max_new.max(1),
+            entry.chat.unwrap_or(cfg.chat),
+        ),
     }
     .map_err(fail)?;
+    let prompt_len = ids.len();
+    if let Some(c) = &entry.continuation {
+        ids.extend(session.loaded.tokenizer.encode(c, false).map_err(fail)?);
+        if ids.len() >= session.context_len {
+            return Err(fail(anyhow::anyhow!(
+                "the prompt and its continuation ({} tokens) do not fit the context window ({} tokens)",
+                ids.len(),
+                session.context_len
+            )));
+        }
+    }
+    let prompt_top = entry.prompt_logprobs.or(cfg.prompt_logprobs);
+    let score = match (prompt_top, &entry.continuation) {
+        (Some(n), _) => Some((1, n)),
+        (None, Some(_)) => Some((prompt_len, cfg.logprobs.unwrap_or(0))),
+        (None, None) => None,
+    };
     let mut sampling = cfg.sampling.clone();
     if let Some(t) = entry.temperature {
         sampling.temperature = t;
@@ -338,6 +372,8 @@ fn prepare(
         sampling,
         constraint,
         start,
+        score,
+        prompt_len,
     })
 }
 
@@ -363,6 +399,9 @@ struct Sink<'a, 't> {
     started: std::time::Instant,
     /// With --tools: the format of the replies' calls.
     tool_format: Option<crate::tool_calls::Format>,
+    /// With --logprobs: the replies' log-probabilities are written, their tokens named by it.
+    logprobs: bool,
+    tokenizer: &'t crate::tokenizer::Tokenizer,
 }
 
 impl BatchSink for Sink<'_, '_> {
@@ -424,6 +463,18 @@ impl BatchSink for Sink<'_, '_> {
             reasoning_tokens: t.thinking.as_ref().map(|th| th.tokens),
             tool_calls: calls.as_ref().map(|p| p.openai_calls(0)),
             content: calls.map(|p| p.content),
+            logprobs: self
+                .logprobs
+                .then(|| crate::logprobs::Logprobs::new(&o.logprobs, &o.tokens, self.tokenizer)),
+            scores: p.score.map(|(from, _)| {
+                crate::logprobs::PromptScores::new(
+                    &o.prompt_logprobs,
+                    from,
+                    p.entry.continuation.as_ref().map(|_| p.prompt_len),
+                    &p.ids,
+                    self.tokenizer,
+                )
+            }),
         };
         let json = self.out.shape.render(&line)?;
         t.text = String::new();

@@ -58,6 +58,12 @@ pub(crate) struct Line<'a> {
     /// `--chat` says.
     #[serde(skip)]
     pub chat: Option<bool>,
+    /// With --logprobs: one entry per generated token.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<crate::logprobs::Logprobs>,
+    /// With --prompt-logprobs, "prompt_logprobs" or "continuation": the prompt's scores.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub scores: Option<crate::logprobs::PromptScores>,
 }
 
 /// The shape of each output line (`--batch-output`).
@@ -100,10 +106,12 @@ impl Shape {
             let calls = l.tool_calls.as_ref().filter(|c| !c.is_empty());
             let finish = match (stop, calls) {
                 (_, Some(_)) => "tool_calls",
-                ("max-new", _) => "length",
+                ("max-new" | "scored", _) => "length",
                 _ => "stop",
             };
             let text = l.text.unwrap_or("");
+            // A continuation line: its continuation's scores stand where a reply's would.
+            let scored = l.scores.as_ref().and_then(|s| s.continuation());
             let choice = if *chat {
                 let content = match (&l.content, calls) {
                     (Some(c), Some(_)) if c.is_empty() => serde_json::Value::Null,
@@ -117,10 +125,18 @@ impl Shape {
                 if let Some(c) = calls {
                     message["tool_calls"] = c.clone().into();
                 }
-                serde_json::json!({"index": l.choice.unwrap_or(0), "message": message, "finish_reason": finish})
+                let logprobs = scored.or(l.logprobs.as_ref()).map(|p| p.to_openai_chat());
+                serde_json::json!({"index": l.choice.unwrap_or(0), "message": message, "logprobs": logprobs, "finish_reason": finish})
             } else {
-                serde_json::json!({"index": l.choice.unwrap_or(0), "text": text, "finish_reason": finish})
+                let logprobs = scored
+                    .or(l.logprobs.as_ref())
+                    .map(|p| p.to_openai_completion());
+                serde_json::json!({"index": l.choice.unwrap_or(0), "text": text, "logprobs": logprobs, "finish_reason": finish})
             };
+            let mut choice = choice;
+            if let Some(p) = l.scores.as_ref().and_then(|s| s.prompt_to_gen()) {
+                choice["prompt_logprobs"] = p;
+            }
             let (p, c) = (l.prompt_tokens.unwrap_or(0), l.tokens.unwrap_or(0));
             let mut usage = serde_json::json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
             if let Some(r) = l.reasoning_tokens {
@@ -320,6 +336,8 @@ impl Writer {
             reasoning_tokens: None,
             tool_calls: None,
             content: None,
+            logprobs: None,
+            scores: None,
         };
         let json = self.shape.render(&line)?;
         self.put(index, json)

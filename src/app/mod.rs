@@ -22,6 +22,7 @@ use crate::{chat, interrupt, model};
 mod batch;
 mod chat_repl;
 mod jsonl;
+mod perplexity;
 mod remote;
 mod thinking;
 
@@ -285,6 +286,9 @@ fn note_reasoning(mode: crate::reasoning::Mode, t: &chat::ChatTemplate) {
 }
 
 pub fn run(cfg: &Config) -> Result<Outcome> {
+    if let Some(pc) = &cfg.perplexity {
+        return perplexity::run(cfg, pc);
+    }
     if let Some(rc) = &cfg.remote {
         return match &cfg.batch {
             Some(batch) => remote::run_batch(cfg, batch, rc),
@@ -366,7 +370,9 @@ fn run_one(cfg: &Config) -> Result<Outcome> {
     } else {
         loaded.tokenizer.eos_ids().to_vec()
     };
-    let mut sampler = Sampler::new(cfg.sampling.clone());
+    let mut sampler = Sampler::new(cfg.sampling.clone())
+        .with_logprobs(cfg.logprobs)
+        .with_prompt_logprobs(cfg.prompt_logprobs);
     if let Some(spec) = &constraint {
         let grammars = Grammars::new(&loaded.tokenizer, &eos)?;
         sampler = sampler.with_constraint(grammars.constraint(spec)?);
@@ -433,7 +439,8 @@ fn run_one(cfg: &Config) -> Result<Outcome> {
         .with_constraint(sampler.constraint())
         .with_prompt_cache(cache.as_ref().map(|c| c.load_time))
         .with_reasoning(reasoning)
-        .with_tool_calls(calls.as_ref());
+        .with_tool_calls(calls.as_ref())
+        .with_scores(scores(cfg, &gen, &prompt, &loaded.tokenizer));
         let report = Report {
             complete: constraint.is_some().then_some(!incomplete),
             ..report
@@ -450,6 +457,22 @@ fn run_one(cfg: &Config) -> Result<Outcome> {
         );
     }
     Ok(Outcome::Done)
+}
+
+/// What --logprobs and --prompt-logprobs asked of a single run, named by `tok`.
+fn scores(
+    cfg: &Config,
+    gen: &generate::Generation,
+    prompt: &[u32],
+    tok: &crate::tokenizer::Tokenizer,
+) -> crate::report::Scores {
+    use crate::logprobs::{Logprobs, PromptScores};
+    (
+        cfg.logprobs
+            .map(|_| Logprobs::new(&gen.logprobs, &gen.tokens, tok)),
+        cfg.prompt_logprobs
+            .map(|_| PromptScores::new(&gen.prompt_logprobs, 1, None, prompt, tok)),
+    )
 }
 
 /// The report to `--stats-file` where asked, and to stderr unless -q.

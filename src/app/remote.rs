@@ -440,6 +440,8 @@ impl Tally {
             reasoning_tokens: None,
             tool_calls: cfg.tools.as_ref().map(|_| reply.tool_calls.clone()),
             content: cfg.tools.as_ref().map(|_| reply.text.clone()),
+            logprobs: None,
+            scores: None,
         })
     }
 }

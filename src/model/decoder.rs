@@ -192,7 +192,7 @@ fn pass_steps(batch: &[SeqStep<'_>]) -> Vec<PassStep> {
                 seq: s.seq,
                 pos: s.pos,
                 log: s.kind == StepKind::Decode && s.tokens.len() > 1,
-                snap_at: (s.kind == StepKind::Prefill && block_end > s.pos).then(|| block_end - 1),
+                snap_at: (s.kind.is_prefill() && block_end > s.pos).then(|| block_end - 1),
             }
         })
         .collect()

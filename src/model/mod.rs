@@ -59,6 +59,16 @@ pub enum StepKind {
     /// kernel, query by query); logits of every token. Several tokens: a reply's next token and
     /// proposals for the ones after it, checked in one pass.
     Decode,
+    /// A prompt chunk computed as `Prefill` (the same bits), with logits of every token: what
+    /// scoring a text needs (perplexity, a prompt's log-probabilities).
+    Score,
+}
+
+impl StepKind {
+    /// A prompt chunk's kind: the prefill attention kernel, causal over the chunk.
+    pub fn is_prefill(self) -> bool {
+        matches!(self, StepKind::Prefill | StepKind::Score)
+    }
 }
 
 impl<'a> SeqStep<'a> {
@@ -82,6 +92,16 @@ impl<'a> SeqStep<'a> {
         }
     }
 
+    /// A prompt chunk whose every token gets logits.
+    pub fn score(seq: SeqId, tokens: &'a [u32], pos: usize) -> Self {
+        Self {
+            seq,
+            tokens,
+            pos,
+            kind: StepKind::Score,
+        }
+    }
+
     /// A prompt chunk when `tokens` has several, a decode step when it has one: how a loop
     /// that feeds a prompt and then its reply token by token computes each.
     pub fn auto(seq: SeqId, tokens: &'a [u32], pos: usize) -> Self {
@@ -95,7 +115,7 @@ impl<'a> SeqStep<'a> {
     pub fn logit_rows(&self) -> usize {
         match self.kind {
             StepKind::Prefill => 1,
-            StepKind::Decode => self.tokens.len(),
+            StepKind::Decode | StepKind::Score => self.tokens.len(),
         }
     }
 }

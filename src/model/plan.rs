@@ -122,7 +122,7 @@ impl<'a> PassPlan<'a> {
             .iter()
             .flat_map(|s| match s.kind {
                 StepKind::Prefill => (s.at + s.len - 1)..(s.at + s.len),
-                StepKind::Decode => s.at..(s.at + s.len),
+                StepKind::Decode | StepKind::Score => s.at..(s.at + s.len),
             })
             .map(|r| r as u32)
             .collect();

@@ -146,7 +146,7 @@ pub fn requantized(ty: &str, sha256: &str) -> PathBuf {
 }
 
 /// One of llama.cpp's tools, built (once) and cached by `.ci/llama-server TOOL`.
-fn peer_tool(tool: &str) -> PathBuf {
+pub fn peer_tool(tool: &str) -> PathBuf {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join(".ci/llama-server");
     let out = std::process::Command::new(script)
         .arg(tool)
