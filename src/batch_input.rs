@@ -54,6 +54,8 @@ pub struct Entry {
     pub continuation: Option<String>,
     /// `"prompt_logprobs"`: score the prompt's tokens too, with this many alternatives each.
     pub prompt_logprobs: Option<usize>,
+    /// `"logprobs"`: the reply's log-probabilities, with this many alternatives each.
+    pub logprobs: Option<usize>,
 }
 
 /// Most completions one prompt may ask for (`--n`, `"n"`).
@@ -138,6 +140,8 @@ struct Record {
     continuation: Option<serde_json::Value>,
     #[serde(default)]
     prompt_logprobs: Option<serde_json::Value>,
+    #[serde(default)]
+    logprobs: Option<serde_json::Value>,
 }
 
 /// An OpenAI Batch API input line (`custom_id`, `method`, `url`, `body`) as gen's own fields:
@@ -179,12 +183,13 @@ fn from_openai_batch(value: serde_json::Value) -> Result<serde_json::Value, Stri
             line.insert(to.into(), v.clone());
         }
     }
+    openai_logprobs(body, &mut line)?;
     Ok(serde_json::Value::Object(line))
 }
 
-/// A line's scoring fields: `"continuation"` (a string, not empty) and `"prompt_logprobs"`
-/// (alternatives per prompt token, 0 to 20).
-fn parse_scoring(r: &Record) -> Result<(Option<String>, Option<usize>), String> {
+/// A line's scoring fields: `"continuation"` (a string, not empty), `"prompt_logprobs"` and
+/// `"logprobs"` (alternatives per token, 0 to 20).
+fn parse_scoring(r: &Record) -> Result<(Option<String>, Option<usize>, Option<usize>), String> {
     use serde_json::Value;
     let continuation = match &r.continuation {
         None | Some(Value::Null) => None,
@@ -192,18 +197,45 @@ fn parse_scoring(r: &Record) -> Result<(Option<String>, Option<usize>), String> 
         Some(_) => return Err("\"continuation\" must be a string, not empty".into()),
     };
     let top = crate::logprobs::MAX_TOP as u64;
-    let prompt_logprobs = match &r.prompt_logprobs {
-        None | Some(Value::Null) => None,
+    let count = |v: &Option<Value>, name: &str| match v {
+        None | Some(Value::Null) => Ok(None),
         Some(v) => match v.as_u64() {
-            Some(n) if n <= top => Some(n as usize),
-            _ => {
-                return Err(format!(
-                    "\"prompt_logprobs\" must be an integer from 0 to {top}"
-                ))
-            }
+            Some(n) if n <= top => Ok(Some(n as usize)),
+            _ => Err(format!("\"{name}\" must be an integer from 0 to {top}")),
         },
     };
-    Ok((continuation, prompt_logprobs))
+    let prompt_logprobs = count(&r.prompt_logprobs, "prompt_logprobs")?;
+    let logprobs = count(&r.logprobs, "logprobs")?;
+    Ok((continuation, prompt_logprobs, logprobs))
+}
+
+/// OpenAI's log-probability fields as gen's: chat's `"logprobs": true` with `"top_logprobs":
+/// N`, or completions' `"logprobs": N`, become `"logprobs"`; completions' `"echo": true` scores
+/// the prompt too (`"prompt_logprobs"`, with as many alternatives), and with `"max_tokens": 0`
+/// only the prompt.
+fn openai_logprobs(
+    body: &serde_json::Map<String, serde_json::Value>,
+    line: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<(), String> {
+    use serde_json::Value;
+    let top = body.get("top_logprobs").filter(|v| !v.is_null()).cloned();
+    let n = match body.get("logprobs") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => None,
+        Some(Value::Bool(true)) => Some(top.unwrap_or(Value::from(0))),
+        Some(v @ Value::Number(_)) => Some(v.clone()),
+        Some(_) => return Err("\"logprobs\" must be true, false or a number".into()),
+    };
+    let echo = body.get("echo").is_some_and(|e| e == &Value::Bool(true));
+    if echo {
+        line.insert(
+            "prompt_logprobs".into(),
+            n.clone().unwrap_or(Value::from(0)),
+        );
+    }
+    if let Some(n) = n {
+        line.insert("logprobs".into(), n);
+    }
+    Ok(())
 }
 
 /// A line's constraint fields, compiled once here so a bad one fails its line before the
@@ -303,11 +335,17 @@ fn parse_record(line: usize, text: &str) -> Result<Entry, LineError> {
         }
         (None, None) => return Err(fail("no \"prompt\" field (or \"messages\")")),
     };
+    // 0 only where the prompt is scored: a line that scores and generates nothing.
+    let scores_prompt = !matches!(r.prompt_logprobs, None | Some(serde_json::Value::Null));
     let max_new = match r.max_new {
         None | Some(serde_json::Value::Null) => None,
         Some(v) => match v.as_u64() {
-            Some(n) if n >= 1 => Some(usize::try_from(n).unwrap_or(usize::MAX)),
-            _ => return Err(fail("\"max_new\" must be an integer of at least 1")),
+            Some(n) if n >= 1 || scores_prompt => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+            _ => {
+                return Err(fail(
+                    "\"max_new\" must be an integer of at least 1 (0 with \"prompt_logprobs\")",
+                ))
+            }
         },
     };
     let temperature = match r.temperature {
@@ -371,7 +409,7 @@ fn parse_record(line: usize, text: &str) -> Result<Entry, LineError> {
             ))
         }
     };
-    let (continuation, prompt_logprobs) = scoring.map_err(|e| fail(&e))?;
+    let (continuation, prompt_logprobs, logprobs) = scoring.map_err(|e| fail(&e))?;
     if continuation.is_some() && max_new.is_some() {
         return Err(fail(
             "a line with \"continuation\" scores it and generates nothing: drop \"max_new\"",
@@ -380,6 +418,7 @@ fn parse_record(line: usize, text: &str) -> Result<Entry, LineError> {
     Ok(Entry {
         continuation,
         prompt_logprobs,
+        logprobs,
         line,
         id,
         prompt,
@@ -495,6 +534,38 @@ mod tests {
         assert_eq!(b.stop, Some(vec!["\n".to_string()]));
         let c = got[2].as_ref().unwrap_err();
         assert!(c.message.contains("embeddings"), "{c}");
+    }
+
+    #[test]
+    fn openai_logprobs_and_echo_become_gen_fields() {
+        let input = [
+            r#"{"custom_id": "c", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 3}}"#,
+            r#"{"custom_id": "e", "url": "/v1/completions", "body": {"prompt": "Once", "echo": true, "max_tokens": 0, "logprobs": 2}}"#,
+            r#"{"custom_id": "f", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "hi"}], "logprobs": false, "top_logprobs": 3}}"#,
+            r#"{"prompt": "x", "max_new": 0}"#,
+            r#"{"prompt": "x", "logprobs": 21}"#,
+        ]
+        .join("\n");
+        let got = parse(&input, BatchFormat::Auto);
+        let c = got[0].as_ref().unwrap();
+        assert_eq!((c.logprobs, c.prompt_logprobs), (Some(3), None));
+        let e = got[1].as_ref().unwrap();
+        assert_eq!(
+            (e.logprobs, e.prompt_logprobs, e.max_new),
+            (Some(2), Some(2), Some(0))
+        );
+        let f = got[2].as_ref().unwrap();
+        assert_eq!((f.logprobs, f.prompt_logprobs), (None, None));
+        assert!(got[3]
+            .as_ref()
+            .unwrap_err()
+            .message
+            .contains("prompt_logprobs"));
+        assert!(got[4]
+            .as_ref()
+            .unwrap_err()
+            .message
+            .contains("from 0 to 20"));
     }
 
     #[test]

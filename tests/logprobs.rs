@@ -422,3 +422,52 @@ fn bad_scoring_lines_fail_alone() {
     assert!(lines[2]["error"].as_str().unwrap().contains("not empty"));
     assert!(lines[3]["continuation_logprob"].as_f64().unwrap() < 0.0);
 }
+
+/// OpenAI Batch API lines asking log-probabilities get them in OpenAI's shape: a chat line's
+/// `logprobs: true, top_logprobs: 2`, and a completions line's `echo` with `max_tokens: 0`
+/// (the prompt scored, nothing generated, as OpenAI scores a text).
+#[test]
+fn openai_batch_lines_ask_their_own_logprobs() {
+    let input = [
+        serde_json::json!({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "logprobs": true, "top_logprobs": 2}}),
+        serde_json::json!({"custom_id": "echo", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": PROMPT, "max_tokens": 0, "echo": true, "logprobs": 1}}),
+    ]
+    .map(|l| l.to_string() + "\n")
+    .concat();
+    let mut cmd = gen();
+    cmd.args([
+        "--batch",
+        "-",
+        "--batch-output",
+        "openai",
+        "-q",
+        "--temperature",
+        "0",
+    ]);
+    let out = with_stdin(cmd, &input);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let lines: Vec<Value> = text(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let chat = &lines[0]["response"]["body"]["choices"][0];
+    let content = chat["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 4);
+    assert!(content
+        .iter()
+        .all(|c| c["top_logprobs"].as_array().unwrap().len() == 2));
+    let echo = &lines[1]["response"]["body"]["choices"][0];
+    assert_eq!(echo["finish_reason"], "length");
+    assert_eq!(
+        lines[1]["response"]["body"]["usage"]["completion_tokens"],
+        0
+    );
+    let prompt = echo["prompt_logprobs"].as_array().unwrap();
+    assert!(prompt[0].is_null());
+    assert!(prompt[1..]
+        .iter()
+        .all(|e| e["logprob"].as_f64().unwrap() <= 0.0));
+    assert_eq!(prompt[1]["top_logprobs"].as_array().unwrap().len(), 1);
+}

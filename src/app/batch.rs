@@ -274,7 +274,7 @@ fn requests(
             continue;
         }
         let mut sampler = Sampler::new(p.sampling.clone())
-            .with_logprobs(cfg.logprobs)
+            .with_logprobs(p.entry.logprobs.or(cfg.logprobs))
             .with_prompt_logprobs(p.score.map(|(_, n)| n));
         if let (Some(spec), Some(g)) = (&p.constraint, &grammars) {
             sampler = sampler.with_constraint(g.constraint(spec)?);
@@ -343,7 +343,7 @@ fn prepare(
     let prompt_top = entry.prompt_logprobs.or(cfg.prompt_logprobs);
     let score = match (prompt_top, &entry.continuation) {
         (Some(n), _) => Some((1, n)),
-        (None, Some(_)) => Some((prompt_len, cfg.logprobs.unwrap_or(0))),
+        (None, Some(_)) => Some((prompt_len, entry.logprobs.or(cfg.logprobs).unwrap_or(0))),
         (None, None) => None,
     };
     let mut sampling = cfg.sampling.clone();
@@ -463,8 +463,7 @@ impl BatchSink for Sink<'_, '_> {
             reasoning_tokens: t.thinking.as_ref().map(|th| th.tokens),
             tool_calls: calls.as_ref().map(|p| p.openai_calls(0)),
             content: calls.map(|p| p.content),
-            logprobs: self
-                .logprobs
+            logprobs: (self.logprobs || p.entry.logprobs.is_some())
                 .then(|| crate::logprobs::Logprobs::new(&o.logprobs, &o.tokens, self.tokenizer)),
             scores: p.score.map(|(from, _)| {
                 crate::logprobs::PromptScores::new(
