@@ -247,3 +247,49 @@ fn perplexity_refuses_what_it_cannot_score() {
         assert!(out.stdout.is_empty(), "{args:?}");
     }
 }
+
+/// Ctrl-C: the windows done are scored and reported (stdout says it was interrupted), the exit
+/// status is 130, and a base run being saved is left unwritten (no file, no part of one).
+#[test]
+fn an_interrupted_run_reports_what_it_scored_and_saves_no_base() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("perplexity-interrupt");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = corpus("long.txt", 400_000);
+    let base = dir.join("base.kld");
+    let child = gen()
+        .arg("perplexity")
+        .arg(&file)
+        .arg("--model")
+        .arg(common::smollm2())
+        .arg("--kl-divergence-base")
+        .arg(&base)
+        .args(["--threads", "2", "--stats", "json"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_secs(6));
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    let report: serde_json::Value = serde_json::from_str(err.lines().last().unwrap()).unwrap();
+    assert_eq!(report["interrupted"], true);
+    let done = report["chunks"].as_u64().unwrap();
+    assert!(done < report["chunks_total"].as_u64().unwrap());
+    let stdout = text(&out.stdout);
+    match done {
+        0 => assert!(stdout.is_empty()),
+        _ => assert!(
+            stdout.contains(&format!("(interrupted: {done} of ")),
+            "{stdout}"
+        ),
+    }
+    let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+    assert!(left.is_empty(), "a base run was left: {left:?}");
+}
