@@ -653,9 +653,9 @@ impl Args {
             if on && interactive {
                 bail!("{flag} applies to one prompt and --batch, not gen chat");
             }
-            if on && self.endpoint.is_some() {
-                bail!("{flag} is not yet passed to a server: drop --endpoint or {flag}");
-            }
+        }
+        if self.prompt_logprobs.is_some() && self.endpoint.is_some() {
+            bail!("--prompt-logprobs is not passed to a server (OpenAI's API has no such field): drop --endpoint or --prompt-logprobs");
         }
         Ok(perplexity_file)
     }

@@ -13,7 +13,8 @@ pub const MAX_TOP: usize = 20;
 /// One token as the output names it.
 #[derive(Debug, Clone, PartialEq)]
 struct Named {
-    id: u32,
+    /// None where a server sent the entry (servers send no ids).
+    id: Option<u32>,
     /// Its text (a piece of a character that spans tokens: with U+FFFD in its place).
     text: String,
     /// The bytes it stands for in the reply.
@@ -24,8 +25,26 @@ impl Named {
     fn new(id: u32, tok: &Tokenizer) -> Self {
         let bytes = tok.token_bytes(id).unwrap_or_default().to_vec();
         Self {
-            id,
+            id: Some(id),
             text: String::from_utf8_lossy(&bytes).into_owned(),
+            bytes,
+        }
+    }
+
+    /// An entry as a server sent it (`token`, and `bytes` when it sent them).
+    fn from_server(v: &Value) -> Self {
+        let text = v["token"].as_str().unwrap_or("").to_string();
+        let bytes = match v["bytes"].as_array() {
+            Some(b) => b
+                .iter()
+                .filter_map(|x| x.as_u64())
+                .map(|x| x as u8)
+                .collect(),
+            None => text.as_bytes().to_vec(),
+        };
+        Self {
+            id: None,
+            text,
             bytes,
         }
     }
@@ -64,11 +83,37 @@ impl Logprobs {
         )
     }
 
+    /// A server's entries (OpenAI chat's shape: `token`, `logprob`, `bytes`, `top_logprobs`).
+    pub fn from_server(entries: &[Value]) -> Self {
+        let value = |v: &Value| v["logprob"].as_f64().map(|v| v as f32);
+        Self(
+            entries
+                .iter()
+                .map(|e| Entry {
+                    token: Named::from_server(e),
+                    logprob: value(e),
+                    top: e["top_logprobs"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .map(|t| (Named::from_server(t), value(t).unwrap_or(f32::NEG_INFINITY)))
+                        .collect(),
+                })
+                .collect(),
+        )
+    }
+
     /// gen's shape (`--stats json`, `--batch` lines): a list, one object per token: `token`,
-    /// `id`, `logprob`, `bytes`, `top_logprobs` (`token`, `id`, `logprob`, `bytes`, most likely
-    /// first).
+    /// `id` (not from a server), `logprob`, `bytes`, `top_logprobs` (`token`, `id`, `logprob`,
+    /// `bytes`, most likely first).
     pub fn to_gen(&self) -> Value {
-        let named = |n: &Named, lp: Option<f32>| json!({"token": n.text, "id": n.id, "logprob": lp, "bytes": n.bytes});
+        let named = |n: &Named, lp: Option<f32>| {
+            let mut v = json!({"token": n.text, "logprob": lp, "bytes": n.bytes});
+            if let Some(id) = n.id {
+                v["id"] = json!(id);
+            }
+            v
+        };
         Value::Array(
             self.0
                 .iter()

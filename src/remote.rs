@@ -71,6 +71,9 @@ pub struct Params {
     /// --reasoning on|off: `chat_template_kwargs.enable_thinking`, as vLLM and llama.cpp's
     /// server read it (chat prompts).
     pub enable_thinking: Option<bool>,
+    /// --logprobs N: asked as OpenAI's API asks them (completions' `logprobs: N`, chat's
+    /// `logprobs: true` with `top_logprobs: N`).
+    pub logprobs: Option<usize>,
 }
 
 /// One completed (or cut) reply.
@@ -90,6 +93,9 @@ pub struct Reply {
     pub reasoning: String,
     /// The calls the server parsed (`tool_calls`, OpenAI's shape), assembled from the stream.
     pub tool_calls: Vec<Value>,
+    /// With `logprobs`: the server's entries, one per token, in OpenAI chat's shape (`token`,
+    /// `logprob`, `bytes`, `top_logprobs`), whichever shape it sent.
+    pub logprobs: Vec<Value>,
 }
 
 /// Why a try failed, and whether another may succeed.
@@ -265,6 +271,15 @@ impl Endpoint {
         if p.ignore_eos {
             body["ignore_eos"] = json!(true);
         }
+        let chat = matches!(prompt, Prompt::Messages(_));
+        match (p.logprobs, chat) {
+            (Some(n), false) => body["logprobs"] = json!(n),
+            (Some(n), true) => {
+                body["logprobs"] = json!(true);
+                body["top_logprobs"] = json!(n);
+            }
+            (None, _) => {}
+        }
         match prompt {
             Prompt::Text(t) => {
                 body["prompt"] = json!(t);
@@ -323,6 +338,7 @@ pub fn read_events(
     reply.text.clear();
     reply.reasoning.clear();
     reply.tool_calls.clear();
+    reply.logprobs.clear();
     let mut done = false;
     for line in event_lines(BufReader::new(body)) {
         let line = line.map_err(|e| Failure::Retry {
@@ -382,6 +398,7 @@ pub fn read_events(
         if let Some(calls) = delta["tool_calls"].as_array() {
             take_tool_calls(calls, &mut reply.tool_calls);
         }
+        take_logprobs(&choice["logprobs"], &mut reply.logprobs);
         if let Some(f) = choice["finish_reason"].as_str() {
             reply.stop = finish_name(f).into();
         }
@@ -426,6 +443,34 @@ fn classify(
             why: t.to_string(),
             after: None,
         }),
+    }
+}
+
+/// A streamed chunk's log-probabilities, added to `out` as chat entries: chat's (and
+/// llama.cpp's server's) `{content: [...]}` as they are; the completions API's parallel lists
+/// (`tokens`, `token_logprobs`, `top_logprobs` as objects of token to value) turned into them.
+fn take_logprobs(lp: &Value, out: &mut Vec<Value>) {
+    if let Some(content) = lp["content"].as_array() {
+        out.extend(content.iter().cloned());
+        return;
+    }
+    let Some(tokens) = lp["tokens"].as_array() else {
+        return;
+    };
+    let entry = |t: &str, v: &Value| json!({"token": t, "logprob": v, "bytes": t.as_bytes()});
+    for (i, t) in tokens.iter().enumerate() {
+        let t = t.as_str().unwrap_or("");
+        let mut top: Vec<(&String, &Value)> = lp["top_logprobs"][i]
+            .as_object()
+            .map(|m| m.iter().collect())
+            .unwrap_or_default();
+        top.sort_by(|a, b| {
+            let f = |v: &Value| v.as_f64().unwrap_or(f64::NEG_INFINITY);
+            f(b.1).total_cmp(&f(a.1))
+        });
+        let mut e = entry(t, &lp["token_logprobs"][i]);
+        e["top_logprobs"] = top.into_iter().map(|(k, v)| entry(k, v)).collect();
+        out.push(e);
     }
 }
 
@@ -562,6 +607,29 @@ fn jitter_fraction() -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn both_apis_logprobs_become_chat_entries() {
+        let mut out = Vec::new();
+        // The completions API's parallel lists, its alternatives an unordered object.
+        let legacy = json!({"tokens": [" a", "b"], "token_logprobs": [-0.5, -1.0],
+            "top_logprobs": [{" x": -2.0, " a": -0.5}, {"b": -1.0}], "text_offset": [0, 2]});
+        take_logprobs(&legacy, &mut out);
+        let chat = json!({"content": [{"token": "c", "logprob": -0.1, "bytes": [99], "top_logprobs": []}]});
+        take_logprobs(&chat, &mut out);
+        take_logprobs(&Value::Null, &mut out);
+        assert_eq!(out.len(), 3);
+        assert_eq!(out[0]["token"], " a");
+        assert_eq!(out[0]["bytes"], json!([32, 97]));
+        let tops: Vec<&str> = out[0]["top_logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["token"].as_str().unwrap())
+            .collect();
+        assert_eq!(tops, [" a", " x"], "most likely first");
+        assert_eq!(out[2], chat["content"][0]);
+    }
 
     #[test]
     fn event_lines_end_at_lf_crlf_or_a_lone_cr() {
@@ -718,10 +786,15 @@ mod tests {
             tools: None,
             tool_choice: None,
             enable_thinking: Some(false),
+            logprobs: Some(2),
         };
         let (url, body) = ep.request(&Prompt::Text("hi"), &params);
         assert_eq!(url, "http://h/v1/completions");
         assert_eq!(body["prompt"], "hi");
+        assert_eq!(
+            (body["logprobs"].clone(), body.get("top_logprobs")),
+            (json!(2), None)
+        );
         assert_eq!(
             (body["max_tokens"].clone(), body["top_k"].clone()),
             (json!(9), json!(7))
@@ -738,5 +811,9 @@ mod tests {
         assert!(body["messages"][0].get("tool_calls").is_none());
         assert_eq!(body["chat_template_kwargs"]["enable_thinking"], false);
         assert!(body.get("tools").is_none());
+        assert_eq!(
+            (body["logprobs"].clone(), body["top_logprobs"].clone()),
+            (json!(true), json!(2))
+        );
     }
 }

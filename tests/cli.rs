@@ -7,7 +7,7 @@ use common::{gen, one_error_line, text};
 
 use std::io::{Read, Write};
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 
 /// `gen` on the default model, greedy, 2 threads, with extra args and optional stdin.
 fn run(args: &[&str], stdin: Option<&[u8]>) -> Output {
@@ -379,11 +379,7 @@ fn ctrl_c_flushes_the_partial_reply_prints_the_report_and_exits_130() {
         .unwrap()
         .read_exact(&mut first)
         .unwrap();
-    let status = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    common::sigint(&child);
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(130), "{}", text(&out.stderr));
     let s = stats(&out);

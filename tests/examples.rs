@@ -670,6 +670,15 @@ fn case_of(cmd: &str) -> Option<How> {
             assert_eq!(v.as_array().unwrap().len(), 2, "{}", r.out);
             assert!(v[0]["logprob"].as_f64().unwrap() < 0.0);
         }),
+        r#"gen --batch choices.jsonl -q | jq -r '[.id, .continuation_logprob] | @tsv'   # lines {"prompt", "continuation"}: each choice scored"# => Run(None, |r| {
+            r.ok();
+            let rows: Vec<Vec<&str>> = r.out.lines().map(|l| l.split('\t').collect()).collect();
+            assert_eq!(rows.len(), 2, "{}", r.out);
+            for row in rows {
+                assert!(row[0].starts_with("q1-"), "{row:?}");
+                assert!(row[1].parse::<f64>().unwrap() < 0.0, "{row:?}");
+            }
+        }),
         r#"gen --batch choices.jsonl -q > scores.jsonl      # lines with "prompt" and "continuation""# => Run(None, |r| {
             r.ok();
             let lines = r.jsonl(&r.file("scores.jsonl"));

@@ -10,6 +10,11 @@ use serde_json::Value;
 const PROMPT: &str = "The three primary colors are";
 
 fn greedy_run(n: usize) -> (String, Value) {
+    greedy_run_on(&common::smollm2(), n)
+}
+
+/// A greedy 16-token reply to PROMPT on `model`, with `--logprobs n`: stdout and the report.
+fn greedy_run_on(model: &std::path::Path, n: usize) -> (String, Value) {
     let out = gen()
         .args([
             "--prompt",
@@ -21,7 +26,8 @@ fn greedy_run(n: usize) -> (String, Value) {
             "--stats",
             "json",
         ])
-        .args(["--logprobs", &n.to_string(), "--threads", "2"])
+        .args(["--logprobs", &n.to_string(), "--threads", "2", "--model"])
+        .arg(model)
         .output()
         .unwrap();
     let (stdout, _, stats) = with_stats(&out);
@@ -112,22 +118,7 @@ fn smollm2_f16() -> std::path::PathBuf {
 /// The largest difference between gen's log-probabilities of a greedy reply (its `--stats
 /// json` entries) and llama.cpp's, teacher-forced on the same file and ids.
 fn largest_difference_from_llama_cpp(model: &std::path::Path) -> f64 {
-    let out = gen()
-        .args([
-            "--prompt",
-            PROMPT,
-            "-n",
-            "16",
-            "--temperature",
-            "0",
-            "--stats",
-            "json",
-        ])
-        .args(["--logprobs", "0", "--threads", "2", "--model"])
-        .arg(model)
-        .output()
-        .unwrap();
-    let (_, _, stats) = with_stats(&out);
+    let (_, stats) = greedy_run_on(model, 0);
     let lps = stats["logprobs"].as_array().unwrap();
     let loaded = gen::model::load(model, &candle_core::Device::Cpu, None, None).unwrap();
     let prompt = loaded.tokenizer.encode(PROMPT, true).unwrap();

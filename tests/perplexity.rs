@@ -11,7 +11,7 @@ use gen::model::kv_cache::blocks_for;
 use gen::model::{LanguageModel, SeqStep};
 
 /// Real English to score: the repository's own documentation, whose text is ours, written
-/// once per test binary (the tests must not read ../shared).
+/// once per test binary (no test reads the team's shared folder).
 fn corpus(name: &str, bytes: usize) -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut text = std::fs::read_to_string(root.join("README.md")).unwrap();
@@ -270,11 +270,7 @@ fn an_interrupted_run_reports_what_it_scored_and_saves_no_base() {
         .spawn()
         .unwrap();
     std::thread::sleep(std::time::Duration::from_secs(6));
-    let status = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    common::sigint(&child);
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(130), "{}", text(&out.stderr));
     let err = text(&out.stderr);

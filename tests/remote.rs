@@ -375,3 +375,81 @@ fn tools_go_to_the_server_as_its_template_reads_them() {
     assert!(remote["tool_calls"].is_array(), "{remote}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--logprobs` is asked of the server as OpenAI's API asks it and comes back in gen's shape
+/// (a single prompt's report) and in OpenAI's (batch lines): the completions API's lists and
+/// chat's entries alike; greedy, the first alternative is the token the server took.
+#[test]
+fn logprobs_are_asked_of_the_server_and_passed_through() {
+    let _one = one_server_at_a_time();
+    let server = Server::start(2);
+    for chat in [false, true] {
+        let mut cmd = gen();
+        cmd.args([
+            "--endpoint",
+            &server.url,
+            "--prompt",
+            "The capital of France is",
+        ])
+        .args([
+            "-n",
+            "6",
+            "--temperature",
+            "0",
+            "--stats",
+            "json",
+            "--logprobs",
+            "2",
+        ]);
+        if chat {
+            cmd.arg("--chat");
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let report: Value =
+            serde_json::from_str(text(&out.stderr).lines().last().unwrap()).unwrap();
+        let lps = report["logprobs"].as_array().unwrap();
+        assert_eq!(lps.len(), 6, "chat {chat}: {report}");
+        let mut bytes = Vec::new();
+        for e in lps {
+            let top = e["top_logprobs"].as_array().unwrap();
+            assert_eq!(top.len(), 2, "{e}");
+            assert_eq!(top[0]["token"], e["token"], "greedy: {e}");
+            assert!(e["logprob"].as_f64().unwrap() <= 0.0);
+            assert!(e.get("id").is_none(), "servers send no ids");
+            bytes.extend(
+                e["bytes"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|b| b.as_u64().unwrap() as u8),
+            );
+        }
+        assert_eq!(
+            String::from_utf8_lossy(&bytes),
+            text(&out.stdout).trim_end_matches('\n')
+        );
+    }
+    let (lines, err, code) = batch(
+        &server.url,
+        "The sun rises in the\n",
+        &["--logprobs", "1", "--batch-output", "openai"],
+    );
+    assert_eq!(code, Some(0), "{err}");
+    let lp = &lines[0]["response"]["body"]["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 10, "{lp}");
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), 10);
+    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 1);
+    // Scoring lines need the model's rows: refused on a server, line by line.
+    let (lines, _, code) = batch(
+        &server.url,
+        "{\"prompt\": \"Is it?\", \"continuation\": \" Yes\"}\n{\"prompt\": \"Hi\"}\n",
+        &[],
+    );
+    assert_eq!(code, Some(1));
+    assert!(lines[0]["error"]
+        .as_str()
+        .unwrap()
+        .contains("local models only"));
+    assert!(lines[1]["text"].is_string());
+}

@@ -251,11 +251,7 @@ fn ctrl_c_writes_every_line_and_marks_the_unfinished_interrupted() {
     drop(stdin);
     // Item 0 is done at once; item 1 streams for 5 s: interrupt it midway.
     std::thread::sleep(Duration::from_millis(1500));
-    let status = std::process::Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    common::sigint(&child);
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(130), "{}", text(&out.stderr));
     let lines: Vec<Value> = common::jsonl(&text(&out.stdout));

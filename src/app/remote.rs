@@ -47,6 +47,9 @@ struct RemoteReport {
     /// Single prompt with --tools: the calls the server parsed.
     #[serde(skip_serializing_if = "Option::is_none")]
     tool_calls: Option<Vec<serde_json::Value>>,
+    /// Single prompt with --logprobs: the server's, in gen's shape (no ids: servers send none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logprobs: Option<crate::logprobs::Logprobs>,
 }
 
 impl RemoteReport {
@@ -103,6 +106,9 @@ impl RemoteReport {
         if let Some(calls) = &self.tool_calls {
             writeln!(w, "tool calls     {}", crate::tool_calls::describe(calls))?;
         }
+        if let Some(l) = &self.logprobs {
+            l.write_human(&mut w)?;
+        }
         Ok(())
     }
 }
@@ -125,6 +131,7 @@ fn params(cfg: &Config) -> Params {
             }
         }),
         enable_thinking: cfg.reasoning.enable_thinking(),
+        logprobs: cfg.logprobs,
     }
 }
 
@@ -196,6 +203,9 @@ pub fn run_one(cfg: &Config, rc: &RemoteConfig) -> Result<Outcome> {
             forward_passes: None,
             reasoning: (!reply.reasoning.is_empty()).then(|| reply.reasoning.clone()),
             tool_calls: cfg.tools.as_ref().map(|_| reply.tool_calls.clone()),
+            logprobs: cfg
+                .logprobs
+                .map(|_| crate::logprobs::Logprobs::from_server(&reply.logprobs)),
         }
         .write(cfg, true)?;
     }
@@ -302,6 +312,7 @@ pub fn run_batch(cfg: &Config, bc: &BatchConfig, rc: &RemoteConfig) -> Result<Ou
             forward_passes: None,
             reasoning: None,
             tool_calls: None,
+            logprobs: None,
         }
         .write(cfg, !out.closed)?;
     }
@@ -323,6 +334,14 @@ fn job(cfg: &Config, index: usize, entry: Entry) -> Result<Job, LineError> {
             message: "json/json_schema/grammar/regex run on local models only".into(),
         });
     }
+    if entry.continuation.is_some() || entry.prompt_logprobs.is_some() {
+        return Err(LineError {
+            line: entry.line,
+            id: entry.id.clone(),
+            message: "continuation and prompt_logprobs (scoring a prompt) run on local models only"
+                .into(),
+        });
+    }
     let messages = match &entry.messages {
         Some(c) => Some(c.messages()),
         None => entry
@@ -332,6 +351,7 @@ fn job(cfg: &Config, index: usize, entry: Entry) -> Result<Job, LineError> {
     };
     let mut p = params(cfg);
     p.max_tokens = entry.max_new.unwrap_or(cfg.max_new);
+    p.logprobs = entry.logprobs.or(cfg.logprobs);
     if let Some(t) = entry.temperature {
         p.sampling.temperature = t;
     }
@@ -440,7 +460,10 @@ impl Tally {
             reasoning_tokens: None,
             tool_calls: cfg.tools.as_ref().map(|_| reply.tool_calls.clone()),
             content: cfg.tools.as_ref().map(|_| reply.text.clone()),
-            logprobs: None,
+            logprobs: job
+                .params
+                .logprobs
+                .map(|_| crate::logprobs::Logprobs::from_server(&reply.logprobs)),
             scores: None,
         })
     }

@@ -362,3 +362,12 @@ pub fn llama_cpp_tree() -> PathBuf {
         .unwrap_or_else(|| panic!("{} is not in <tree>/build/bin", binary.display()))
         .to_path_buf()
 }
+
+/// Send `child` Ctrl-C's signal (SIGINT), as a terminal would.
+pub fn sigint(child: &std::process::Child) {
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
