@@ -18,6 +18,7 @@ use anyhow::{bail, Result};
 
 use crate::model::kv_cache::blocks_for;
 use crate::model::{LanguageModel, SeqStep};
+use crate::sampler::argmax;
 
 /// The log-probability of `token` under the distribution `logits` give (a log-softmax), as
 /// llama.cpp's perplexity tool computes it: the maximum subtracted, exponentials in f32
@@ -48,14 +49,7 @@ impl Tally {
         self.nll -= lp;
         self.nll2 += lp * lp;
         self.count += 1;
-        let best = logits
-            .iter()
-            .enumerate()
-            .fold(
-                (0, f32::NEG_INFINITY),
-                |b, (i, &l)| if l > b.1 { (i, l) } else { b },
-            );
-        self.top1 += usize::from(best.0 == next as usize);
+        self.top1 += usize::from(argmax(logits) == next);
     }
 
     /// `exp` of the mean negative log-likelihood.
@@ -343,21 +337,13 @@ impl KlTally {
             }
         }
         self.values.push(kl.max(0.0));
-        let top = |r: &[f32]| {
-            r.iter()
-                .enumerate()
-                .fold(
-                    (0, f32::NEG_INFINITY),
-                    |m, (i, &v)| if v > m.1 { (i, v) } else { m },
-                )
-                .0
-        };
-        self.same_top += usize::from(top(base) == top(logits));
+        let base_top = argmax(base);
+        self.same_top += usize::from(base_top == argmax(logits));
         let lp = f64::from(base[next as usize]);
         self.base.nll -= lp;
         self.base.nll2 += lp * lp;
         self.base.count += 1;
-        self.base.top1 += usize::from(top(base) == next as usize);
+        self.base.top1 += usize::from(base_top == next);
     }
 
     /// Mean, its standard error, median, 99th percentile and largest value.

@@ -448,7 +448,8 @@ impl Rows {
     }
 }
 
-fn argmax(row: &[f32]) -> u32 {
+/// The index of the largest value (the first of equal ones).
+pub fn argmax(row: &[f32]) -> u32 {
     let mut best = 0;
     for (i, v) in row.iter().enumerate() {
         if *v > row[best] {
